@@ -1,0 +1,12 @@
+"""cutopo: fast, differentiable geometric and topological operators on GPU (CuPy) and CPU (NumPy).
+
+Every op takes NumPy or CuPy arrays and returns the same array type: CuPy arrays run the CUDA
+kernels of ``cuda_src/``, NumPy arrays run the vectorised NumPy path (the CPU fallback and the
+test oracle).
+"""
+from ._array import gpu_available
+from .ecc import ecc, euler_contributions, linear_thresholds
+
+__version__ = "0.1.0"
+
+__all__ = ["ecc", "euler_contributions", "linear_thresholds", "gpu_available", "__version__"]

@@ -1,0 +1,114 @@
+"""Argument validation shared by the Euler-characteristic ops.
+
+Every check raises TypeError (wrong type or dtype) or ValueError (wrong shape or value) with
+the argument's name in the message, before any kernel runs.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from ._array import array_module, as_array, is_cupy_array, to_numpy
+
+IMAGE_DTYPES = tuple(np.dtype(d) for d in
+                     ("bool", "uint8", "uint16", "int16", "int32", "float16", "float32", "float64"))
+
+
+def check_image(image, ndim):
+    """Validate ``image`` of shape (*batch, *spatial); return (image, ndim)."""
+    image = as_array(image, "image")
+    if image.dtype not in IMAGE_DTYPES:
+        names = ", ".join(d.name for d in IMAGE_DTYPES)
+        raise TypeError(f"image: dtype {image.dtype} is not supported (use one of {names})")
+    if ndim is None:
+        if image.ndim not in (2, 3):
+            raise ValueError(f"image: with ndim=None the image must be 2-D or 3-D, got shape "
+                             f"{image.shape}; pass ndim=2 or ndim=3 for batches")
+        ndim = image.ndim
+    else:
+        try:
+            ndim = operator.index(ndim)
+        except TypeError:
+            raise TypeError(f"ndim must be None, 2 or 3, got {ndim!r}") from None
+        if ndim not in (2, 3):
+            raise ValueError(f"ndim must be None, 2 or 3, got {ndim}")
+        if image.ndim < ndim:
+            raise ValueError(f"image: ndim={ndim} spatial axes asked for, but image has shape {image.shape}")
+    if any(s == 0 for s in image.shape[image.ndim - ndim:]):
+        raise ValueError(f"image: spatial shape {image.shape[image.ndim - ndim:]} has a zero-length axis")
+    return image, ndim
+
+
+def check_connectivity(connectivity, ndim) -> bool:
+    """True for the T construction (connectivity == ndim), False for V (connectivity == 1)."""
+    if isinstance(connectivity, (bool, np.bool_)) or not isinstance(connectivity, (int, np.integer)):
+        raise TypeError(f"connectivity must be 1 or {ndim}, got {connectivity!r}")
+    if connectivity not in (1, ndim):
+        raise ValueError(f"connectivity must be 1 or ndim={ndim}, got {connectivity}")
+    return connectivity == ndim
+
+
+def linear_thresholds(image, n):
+    """``n`` evenly spaced thresholds from the image's finite minimum to its finite maximum.
+
+    Floating images get thresholds of their own dtype (both ends then equal pixel values
+    exactly); integer and boolean images get float64 thresholds.
+
+    Parameters
+    ----------
+    image : ndarray (NumPy or CuPy)
+    n : int, at least 1
+
+    Returns
+    -------
+    thresholds : 1-D ndarray of the image's array type
+    """
+    image = as_array(image, "image")
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"thresholds: a count must be an int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"thresholds: the count must be at least 1, got {n}")
+    if image.size == 0:
+        raise ValueError("image: cannot derive thresholds from an empty image")
+    xp = array_module(image)
+    if image.dtype.kind == "f":
+        finite = xp.isfinite(image)
+        lo = float(xp.min(xp.where(finite, image, xp.inf)))
+        hi = float(xp.max(xp.where(finite, image, -xp.inf)))
+        if not lo <= hi:
+            raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
+        return xp.asarray(np.linspace(lo, hi, int(n)).astype(image.dtype))
+    return xp.asarray(np.linspace(float(image.min()), float(image.max()), int(n)))
+
+
+def check_thresholds(thresholds, image):
+    """Validate thresholds; return (host copy in the comparison dtype, comparison dtype).
+
+    The comparison dtype is ``numpy.result_type(image, thresholds)``: both backends compare
+    ``f <= t`` in it, which makes their results equal exactly.
+    """
+    if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
+        thresholds = linear_thresholds(image, thresholds)
+    if isinstance(thresholds, (float, np.floating)):
+        raise TypeError("thresholds must be an int count or a 1-D array of values, got a float")
+    t = as_array(thresholds, "thresholds")
+    if t.dtype.kind not in "biuf":
+        raise TypeError(f"thresholds: dtype {t.dtype} is not a real number type")
+    if t.ndim != 1:
+        raise ValueError(f"thresholds must be 1-D, got shape {t.shape}")
+    if t.size == 0:
+        raise ValueError("thresholds must not be empty")
+    host = to_numpy(t)
+    if host.dtype.kind == "f" and not np.all(np.isfinite(host)):
+        raise ValueError("thresholds must be finite (found NaN or inf)")
+    if host.size > 1 and not np.all(host[1:] >= host[:-1]):
+        raise ValueError("thresholds must be sorted in non-decreasing order")
+    dtype = np.result_type(image.dtype, host.dtype)
+    return host.astype(dtype), dtype
+
+
+def same_array_type(image, thresholds) -> None:
+    """Reject mixing host and device arrays where that would hide a transfer."""
+    if is_cupy_array(thresholds) and not is_cupy_array(image):
+        raise TypeError("thresholds is a CuPy array but image is not: move both to one device")

@@ -1,0 +1,113 @@
+"""The one launch path of every cutopo kernel.
+
+A RawKernel receives raw pointers and raw bytes: CuPy does no type checking, a Python float
+reaches a ``float`` parameter as the first half of a double, and views/strides are ignored.
+So every kernel declares its signature (:class:`Signature`) and every launch goes through
+:func:`launch`, which checks each array (type, dtype, C-contiguity, device) and converts each
+scalar to the declared C type (range-checked), then launches on CuPy's current stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import numpy as np
+
+from .compile import get_function
+
+# Declared parameter kinds: "ptr:<numpy dtype>" for arrays, a numpy dtype name for scalars.
+_SCALAR_KINDS = {"int32", "int64", "float32", "float64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A kernel instance and the kinds of its parameters, in order."""
+
+    family: str
+    name: str                # C++ name expression, e.g. "cutopo::ecc::ecc_cumsum"
+    params: tuple[str, ...]  # e.g. ("ptr:int64", "int64", "int32")
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def _device_attributes(device_id: int) -> dict:
+    import cupy
+
+    return dict(cupy.cuda.Device(device_id).attributes)
+
+
+def device_attribute(name: str) -> int:
+    """An attribute of the current device (names as in cudaDevAttr*, without the prefix)."""
+    import cupy
+
+    return _device_attributes(cupy.cuda.Device().id)[name]
+
+
+def _convert(value, kind: str, index: int, sig: Signature):
+    import cupy
+
+    if kind.startswith("ptr:"):
+        dtype = np.dtype(kind[4:])
+        if not isinstance(value, cupy.ndarray):
+            raise LaunchError(f"{sig.name}: argument {index} must be a cupy.ndarray, got {type(value)}")
+        if value.dtype != dtype:
+            raise LaunchError(f"{sig.name}: argument {index} has dtype {value.dtype}, kernel expects {dtype}")
+        if not value.flags.c_contiguous:
+            raise LaunchError(f"{sig.name}: argument {index} is not C-contiguous; kernels ignore strides")
+        if value.size and value.device.id != cupy.cuda.Device().id:
+            raise LaunchError(f"{sig.name}: argument {index} lives on device {value.device.id}, "
+                              f"launching on device {cupy.cuda.Device().id}")
+        return value
+    if kind not in _SCALAR_KINDS:
+        raise LaunchError(f"{sig.name}: unknown parameter kind {kind!r}")
+    dtype = np.dtype(kind)
+    if dtype.kind == "i":
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise LaunchError(f"{sig.name}: argument {index} must be an integer, got {value!r}")
+        info = np.iinfo(dtype)
+        if not info.min <= int(value) <= info.max:
+            raise LaunchError(f"{sig.name}: argument {index} = {value} overflows {kind}")
+        return dtype.type(int(value))
+    if not isinstance(value, (int, float, np.integer, np.floating)):
+        raise LaunchError(f"{sig.name}: argument {index} must be a real number, got {value!r}")
+    return dtype.type(value)
+
+
+def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: int = 0,
+           options: tuple[str, ...] = ()) -> None:
+    """Check and convert ``args`` against ``sig``, then launch a 1-D grid on the current stream."""
+    if len(args) != len(sig.params):
+        raise LaunchError(f"{sig.name}: {len(args)} arguments given, signature has {len(sig.params)}")
+    converted = tuple(_convert(a, k, i, sig) for i, (a, k) in enumerate(zip(args, sig.params)))
+    if grid <= 0:
+        return  # nothing to do; CuPy would clamp the grid to 1 block
+    if grid > device_attribute("MaxGridDimX"):
+        raise LaunchError(f"{sig.name}: grid of {grid} blocks exceeds the device limit")
+    kernel = get_function(sig.family, sig.name, options)
+    if shared_mem > 48 * 1024:
+        if shared_mem > device_attribute("MaxSharedMemoryPerBlockOptin"):
+            raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    kernel((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
+    if os.environ.get("CUTOPO_SYNC") == "1":  # debugging: surface faults at the launch that caused them
+        import cupy
+
+        try:
+            cupy.cuda.get_current_stream().synchronize()
+        except Exception as exc:  # pragma: no cover - needs a faulting kernel
+            raise LaunchError(f"{sig.name} failed: {exc}") from exc
+
+
+def resident_blocks(sig: Signature, block: int, shared_mem: int = 0,
+                    options: tuple[str, ...] = ()) -> int:
+    """How many blocks of this kernel the whole device runs at once."""
+    import cupy
+
+    kernel = get_function(sig.family, sig.name, options)
+    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.kernel.ptr, block, shared_mem)
+    return max(1, per_sm) * device_attribute("MultiProcessorCount")
