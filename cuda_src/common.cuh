@@ -22,6 +22,16 @@ __device__ __forceinline__ float half_to_float(half h) {
 // Read an element of a storage type as the type comparisons are made in.
 template <typename To, typename From>
 __device__ __forceinline__ To convert(From v) { return static_cast<To>(v); }
+// float32 -> float64 without the denormal flush that -ftz=true may apply to cvt.f64.f32.
+template <>
+__device__ __forceinline__ double convert<double, float>(float v) {
+    const unsigned int u = __float_as_uint(v);
+    if ((u & 0x7f800000u) == 0 && (u & 0x007fffffu) != 0) {  // denormal: mantissa * 2^-149
+        const double m = (double)(u & 0x007fffffu) * 1.4012984643248170709e-45;
+        return (u & 0x80000000u) ? -m : m;
+    }
+    return (double)v;
+}
 template <>
 __device__ __forceinline__ float convert<float, half>(half v) { return half_to_float(v); }
 template <>
@@ -30,18 +40,22 @@ template <>
 __device__ __forceinline__ long long convert<long long, half>(half v) { return (long long)half_to_float(v); }
 
 // Order-preserving unsigned keys: a < b  <=>  key(a) < key(b), with NaN ordered as +inf and
-// -0.0 equal to +0.0 (as the comparison operators see them). The all-ones key is never
-// produced, so it can stand for "outside the image".
+// -0.0 equal to +0.0 (as the comparison operators see them). Integer operations only: CuPy
+// compiles with -ftz=true, under which float32 arithmetic and comparisons treat denormals as
+// zero, while NumPy does not. The all-ones key is never produced, so it can stand for
+// "outside the image".
 __device__ __forceinline__ unsigned int order_key(float v) {
-    if (v != v) v = __int_as_float(0x7f800000);   // NaN -> +inf
-    v = v + 0.0f;                                   // -0.0 -> +0.0
     unsigned int u = __float_as_uint(v);
+    const unsigned int mag = u & 0x7fffffffu;
+    if (mag > 0x7f800000u) u = 0x7f800000u;  // NaN -> +inf
+    else if (mag == 0) u = 0;                 // -0.0 -> +0.0
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 __device__ __forceinline__ u64 order_key(double v) {
-    if (v != v) v = __longlong_as_double(0x7ff0000000000000LL);
-    v = v + 0.0;
     u64 u = (u64)__double_as_longlong(v);
+    const u64 mag = u & 0x7fffffffffffffffULL;
+    if (mag > 0x7ff0000000000000ULL) u = 0x7ff0000000000000ULL;
+    else if (mag == 0) u = 0;
     return (u & 0x8000000000000000ULL) ? ~u : (u | 0x8000000000000000ULL);
 }
 __device__ __forceinline__ unsigned int order_key(half v) { return order_key(half_to_float(v)); }
@@ -49,6 +63,19 @@ __device__ __forceinline__ unsigned int order_key(unsigned char v) { return v; }
 __device__ __forceinline__ unsigned int order_key(unsigned short v) { return v; }
 __device__ __forceinline__ unsigned int order_key(short v) { return (unsigned int)((int)v + 32768); }
 __device__ __forceinline__ u64 order_key(int v) { return (u64)((i64)v + 2147483648LL); }
+
+// The domain in which "v <= t" is evaluated for a comparison type: float32 through order keys
+// (exact IEEE order despite -ftz=true), the others natively. Thresholds arrive already mapped.
+template <typename Cmp>
+struct Ordered {
+    typedef Cmp type;
+    static __device__ __forceinline__ Cmp of(Cmp v) { return v; }
+};
+template <>
+struct Ordered<float> {
+    typedef unsigned int type;
+    static __device__ __forceinline__ unsigned int of(float v) { return order_key(v); }
+};
 
 template <typename K>
 __device__ __forceinline__ constexpr K all_ones() { return (K)~(K)0; }

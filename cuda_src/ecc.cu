@@ -70,30 +70,43 @@ __device__ constexpr int cell_sign(int j) {
     return (dim & 1) ? -1 : 1;
 }
 
+// Bit J of the result: neighbour J precedes the centre (key, then C-order index). Template
+// recursion with constexpr locals, so every table entry is a compile-time constant: left to
+// the optimiser, the 3D tables were partly evaluated at run time (thousands of instructions).
+template <int NDIM, int J = 0, typename K>
+__device__ __forceinline__ unsigned precedence_bits(const K (&nb)[pow3(NDIM)], K kp) {
+    constexpr int N = pow3(NDIM);
+    if constexpr (J == N) {
+        return 0u;
+    } else if constexpr (J == (N - 1) / 2) {
+        return precedence_bits<NDIM, J + 1>(nb, kp);
+    } else {
+        constexpr bool before = earlier<NDIM>(J);
+        const bool l = before ? (nb[J] <= kp) : (nb[J] < kp);
+        return ((unsigned)l << J) | precedence_bits<NDIM, J + 1>(nb, kp);
+    }
+}
+
+// Sum of (-1)^dim over the cells the centre owns, given its owner-test bits.
+template <int NDIM, bool TCONN, int J = 0>
+__device__ __forceinline__ int owned_cells(unsigned owner_test) {
+    if constexpr (J == pow3(NDIM)) {
+        return 0;
+    } else {
+        constexpr unsigned s = sub_offsets<NDIM>(J);
+        constexpr int sign = cell_sign<NDIM, TCONN>(J);
+        return ((owner_test & s) == s ? sign : 0) + owned_cells<NDIM, TCONN, J + 1>(owner_test);
+    }
+}
+
 // c(p) from the keys of p's 3^NDIM neighbourhood (centre included). Outside pixels carry the
 // all-ones key, later than every pixel, so they never precede p.
 template <int NDIM, bool TCONN, typename K>
 __device__ __forceinline__ int contribution(const K (&nb)[pow3(NDIM)]) {
-    constexpr int N = pow3(NDIM);
-    constexpr int C = (N - 1) / 2;
-    const K kp = nb[C];
-    unsigned lower = 0;  // bit j: neighbour j precedes p
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-        if (j == C) continue;
-        const bool l = earlier<NDIM>(j) ? (nb[j] <= kp) : (nb[j] < kp);
-        lower |= (unsigned)l << j;
-    }
+    const unsigned lower = precedence_bits<NDIM>(nb, nb[(pow3(NDIM) - 1) / 2]);
     // V: p owns a cell when every other vertex precedes it.
     // T: p owns a face when it precedes every other pixel that shares the face.
-    const unsigned owner_test = TCONN ? ~lower : lower;
-    int c = 0;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-        const unsigned s = sub_offsets<NDIM>(j);
-        if ((owner_test & s) == s) c += cell_sign<NDIM, TCONN>(j);
-    }
-    return c;
+    return owned_cells<NDIM, TCONN>(TCONN ? ~lower : lower);
 }
 
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
@@ -101,7 +114,7 @@ __device__ __forceinline__ int contribution(const K (&nb)[pow3(NDIM)]) {
 template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
-                                      Sink& sink) {
+                                      const Sink& sink) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
     const int tx = threadIdx.x % TX;
     const int row0 = (threadIdx.x / TX) * PY + 1;  // first tile row of this thread, halo coords
@@ -116,20 +129,30 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
         const i64 z0 = NDIM == 3 ? (t / (ntx * nty)) * zchunk : 0;
         const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
 
+        // Keys of plane z into dst: the 32 tile columns row by row (lane = column, no division),
+        // then the two halo columns of every row.
         auto load_plane = [&](i64 z, K* dst) {
-            for (int i = threadIdx.x; i < PLANE; i += THREADS) {
-                const int ly = i / LX;
-                const int lx = i - ly * LX;
+            const bool plane_inside = z >= 0 && z < nz;
+            const i64 plane_base = image_base + z * ny * nx;
+            for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
+                int ly, lx;
+                if (i < LY * TX) {
+                    ly = i / TX;
+                    lx = i % TX + 1;
+                } else {
+                    ly = (i - LY * TX) >> 1;
+                    lx = (i & 1) ? LX - 1 : 0;
+                }
                 const i64 gy = y0 + ly - 1;
                 const i64 gx = x0 + lx - 1;
                 K key = all_ones<K>();
-                if (z >= 0 && z < nz && gy >= 0 && gy < ny && gx >= 0 && gx < nx)
-                    key = key_of(image_base + (z * ny + gy) * nx + gx);
-                dst[i] = key;
+                if (plane_inside && gy >= 0 && gy < ny && gx >= 0 && gx < nx)
+                    key = key_of(plane_base + gy * nx + gx);
+                dst[ly * LX + lx] = key;
             }
         };
 
-        if (NDIM == 3) {
+        if constexpr (NDIM == 3) {
             load_plane(z0 - 1, tile[0]);
             load_plane(z0, tile[1]);
         }
@@ -137,7 +160,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
             // Planes z-1, z, z+1 sit in ring slots (z-z0), (z-z0+1), (z-z0+2) mod 3.
             const int s = (int)((z - z0) % 3);
             const K* planes[NP];
-            if (NDIM == 3) {
+            if constexpr (NDIM == 3) {
                 load_plane(z + 1, tile[(s + 2) % 3]);
                 planes[0] = tile[s];
                 planes[NP - 2] = tile[(s + 1) % 3];
@@ -184,97 +207,372 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Packed sweep for the histogram: two 15-bit keys (bins; 0x7fff outside the image) per 32-bit
+// word, compared with SWAR arithmetic. With H = 0x80008000 and keys below 2^15, bit 15 of each
+// 16-bit lane of (p | H) - q is [q <= p], and of (p | H) - q - 0x00010001 is [q < p]: a lane
+// never borrows from its neighbour. So one IADD3 compares two pixels with a neighbour each;
+// cell ownership is 3-input ANDs of those bits, and a pixel's contribution is a sum of bits
+// (lane sums stay below 2^15). The scalar sweep spends a comparison, a select and a shift per
+// neighbour and pixel, and was bound by instruction issue.
+// ---------------------------------------------------------------------------------------------
+namespace packed {
+constexpr int WORDS = 32;                // words per tile row, one per lane
+constexpr int TXP = 2 * WORDS;           // tile width in pixels
+// A shared row holds 72 keys: [pad pad pad x0-1 | x0 ... x0+63 | x0+64 pad pad pad], so the
+// tile starts 8-byte aligned (vector stores) and word w+1 holds pixels x0+2w-2, x0+2w-1.
+constexpr int ROWW = WORDS + 4;          // words per shared row
+constexpr int ROWK = 2 * ROWW;           // keys per shared row
+constexpr int KEY0 = 3;                  // key index of halo column 0 (pixel x0 - 1)
+constexpr int ROWS = TY + 2;             // rows per shared plane
+constexpr int PLANEW = ROWW * ROWS;      // words per shared plane
+constexpr int LOADS = ROWS * (TXP + 2);  // keys loaded per plane
+constexpr unsigned H = 0x80008000u;
+// Key of positions outside the image. Bins 0..T must stay below it: the host takes this kernel
+// only for T <= 0x7ffe (_ecc_cupy.PACKED_MAX_BINS).
+constexpr unsigned OUTSIDE = 0x7fffu;
+
+template <int NDIM>
+__device__ constexpr int level(int j) {
+    int k = 0;
+    for (int a = 0; a < NDIM; ++a) k += digit<NDIM>(j, a) != 0;
+    return k;
+}
+
+// Bit 15 of lane i of P[J]: neighbour J of pixel i precedes it (other bits are garbage).
+// q precedes p when q <= p for neighbours earlier in C order, when q < p for later ones.
+template <int NDIM, int J = 0>
+__device__ __forceinline__ void precedence(const unsigned (&W)[pow3(NDIM)], unsigned p_high,
+                                           unsigned (&P)[pow3(NDIM)]) {
+    if constexpr (J < pow3(NDIM)) {
+        if constexpr (J == (pow3(NDIM) - 1) / 2) {
+            P[J] = 0;
+        } else if constexpr (earlier<NDIM>(J)) {
+            P[J] = p_high - W[J];
+        } else {
+            P[J] = p_high - W[J] - 0x00010001u;
+        }
+        precedence<NDIM, J + 1>(W, p_high, P);
+    }
+}
+
+// AND of own[] over the children of J (J with one non-zero component zeroed, centre excluded).
+template <int NDIM, int J, int A = 0>
+__device__ __forceinline__ unsigned children_and(const unsigned (&own)[pow3(NDIM)]) {
+    if constexpr (A == NDIM) {
+        return 0xffffffffu;
+    } else {
+        constexpr int d = digit<NDIM>(J, A);
+        constexpr int child = J - d * pow3(NDIM - 1 - A);
+        if constexpr (d != 0 && child != (pow3(NDIM) - 1) / 2)
+            return own[child] & children_and<NDIM, J, A + 1>(own);
+        else
+            return children_and<NDIM, J, A + 1>(own);
+    }
+}
+
+// Ownership bits of the cells of one level (number of non-zero offset components), added to
+// the positive or negative count by the cell's sign.
+template <int NDIM, bool TCONN, int LEVEL, int J = 0>
+__device__ __forceinline__ void own_level(const unsigned (&P)[pow3(NDIM)], unsigned (&own)[pow3(NDIM)],
+                                          unsigned& pos, unsigned& neg) {
+    if constexpr (J < pow3(NDIM)) {
+        if constexpr (J != (pow3(NDIM) - 1) / 2 && level<NDIM>(J) == LEVEL) {
+            const unsigned test = TCONN ? ~P[J] : P[J];
+            const unsigned o = test & children_and<NDIM, J>(own) & H;
+            own[J] = o;
+            if constexpr (cell_sign<NDIM, TCONN>(J) > 0) pos += o >> 15;
+            else neg += o >> 15;
+        }
+        own_level<NDIM, TCONN, LEVEL, J + 1>(P, own, pos, neg);
+    }
+}
+
+// Contributions of the two pixels of the centre word: c = base + pos - neg per 16-bit lane.
+template <int NDIM, bool TCONN>
+__device__ __forceinline__ void word_counts(const unsigned (&W)[pow3(NDIM)], unsigned& pos, unsigned& neg) {
+    constexpr int N = pow3(NDIM);
+    unsigned P[N], own[N];
+    precedence<NDIM>(W, W[(N - 1) / 2] | H, P);
+    pos = 0;
+    neg = 0;
+    own_level<NDIM, TCONN, 1>(P, own, pos, neg);
+    own_level<NDIM, TCONN, 2>(P, own, pos, neg);
+    if constexpr (NDIM == 3) own_level<NDIM, TCONN, 3>(P, own, pos, neg);
+}
+
+template <int NDIM, bool TCONN, class KeyOf, class Sink>
+__device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, i64 nx, int zchunk,
+                                      i64 image_base, i64 first, i64 step, const KeyOf& key_of,
+                                      const Sink& sink) {
+    constexpr int NP = NDIM == 3 ? 3 : 1;
+    constexpr int BASE = cell_sign<NDIM, TCONN>((pow3(NDIM) - 1) / 2);
+    const int lane = threadIdx.x % 32;
+    const int row0 = (threadIdx.x / 32) * PY + 1;  // first tile row of this thread, halo coords
+    const i64 ntx = (nx + TXP - 1) / TXP;
+    const i64 nty = (ny + TY - 1) / TY;
+    const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
+    const i64 ntiles = ntx * nty * ntz;
+
+    for (i64 t = first; t < ntiles; t += step) {
+        const i64 x0 = (t % ntx) * TXP;
+        const i64 y0 = ((t / ntx) % nty) * TY;
+        const i64 z0 = NDIM == 3 ? (t / (ntx * nty)) * zchunk : 0;
+        const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
+
+        // Keys of plane z into dst. Tiles away from the image border skip the bounds checks and,
+        // when rows are 16-byte aligned, read 16 bytes per thread and store packed keys.
+        // (Prefetching the next plane into registers was measured slower: 1.19 -> 1.93 ms at
+        // 512^3 float32, from register pressure; see benchmarks/RESULTS.md.)
+        const bool interior_yx = x0 >= 1 && x0 + TXP + 1 <= nx && y0 >= 1 && y0 + TY + 1 <= ny;
+        auto load_plane = [&](i64 z, unsigned* dst) {
+            unsigned short* keys = reinterpret_cast<unsigned short*>(dst);
+            const bool plane_inside = z >= 0 && z < nz;
+            const i64 corner = image_base + (z * ny + y0 - 1) * nx + x0 - 1;  // halo (0, 0)
+            if (plane_inside && interior_yx) {
+                if (key_of.vector_rows(nx)) {
+                    constexpr int VEC = KeyOf::VEC;  // pixels per 16-byte load
+                    constexpr int PER_ROW = TXP / VEC;
+                    for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
+                        const int ly = i / PER_ROW, v = i % PER_ROW;
+                        unsigned packed[VEC / 2];
+                        key_of.pack(key_of.load16(corner + (i64)ly * nx + 1 + v * VEC), packed);
+                        unsigned* row = dst + ly * ROWW + 2 + v * (VEC / 2);
+                        if constexpr (VEC == 2) {
+                            row[0] = packed[0];
+                        } else {
+#pragma unroll
+                            for (int k = 0; k < VEC / 2; k += 2)
+                                *reinterpret_cast<uint2*>(row + k) = make_uint2(packed[k], packed[k + 1]);
+                        }
+                    }
+                } else {
+                    for (int i = threadIdx.x; i < ROWS * TXP; i += THREADS) {
+                        const int ly = i / TXP, lx = i % TXP + 1;
+                        keys[ly * ROWK + KEY0 + lx] = (unsigned short)key_of(corner + (i64)ly * nx + lx);
+                    }
+                }
+                for (int i = threadIdx.x; i < 2 * ROWS; i += THREADS) {
+                    const int ly = i >> 1, lx = (i & 1) ? TXP + 1 : 0;
+                    keys[ly * ROWK + KEY0 + lx] = (unsigned short)key_of(corner + (i64)ly * nx + lx);
+                }
+                return;
+            }
+            for (int i = threadIdx.x; i < LOADS; i += THREADS) {
+                const int ly = i / (TXP + 2);
+                const int lx = i - ly * (TXP + 2);
+                const i64 gy = y0 + ly - 1;
+                const i64 gx = x0 + lx - 1;
+                unsigned short key = OUTSIDE;
+                if (plane_inside && (u64)gy < (u64)ny && (u64)gx < (u64)nx)
+                    key = (unsigned short)key_of(corner + (i64)ly * nx + lx);
+                keys[ly * ROWK + KEY0 + lx] = key;
+            }
+        };
+        // Words of one shared row around this lane: pixels shifted left, centre, shifted right.
+        auto row_words = [&](const unsigned* plane, int row, unsigned (&w)[3]) {
+            const unsigned* r = plane + row * ROWW + 1 + lane;
+            const unsigned a = r[0], b = r[1], c = r[2];
+            w[0] = __byte_perm(a, b, 0x5432);
+            w[1] = b;
+            w[2] = __byte_perm(b, c, 0x5432);
+        };
+
+        if constexpr (NDIM == 3) {
+            load_plane(z0 - 1, tile[0]);
+            load_plane(z0, tile[1]);
+        }
+        for (i64 z = z0; z < z1; ++z) {
+            const int s = (int)((z - z0) % 3);
+            const unsigned* planes[NP];
+            if constexpr (NDIM == 3) {
+                load_plane(z + 1, tile[(s + 2) % 3]);
+                planes[0] = tile[s];
+                planes[1] = tile[(s + 1) % 3];
+                planes[2] = tile[(s + 2) % 3];
+            } else {
+                load_plane(0, tile[0]);
+                planes[0] = tile[0];
+            }
+            __syncthreads();
+
+            unsigned win[NP][3][3];
+#pragma unroll
+            for (int p = 0; p < NP; ++p) {
+                row_words(planes[p], row0 - 1, win[p][1]);
+                row_words(planes[p], row0, win[p][2]);
+            }
+#pragma unroll
+            for (int j = 0; j < PY; ++j) {
+                unsigned W[pow3(NDIM)];
+#pragma unroll
+                for (int p = 0; p < NP; ++p) {
+#pragma unroll
+                    for (int q = 0; q < 3; ++q) {
+                        win[p][0][q] = win[p][1][q];
+                        win[p][1][q] = win[p][2][q];
+                    }
+                    row_words(planes[p], row0 + j + 1, win[p][2]);
+#pragma unroll
+                    for (int r = 0; r < 3; ++r)
+#pragma unroll
+                        for (int q = 0; q < 3; ++q) W[(p * 3 + r) * 3 + q] = win[p][r][q];
+                }
+                unsigned pos, neg;
+#ifdef CUTOPO_PROFILE_LOAD_ONLY  // profiling variant: tile loads only
+                pos = W[(pow3(NDIM) - 1) / 2] ^ W[0];
+                neg = 0;
+#else
+                word_counts<NDIM, TCONN>(W, pos, neg);
+#endif
+                const unsigned keys = W[(pow3(NDIM) - 1) / 2];
+#ifdef CUTOPO_PROFILE_NO_SINK  // profiling variant: no histogram updates
+                if ((pos ^ neg ^ keys) == 0x12345678u) sink(1, 0, 0);
+#else
+                // Pixels outside the image carry the OUTSIDE key, which no sink counts.
+                sink(BASE + (int)(pos & 0xffffu) - (int)(neg & 0xffffu), keys & 0xffffu, 0);
+                sink(BASE + (int)(pos >> 16) - (int)(neg >> 16), keys >> 16, 0);
+#endif
+            }
+            __syncthreads();  // the next step overwrites plane z-1
+        }
+    }
+}
+}  // namespace packed
+
 // Threshold bin of a value: the first k with v <= t_k (T when there is none, NaN included).
+// ``tab`` holds the thresholds in the comparison domain (Ordered<Cmp>).
 template <typename Cmp>
-__device__ __forceinline__ int threshold_bin(Cmp v, const Cmp* tab, int T, int estimate, double t0,
-                                             double inv_dt) {
-    if (!(v <= tab[T - 1])) return T;
-    if (v <= tab[0]) return 0;
+__device__ __forceinline__ int threshold_bin(Cmp v, const typename Ordered<Cmp>::type* tab, int T,
+                                             int estimate, double t0, double inv_dt) {
+    const typename Ordered<Cmp>::type w = Ordered<Cmp>::of(v);
+    if (!(w <= tab[T - 1])) return T;
+    if (w <= tab[0]) return 0;
     // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
     int k;
-    if (estimate) {  // evenly spaced thresholds: O(1) guess, corrected by exact comparisons
-        double e = ceil(((double)v - t0) * inv_dt);
-        e = fmin(fmax(e, 1.0), (double)(T - 1));
-        k = (int)e;
-        while (!(v <= tab[k])) ++k;
-        while (v <= tab[k - 1]) --k;
-    } else {  // binary search with v <= t_hi and not v <= t_lo
+    if (estimate) {
+        // Evenly spaced thresholds: an O(1) guess, made exact by the comparisons below (the host
+        // allows this only when the guess is within a bin or so of the answer).
+        if constexpr (sizeof(typename Ordered<Cmp>::type) == 4) {  // float32: guess in float
+            k = __float2int_ru(((float)v - (float)t0) * (float)inv_dt);
+        } else {
+            k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
+        }
+        k = min(max(k, 1), T - 1);
+        if (w <= tab[k - 1]) {
+            do --k; while (w <= tab[k - 1]);
+        } else if (!(w <= tab[k])) {
+            do ++k; while (!(w <= tab[k]));
+        }
+    } else {  // binary search keeping v <= t_hi and not v <= t_lo
         int lo = 0, hi = T - 1;
         while (hi - lo > 1) {
             const int mid = (lo + hi) >> 1;
-            if (v <= tab[mid]) hi = mid; else lo = mid;
+            if (w <= tab[mid]) hi = mid; else lo = mid;
         }
         k = hi;
     }
     return k;
 }
 
-template <typename In, typename Cmp, typename K>
+// Key of a pixel for the histogram: its threshold bin. One-byte inputs look it up in a
+// 256-entry table built once per block.
+template <typename In_, typename Cmp, typename K>
 struct BinKey {
+    typedef In_ In;
+    static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
     const In* image;
-    const Cmp* tab;
+    const typename Ordered<Cmp>::type* tab;
+    const K* byte_bins;  // one-byte inputs only
     int T, estimate;
     double t0, inv_dt;
-    __device__ __forceinline__ K operator()(i64 i) const {
-        return (K)threshold_bin<Cmp>(convert<Cmp>(image[i]), tab, T, estimate, t0, inv_dt);
+    __device__ __forceinline__ K of_value(In v) const {
+        if constexpr (sizeof(In) == 1) {
+            return byte_bins[(unsigned char)v];
+        } else {
+            return (K)threshold_bin<Cmp>(convert<Cmp>(v), tab, T, estimate, t0, inv_dt);
+        }
+    }
+    __device__ __forceinline__ K operator()(i64 i) const { return of_value(image[i]); }
+    // Whether every image row starts 16-byte aligned (then tile rows do too: x0 % 64 == 0).
+    __device__ __forceinline__ bool vector_rows(i64 nx) const {
+        return (reinterpret_cast<size_t>(image) % 16) == 0 && (nx * (i64)sizeof(In)) % 16 == 0;
+    }
+    // The 16 bytes from element i (16-byte aligned), and their VEC keys two per word.
+    __device__ __forceinline__ uint4 load16(i64 i) const {
+        return __ldg(reinterpret_cast<const uint4*>(image + i));
+    }
+    __device__ __forceinline__ void pack(uint4 raw, unsigned (&packed)[VEC / 2]) const {
+        union {
+            uint4 raw;
+            In px[VEC];
+        } u;
+        u.raw = raw;
+#pragma unroll
+        for (int k = 0; k < VEC / 2; ++k)
+            packed[k] = (unsigned)of_value(u.px[2 * k]) | ((unsigned)of_value(u.px[2 * k + 1]) << 16);
     }
 };
 
-// Adds contributions to the block's shared histogram (or straight to the global one when the
-// bins do not fit), merging runs of equal bins within a thread first.
+// Adds a pixel's contribution to the block's shared histogram, or straight to the global one
+// when the bins do not fit in shared memory. Zero contributions (most of a flat image) and
+// pixels above every threshold (or outside the image) add nothing.
 struct HistSink {
     int* shared;        // nullptr: no shared histogram
     long long* global;  // this image's row of the global histogram
     int T;
-    int run_key = -1, run_sum = 0;
-    __device__ __forceinline__ void add(int key, int v) {
-        if (shared) atomicAdd(shared + key, v);
-        else atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)v);
-    }
-    __device__ __forceinline__ void operator()(int c, unsigned key, i64) {
-        if (c == 0 || (int)key >= T) return;
-        if ((int)key == run_key) { run_sum += c; return; }
-        if (run_sum != 0) add(run_key, run_sum);
-        run_key = (int)key;
-        run_sum = c;
-    }
-    __device__ __forceinline__ void flush() {
-        if (run_sum != 0) add(run_key, run_sum);
-        run_sum = 0;
+    __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
+        if (c != 0 && (int)key < T) {
+            if (shared) atomicAdd(shared + key, c);
+            else atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
+        }
     }
 };
 
 // hist (rows, T) must be zeroed; each block adds the contributions of its tiles of one image.
+// Keys of 16 bits take the packed sweep (tiles 64 pixels wide), 32-bit keys the scalar one.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(THREADS)
-ecc_histogram(const In* __restrict__ image, const Cmp* __restrict__ thresholds,
+ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
               int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem) {
-    __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
-    const Cmp* tab = thresholds;
+    typedef typename Ordered<Cmp>::type Tab;
+    const Tab* tab = thresholds;
     int* hist_s = nullptr;
     size_t offset = 0;
     if (table_in_smem) {
-        Cmp* t = reinterpret_cast<Cmp*>(dynamic_smem);
+        Tab* t = reinterpret_cast<Tab*>(dynamic_smem);
         for (int i = threadIdx.x; i < T; i += THREADS) t[i] = thresholds[i];
         tab = t;
-        offset = ((size_t)T * sizeof(Cmp) + 15) & ~(size_t)15;
+        offset = ((size_t)T * sizeof(Tab) + 15) & ~(size_t)15;
     }
     if (hist_in_smem) {
         hist_s = reinterpret_cast<int*>(dynamic_smem + offset);
         for (int i = threadIdx.x; i < T; i += THREADS) hist_s[i] = 0;
     }
+    __shared__ K byte_bins[sizeof(In) == 1 ? 256 : 1];
+    if constexpr (sizeof(In) == 1) {
+        __syncthreads();  // the table must be complete
+        for (int i = threadIdx.x; i < 256; i += THREADS)
+            byte_bins[i] = (K)threshold_bin<Cmp>(convert<Cmp>((In)i), tab, T, estimate, t0, inv_dt);
+    }
     __syncthreads();
 
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
-    BinKey<In, Cmp, K> key_of{image, tab, T, estimate, t0, inv_dt};
+    BinKey<In, Cmp, K> key_of{image, tab, byte_bins, T, estimate, t0, inv_dt};
     HistSink sink{hist_s, hist + img * T, T};
-    sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
-                          key_of, sink);
-    sink.flush();
+    if constexpr (sizeof(K) == 2) {
+        __shared__ unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
+        packed::sweep<NDIM, TCONN>(words, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
+                                   blocks_per_image, key_of, sink);
+    } else {
+        __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
+        sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
+                              key_of, sink);
+    }
 
     if (hist_in_smem) {
         __syncthreads();
@@ -327,7 +625,7 @@ struct ValueKey {
 
 struct MapSink {
     signed char* out;
-    __device__ __forceinline__ void operator()(int c, u64, i64 i) { out[i] = (signed char)c; }
+    __device__ __forceinline__ void operator()(int c, u64, i64 i) const { out[i] = (signed char)c; }
 };
 
 // The int8 contribution map c(p) under the order (value, linear index), NaN as +inf.

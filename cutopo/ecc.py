@@ -1,7 +1,7 @@
 """Euler characteristic curves of 2D/3D images: exact, integer, batched, on NumPy or CuPy arrays."""
 from __future__ import annotations
 
-from . import _ecc_numpy
+from . import _ecc_cupy, _ecc_numpy
 from ._array import is_cupy_array
 from ._checks import check_connectivity, check_image, check_thresholds, linear_thresholds, same_array_type
 
@@ -72,8 +72,6 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1):
     same_array_type(image, thresholds)
     t, _ = check_thresholds(thresholds, image)
     if is_cupy_array(image):
-        from . import _ecc_cupy
-
         return _ecc_cupy.ecc(image, t, ndim, tconn)
     return _ecc_numpy.ecc(image, t, ndim, tconn)
 
@@ -116,7 +114,5 @@ def euler_contributions(image, *, ndim=None, connectivity=1):
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
     if is_cupy_array(image):
-        from . import _ecc_cupy
-
         return _ecc_cupy.euler_contributions(image, ndim, tconn)
     return _ecc_numpy.euler_contributions(image, ndim, tconn)

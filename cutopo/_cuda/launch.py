@@ -77,6 +77,27 @@ def _convert(value, kind: str, index: int, sig: Signature):
     return dtype.type(value)
 
 
+def _checked_kernel(sig: Signature, grid: int, shared_mem: int, options: tuple[str, ...]):
+    if grid > device_attribute("MaxGridDimX"):
+        raise LaunchError(f"{sig.name}: grid of {grid} blocks exceeds the device limit")
+    kernel = get_function(sig.family, sig.name, options)
+    if shared_mem > 48 * 1024:
+        if shared_mem > device_attribute("MaxSharedMemoryPerBlockOptin"):
+            raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    return kernel
+
+
+def _after_launch(sig: Signature) -> None:
+    if os.environ.get("CUTOPO_SYNC") == "1":  # debugging: surface faults at the launch that caused them
+        import cupy
+
+        try:
+            cupy.cuda.get_current_stream().synchronize()
+        except Exception as exc:  # pragma: no cover - needs a faulting kernel
+            raise LaunchError(f"{sig.name} failed: {exc}") from exc
+
+
 def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: int = 0,
            options: tuple[str, ...] = ()) -> None:
     """Check and convert ``args`` against ``sig``, then launch a 1-D grid on the current stream."""
@@ -85,21 +106,40 @@ def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: in
     converted = tuple(_convert(a, k, i, sig) for i, (a, k) in enumerate(zip(args, sig.params)))
     if grid <= 0:
         return  # nothing to do; CuPy would clamp the grid to 1 block
-    if grid > device_attribute("MaxGridDimX"):
-        raise LaunchError(f"{sig.name}: grid of {grid} blocks exceeds the device limit")
-    kernel = get_function(sig.family, sig.name, options)
-    if shared_mem > 48 * 1024:
-        if shared_mem > device_attribute("MaxSharedMemoryPerBlockOptin"):
-            raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
-        kernel.max_dynamic_shared_size_bytes = shared_mem
+    kernel = _checked_kernel(sig, grid, shared_mem, options)
     kernel((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
-    if os.environ.get("CUTOPO_SYNC") == "1":  # debugging: surface faults at the launch that caused them
-        import cupy
+    _after_launch(sig)
 
-        try:
-            cupy.cuda.get_current_stream().synchronize()
-        except Exception as exc:  # pragma: no cover - needs a faulting kernel
-            raise LaunchError(f"{sig.name} failed: {exc}") from exc
+
+class PreparedLaunch:
+    """A launch whose geometry and scalar arguments are fixed: per call only the arrays change.
+
+    ``args`` holds every argument, with ``None`` where an array is passed at call time; the
+    scalars are converted once here and the arrays are checked at every call, like
+    :func:`launch` does.
+    """
+
+    def __init__(self, sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: int = 0,
+                 options: tuple[str, ...] = ()):
+        if len(args) != len(sig.params):
+            raise LaunchError(f"{sig.name}: {len(args)} arguments given, signature has {len(sig.params)}")
+        self.sig, self.grid, self.block, self.shared_mem = sig, int(grid), int(block), int(shared_mem)
+        self.slots = [i for i, a in enumerate(args) if a is None]
+        if any(not sig.params[i].startswith("ptr:") for i in self.slots):
+            raise LaunchError(f"{sig.name}: only array arguments may be left for call time")
+        self.args = [a if a is None else _convert(a, k, i, sig) for i, (a, k) in enumerate(zip(args, sig.params))]
+        self.kernel = _checked_kernel(sig, self.grid, self.shared_mem, options) if self.grid > 0 else None
+
+    def __call__(self, *arrays) -> None:
+        if len(arrays) != len(self.slots):
+            raise LaunchError(f"{self.sig.name}: {len(arrays)} arrays given, {len(self.slots)} expected")
+        args = list(self.args)
+        for i, a in zip(self.slots, arrays):
+            args[i] = _convert(a, self.sig.params[i], i, self.sig)
+        if self.kernel is None:
+            return
+        self.kernel((self.grid,), (self.block,), tuple(args), shared_mem=self.shared_mem)
+        _after_launch(self.sig)
 
 
 def resident_blocks(sig: Signature, block: int, shared_mem: int = 0,

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything one device session runs, in one call: GPU tests, the benchmark, instruction counts.
+# Usage (repository root, on a machine with a GPU):  OUT=/tmp/out bash benchmarks/device_run.sh
+# Environment: BENCH_ARGS (extra benchmark options), TESTS (pytest selection, default: -m gpu tests),
+# NCU=1 (also count instructions per voxel with Nsight Compute).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-/tmp/cutopo_out}
+mkdir -p "$OUT"
+{
+  date -u
+  git rev-parse --short HEAD 2>/dev/null || echo "commit: unknown"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import cupy, numpy, skimage, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'skimage', skimage.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+python3 -m pytest -q -p no:cacheprovider -x ${TESTS:--m gpu tests} 2>&1 | tee "$OUT/tests.log"
+
+python3 benchmarks/bench_ecc.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+
+if [ "${SASS:-0}" = 1 ] && command -v nvdisasm >/dev/null; then
+  python3 - <<'PY'
+import os
+import cutopo
+from cutopo._cuda.compile import compile_offline
+names = ["cutopo::ecc::ecc_histogram<float, float, unsigned short, 2, false>",
+         "cutopo::ecc::ecc_histogram<unsigned char, double, unsigned short, 3, false>"]
+for i, name in enumerate(names):
+    cubin, _ = compile_offline("ecc", [name], "90")
+    open(f"/tmp/k{i}.cubin", "wb").write(cubin)
+PY
+  for i in 0 1; do nvdisasm -c /tmp/k$i.cubin > "$OUT/sass$i.txt" 2>&1; done
+  wc -l "$OUT"/sass*.txt
+fi
+
+if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+  ncu --clock-control none -k regex:ecc_histogram \
+      --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,dram__bytes_read.sum,gpu__time_duration.sum \
+      python3 benchmarks/count_instructions.py 2>&1 | tee "$OUT/ncu.log" | grep -E "ecc_histogram|inst_executed|dram__|duration|case" 
+fi

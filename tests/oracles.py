@@ -1,0 +1,109 @@
+"""Independent reference implementations for the ECC tests (no cutopo code is used here).
+
+``oracle_ecc`` enumerates every cell of the cubical complex of an image on the doubled grid
+(coordinate 2i along an axis is pixel-aligned, 2i+1 lies between pixels) straight from the
+definitions:
+
+* V construction (``connectivity=1``): pixels are vertices; every elementary box spanned by
+  pixels of the image is a cell, and its value is the max of its vertices.
+* T construction (``connectivity=ndim``): pixels are closed unit squares/cubes (top cells);
+  every face of a pixel is a cell, and its value is the min of the pixels it bounds.
+
+NaN acts as +inf. ECC(t) = sum over cells of (-1)^dim [value <= t], with the comparison made in
+``numpy.result_type(image, thresholds)``, as NumPy's ``image <= t`` does.
+
+``skimage_ecc`` thresholds the image at every t and asks ``skimage.measure.euler_number``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from skimage.measure import euler_number
+
+
+def comparison_arrays(image, thresholds):
+    """(image, thresholds) cast to ``numpy.result_type(image, thresholds)``."""
+    image = np.asarray(image)
+    thresholds = np.atleast_1d(np.asarray(thresholds))
+    dt = np.result_type(image.dtype, thresholds.dtype)
+    return image.astype(dt), thresholds.astype(dt)
+
+
+def _pair(va, ma, vb, mb, tconn):
+    """Combine two (value, present) operands: max of both (V) or min of the present ones (T)."""
+    if tconn:
+        both = ma & mb
+        value = np.where(both, np.minimum(va, vb), np.where(ma, va, vb))
+        return value, ma | mb
+    return np.maximum(va, vb), ma & mb
+
+
+def _double_axis(values, present, axis, tconn):
+    """Refine one axis of the grid: n entries -> 2n-1 (V) or 2n+1 (T) cells along it."""
+    v = np.moveaxis(values, axis, 0)
+    m = np.moveaxis(present, axis, 0)
+    n = v.shape[0]
+    if tconn:
+        # Cells 2i (between pixels i-1 and i, the image border included) and 2i+1 (pixel i).
+        pad_v = np.concatenate([v[:1], v, v[:1]])
+        pad_m = np.concatenate([np.zeros_like(m[:1]), m, np.zeros_like(m[:1])])
+        out_v = np.empty((2 * n + 1,) + v.shape[1:], dtype=v.dtype)
+        out_m = np.empty((2 * n + 1,) + m.shape[1:], dtype=bool)
+        out_v[1::2], out_m[1::2] = v, m
+        out_v[0::2], out_m[0::2] = _pair(pad_v[:-1], pad_m[:-1], pad_v[1:], pad_m[1:], True)
+    else:
+        # Cells 2i (pixel i) and 2i+1 (the edge direction between pixels i and i+1).
+        out_v = np.empty((2 * n - 1,) + v.shape[1:], dtype=v.dtype)
+        out_m = np.empty((2 * n - 1,) + m.shape[1:], dtype=bool)
+        out_v[0::2], out_m[0::2] = v, m
+        out_v[1::2], out_m[1::2] = _pair(v[:-1], m[:-1], v[1:], m[1:], False)
+    return np.moveaxis(out_v, 0, axis), np.moveaxis(out_m, 0, axis)
+
+
+def cells(image, dtype, connectivity):
+    """(values, present, dims) of every cell on the doubled grid, values in ``dtype``.
+
+    ``present`` is False for cells whose value is +inf because of NaN pixels (V: a NaN vertex;
+    T: every adjacent pixel NaN).
+    """
+    f = np.asarray(image).astype(dtype)
+    ndim = f.ndim
+    if ndim not in (2, 3):
+        raise ValueError("oracle: 2-D or 3-D images only")
+    if connectivity not in (1, ndim):
+        raise ValueError("oracle: connectivity must be 1 or ndim")
+    tconn = connectivity == ndim
+    present = ~np.isnan(f) if f.dtype.kind == "f" else np.ones(f.shape, dtype=bool)
+    values = f
+    for axis in range(ndim):
+        values, present = _double_axis(values, present, axis, tconn)
+    # On both grids a cell has extent along an axis exactly where its coordinate is odd (V: an
+    # edge direction between two pixels; T: the width of a pixel), so dim = number of odd axes.
+    dims = sum((g % 2 == 1).astype(np.int64) for g in np.indices(values.shape))
+    return values, present, dims
+
+
+def oracle_ecc(image, thresholds, connectivity=1):
+    """ECC by cell enumeration; int64 array of length len(thresholds)."""
+    img, t = comparison_arrays(image, thresholds)
+    values, present, dims = cells(img, img.dtype, connectivity)
+    sign = np.where(dims % 2 == 1, -1, 1).ravel()
+    values = values.ravel()
+    present = present.ravel()
+    out = np.empty(t.size, dtype=np.int64)
+    for k, tk in enumerate(t):
+        inside = present & (values <= tk)
+        out[k] = int(sign[inside].sum())
+    return out
+
+
+def cell_count_check(image, connectivity):
+    """Cell counts of the full complex (no NaN), for the oracle's own sanity test."""
+    shape = np.asarray(image).shape
+    values, present, dims = cells(np.zeros(shape), np.float64, connectivity)
+    return np.bincount(dims.ravel(), minlength=len(shape) + 1)
+
+
+def skimage_ecc(image, thresholds, connectivity=1):
+    """[euler_number(image <= t, connectivity) for t], compared in the result type."""
+    img, t = comparison_arrays(image, thresholds)
+    return np.array([euler_number(img <= tk, connectivity=connectivity) for tk in t], dtype=np.int64)

@@ -1,0 +1,159 @@
+"""CUDA kernels against the NumPy path: results must be identical (integers, exact comparisons)."""
+import numpy as np
+import pytest
+
+import cutopo
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["bool", "uint8", "uint16", "int16", "int32", "float16", "float32", "float64"]
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def random_image(rng, shape, dtype, levels=None, nan_fraction=0.0):
+    """Random test image; ``levels`` gives heavy ties."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    if levels is not None:
+        img = rng.integers(0, levels, size=shape).astype(dtype)
+    elif dtype.kind == "f":
+        img = rng.standard_normal(shape).astype(dtype)
+    else:
+        info = np.iinfo(dtype)
+        img = rng.integers(max(info.min, -1000), min(info.max, 1000), size=shape, endpoint=True).astype(dtype)
+    if nan_fraction and dtype.kind == "f":
+        img[rng.random(shape) < nan_fraction] = np.nan
+    return img
+
+
+def assert_same_ecc(img, thresholds, **kw):
+    cp = _cp()
+    want = cutopo.ecc(img, thresholds, **kw)
+    t_dev = cp.asarray(thresholds) if isinstance(thresholds, np.ndarray) else thresholds
+    got = cutopo.ecc(cp.asarray(img), t_dev, **kw)
+    assert isinstance(got, cp.ndarray) and got.dtype == np.int64
+    np.testing.assert_array_equal(got.get(), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_every_dtype_matches_numpy(rng, dtype, ndim, conn):
+    shape = (37, 70) if ndim == 2 else (13, 21, 40)
+    connectivity = 1 if conn == "V" else ndim
+    for levels in (None, 5):
+        img = random_image(rng, shape, dtype, levels=levels, nan_fraction=0.05)
+        assert_same_ecc(img, 64, connectivity=connectivity)
+        c_cpu = cutopo.euler_contributions(img, connectivity=connectivity)
+        c_gpu = cutopo.euler_contributions(_cp().asarray(img), connectivity=connectivity)
+        np.testing.assert_array_equal(c_gpu.get(), c_cpu)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_batches_and_odd_shapes(rng, ndim):
+    shapes = [(1, 1), (1, 33), (33, 1), (31, 33), (65, 97)] if ndim == 2 else \
+        [(1, 1, 1), (1, 5, 40), (7, 1, 3), (35, 33, 31)]
+    for spatial in shapes:
+        img = random_image(rng, (3, 2) + spatial, "float32", levels=7)
+        for connectivity in (1, ndim):
+            assert_same_ecc(img, np.linspace(-1, 7, 17), ndim=ndim, connectivity=connectivity)
+
+
+def test_thresholds_paths(rng):
+    """Uniform (O(1) bins), non-uniform (binary search), shared vs global table and histogram."""
+    img = random_image(rng, (2, 45, 77), "float32", nan_fraction=0.02)
+    lo, hi = float(np.nanmin(img)), float(np.nanmax(img))
+    cases = [
+        np.linspace(lo, hi, 256),                                 # uniform, shared
+        np.sort(rng.uniform(lo - 0.5, hi + 0.5, 300)),            # binary search
+        np.concatenate([[lo] * 5, np.linspace(lo, hi, 50), [hi] * 5]),  # duplicates
+        np.linspace(lo, hi, 5000),                                # global histogram
+        np.linspace(lo, hi, 32766),                               # largest T of the packed kernel
+        np.linspace(lo, hi, 32767),                               # 32-bit keys, scalar kernel
+        np.linspace(lo, hi, 70000),                               # 32-bit keys, table in global memory
+        np.array([0.0]),
+        np.array([lo - 1, hi + 1]),
+    ]
+    for t in cases:
+        for connectivity in (1, 2):
+            assert_same_ecc(img, t, ndim=2, connectivity=connectivity)
+
+
+def test_comparison_dtype_is_result_type(rng):
+    """float32 pixels against float64 thresholds between float32 neighbours."""
+    vals = np.float32(1.0) + np.arange(-3, 4, dtype=np.float32) * np.finfo(np.float32).eps
+    img = rng.choice(vals, size=(40, 40)).astype(np.float32)
+    t = np.sort(np.concatenate([vals.astype(np.float64) + 1e-9, vals.astype(np.float64) - 1e-9]))
+    assert_same_ecc(img, t)
+    assert_same_ecc(img.astype(np.float16), t.astype(np.float16))
+    ints = rng.integers(-5, 5, size=(30, 30)).astype(np.int16)
+    assert_same_ecc(ints, np.arange(-6, 6, dtype=np.int64))
+    assert_same_ecc(ints.astype(np.uint16), np.arange(0, 6, dtype=np.uint64))
+
+
+def test_denormals_compare_exactly(rng):
+    """CuPy compiles with -ftz=true; float32 denormals must still order as NumPy orders them."""
+    tiny = np.finfo(np.float32).smallest_subnormal
+    vals = np.array([-3 * tiny, -tiny, -0.0, 0.0, tiny, 2 * tiny, 1e-39, 1.0], dtype=np.float32)
+    img = rng.choice(vals, size=(33, 47)).astype(np.float32)
+    for t in (vals[np.argsort(vals, kind="stable")].astype(np.float32), np.sort(vals.astype(np.float64))):
+        for connectivity in (1, 2):
+            assert_same_ecc(img, t, connectivity=connectivity)
+    c = cutopo.euler_contributions(_cp().asarray(img))
+    np.testing.assert_array_equal(c.get(), cutopo.euler_contributions(img))
+
+
+def test_int_count_uses_same_thresholds(rng):
+    cp = _cp()
+    img = random_image(rng, (50, 60), "float32", nan_fraction=0.1)
+    img[0, 0] = np.inf
+    t_cpu = cutopo.linear_thresholds(img, 100)
+    t_gpu = cutopo.linear_thresholds(cp.asarray(img), 100)
+    np.testing.assert_array_equal(t_gpu.get(), t_cpu)
+    np.testing.assert_array_equal(cutopo.ecc(cp.asarray(img), 100).get(), cutopo.ecc(img, 100))
+
+
+def test_large_2d(rng):
+    img = rng.random((4096, 4096), dtype=np.float32)
+    assert_same_ecc(img, 256)
+    img8 = rng.integers(0, 256, size=(4096, 4096), dtype=np.uint8)
+    assert_same_ecc(img8, 256, connectivity=2)
+
+
+def test_large_3d(rng):
+    img = rng.random((256, 256, 256), dtype=np.float32)
+    assert_same_ecc(img, 256)
+    assert_same_ecc(img, 256, connectivity=3)
+
+
+def test_contributions_write_every_pixel(rng):
+    """Poison the memory the output will reuse: every element must be overwritten."""
+    cp = _cp()
+    img = random_image(rng, (3, 19, 41, 37), "float64", levels=4)
+    cp.get_default_memory_pool().free_all_blocks()
+    poison = cp.full(img.shape, 127, dtype=np.int8)
+    del poison  # its block goes back to the pool and is reused by the next allocation of this size
+    got = cutopo.euler_contributions(cp.asarray(img), ndim=3, connectivity=3)
+    np.testing.assert_array_equal(got.get(), cutopo.euler_contributions(img, ndim=3, connectivity=3))
+
+
+def test_strided_input_and_side_stream(rng):
+    cp = _cp()
+    img = random_image(rng, (64, 48), "float32")
+    dev = cp.asarray(img).T  # a transposed view: the kernel must see a contiguous copy
+    with cp.cuda.Stream(non_blocking=True) as s:
+        got = cutopo.ecc(dev, 32)
+        s.synchronize()
+    np.testing.assert_array_equal(got.get(), cutopo.ecc(np.ascontiguousarray(img.T), 32))
+
+
+def test_zero_batch():
+    cp = _cp()
+    out = cutopo.ecc(cp.zeros((0, 4, 4), dtype=np.float32), np.array([0.0, 1.0]), ndim=2)
+    assert out.shape == (0, 2) and isinstance(out, cp.ndarray)

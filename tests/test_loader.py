@@ -1,0 +1,226 @@
+"""The kernel layer's pure-Python parts: source assembly, launch argument conversion, planning helpers.
+
+None of these need a GPU (the launch helper imports CuPy, which imports fine without one).
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import cutopo
+from cutopo._cuda import source
+
+_INCLUDE_LINE = re.compile(r'^\s*#\s*include\s+"', re.MULTILINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# source
+
+
+def test_source_dir_holds_the_kernels():
+    d = source.source_dir()
+    assert (d / "ecc.cu").is_file()
+    assert (d / "common.cuh").is_file()
+
+
+def test_family_source_inlines_project_headers():
+    d = source.source_dir()
+    raw = (d / "ecc.cu").read_text()
+    assert _INCLUDE_LINE.search(raw), "ecc.cu no longer includes a project header (update this test)"
+    text = source.family_source("ecc")
+    assert not _INCLUDE_LINE.search(text)
+    assert (d / "common.cuh").read_text() in text
+    # The family's own text survives, minus the include lines.
+    for line in raw.splitlines():
+        if line.strip() and not _INCLUDE_LINE.match(line):
+            assert line in text
+    assert source.family_source("ecc") is text  # memoized
+
+
+def test_family_source_inlines_each_header_once(tmp_path, monkeypatch):
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\nint a;\n')
+    (tmp_path / "b.cuh").write_text("int b;\n")
+    (tmp_path / "fam.cu").write_text('#include "a.cuh"\n#include "b.cuh"\n  #  include "a.cuh"  \nint f;\n')
+    monkeypatch.setattr(source, "source_dir", lambda: tmp_path)
+    source.family_source.cache_clear()
+    try:
+        text = source.family_source("fam")
+    finally:
+        source.family_source.cache_clear()
+    assert not _INCLUDE_LINE.search(text)
+    assert text.count("int a;") == 1 and text.count("int b;") == 1 and "int f;" in text
+    assert text.index("int b;") < text.index("int a;") < text.index("int f;")
+
+
+@pytest.mark.parametrize("family", ["nope", "common", "ECC", "../ecc"])
+def test_unknown_family(family):
+    with pytest.raises(ValueError, match="family"):
+        source.family_source(family)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch._convert: scalar conversion and array checks, no GPU needed
+
+
+@pytest.fixture
+def launch_mod():
+    pytest.importorskip("cupy")
+    from cutopo._cuda import launch
+
+    return launch
+
+
+@pytest.fixture
+def sig(launch_mod):
+    return launch_mod.Signature("ecc", "cutopo::ecc::test_kernel", ("int32", "int64", "float32", "float64"))
+
+
+@pytest.mark.parametrize("kind, dtype", [("float32", np.float32), ("float64", np.float64)])
+@pytest.mark.parametrize("value", [0.1, 1e-3, -2.5, 3, np.float64(0.7), np.int16(-4), np.float16(1.5)])
+def test_convert_float_kinds(launch_mod, sig, kind, dtype, value):
+    out = launch_mod._convert(value, kind, 0, sig)
+    assert type(out) is dtype
+    assert out == dtype(value)
+
+
+def test_convert_float32_rounds_like_numpy(launch_mod, sig):
+    out = launch_mod._convert(0.1, "float32", 2, sig)
+    assert type(out) is np.float32 and out == np.float32(0.1) and float(out) != 0.1
+
+
+@pytest.mark.parametrize("kind, dtype", [("int32", np.int32), ("int64", np.int64)])
+@pytest.mark.parametrize("value", [0, 7, -7, np.int8(5), np.uint16(65535), np.int64(-(2**31))])
+def test_convert_int_kinds(launch_mod, sig, kind, dtype, value):
+    out = launch_mod._convert(value, kind, 0, sig)
+    assert type(out) is dtype and int(out) == int(value)
+
+
+@pytest.mark.parametrize("kind", ["int32", "int64"])
+@pytest.mark.parametrize("value", [1.0, 2.5, np.float32(3.0), True, False, np.bool_(True), "3", None])
+def test_convert_int_kind_rejects_non_integers(launch_mod, sig, kind, value):
+    with pytest.raises(launch_mod.LaunchError, match="argument 1"):
+        launch_mod._convert(value, kind, 1, sig)
+
+
+@pytest.mark.parametrize("kind, value", [("int32", 2**31), ("int32", -(2**31) - 1), ("int32", 2**40),
+                                         ("int64", 2**63), ("int64", -(2**63) - 1),
+                                         ("int32", np.int64(2**31)), ("int32", np.uint64(2**63))])
+def test_convert_int_range(launch_mod, sig, kind, value):
+    with pytest.raises(launch_mod.LaunchError, match="overflow"):
+        launch_mod._convert(value, kind, 3, sig)
+
+
+def test_convert_int_range_edges(launch_mod, sig):
+    assert launch_mod._convert(2**31 - 1, "int32", 0, sig) == 2**31 - 1
+    assert launch_mod._convert(-(2**31), "int32", 0, sig) == -(2**31)
+    assert launch_mod._convert(2**63 - 1, "int64", 0, sig) == 2**63 - 1
+
+
+@pytest.mark.parametrize("value", ["1.0", None, [1.0], 1 + 2j])
+def test_convert_float_kind_rejects_non_numbers(launch_mod, sig, value):
+    with pytest.raises(launch_mod.LaunchError, match="argument 2"):
+        launch_mod._convert(value, "float32", 2, sig)
+
+
+def test_convert_pointer_kinds_reject_numpy_arrays(launch_mod, sig):
+    with pytest.raises(launch_mod.LaunchError, match="cupy.ndarray"):
+        launch_mod._convert(np.zeros(3, np.int64), "ptr:int64", 0, sig)
+    with pytest.raises(launch_mod.LaunchError, match="unknown parameter kind"):
+        launch_mod._convert(1, "uint8", 0, sig)
+
+
+def test_launch_checks_argument_count(launch_mod, sig):
+    with pytest.raises(launch_mod.LaunchError, match="arguments"):
+        launch_mod.launch(sig, 1, 32, (1, 2, 3.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# _ecc_cupy pure helpers
+
+
+@pytest.fixture
+def ecc_cupy():
+    pytest.importorskip("cupy")
+    from cutopo import _ecc_cupy
+
+    return _ecc_cupy
+
+
+@pytest.mark.parametrize("dtype, ctype, cmp", [
+    ("float16", "float", "float32"),
+    ("float32", "float", "float32"),
+    ("float64", "double", "float64"),
+    ("int64", "long long", "int64"),
+    ("uint64", "unsigned long long", "uint64"),
+    ("bool", "long long", "int64"),
+    ("uint8", "long long", "int64"),
+    ("int16", "long long", "int64"),
+    ("uint32", "long long", "int64"),
+])
+def test_compare_type(ecc_cupy, dtype, ctype, cmp):
+    assert ecc_cupy._compare_type(np.dtype(dtype)) == (ctype, np.dtype(cmp))
+
+
+def test_compare_type_covers_every_result_type(ecc_cupy):
+    """Every comparison dtype the checks can produce maps to a C type that holds it exactly."""
+    from cutopo._checks import IMAGE_DTYPES
+
+    tdtypes = [np.dtype(d) for d in ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32",
+                                     "uint64", "int64", "float16", "float32", "float64")]
+    for idt in IMAGE_DTYPES:
+        for tdt in tdtypes:
+            dt = np.result_type(idt, tdt)
+            ctype, npdt = ecc_cupy._compare_type(dt)
+            if dt.kind == "f":
+                assert npdt.kind == "f" and npdt.itemsize >= max(dt.itemsize, 4)
+            else:
+                assert npdt.kind in "iu" and npdt.itemsize == 8
+                info = np.iinfo(dt) if dt.kind != "b" else np.iinfo(np.uint8)
+                assert np.iinfo(npdt).min <= info.min and info.max <= np.iinfo(npdt).max
+
+
+def test_uniform_estimate(ecc_cupy, rng):
+    ue = ecc_cupy._uniform_estimate
+    assert ue(np.array([0.0])) is None
+    assert ue(np.array([0.0, 1.0])) is None           # fewer than 3 thresholds
+    assert ue(np.array([2.0, 2.0, 2.0])) is None      # no spread
+    assert ue(np.array([0.0, 0.1, 10.0])) is None     # far from even
+    t0 = rng.normal()
+    dt = rng.uniform(0.01, 5)
+    t = t0 + dt * np.arange(50)
+    est = ue(t)
+    assert est is not None
+    assert est[0] == pytest.approx(t0) and est[1] == pytest.approx(1 / dt)
+    assert type(est[0]) is float and type(est[1]) is float
+    # small jitter of the inner thresholds (< dt/4) keeps the estimate, larger drops it
+    small = t.copy()
+    small[1:-1] += rng.uniform(-0.2, 0.2, t.size - 2) * dt
+    assert ue(small) is not None
+    jitter = t.copy()
+    jitter[7] += 0.3 * dt
+    assert ue(jitter) is None
+    # integer and float32 tables
+    est = ue(np.arange(3, 30, 3, dtype=np.int64))
+    assert est == pytest.approx((3.0, 1 / 3))
+    assert ue(np.linspace(-1, 1, 11).astype(np.float32)) == pytest.approx((-1.0, 5.0))
+
+
+def test_registered_instances_cover_every_input_type(ecc_cupy):
+    from cutopo._cuda.compile import registered_instances
+
+    names = registered_instances()["ecc"]
+    assert len(names) == len(set(names))
+    for ctype in set(ecc_cupy._INPUT_CTYPE.values()):
+        for ndim in (2, 3):
+            for tconn in ("true", "false"):
+                assert any(n.startswith("cutopo::ecc::ecc_histogram<" + ctype + ",")
+                           and n.endswith(f", {ndim}, {tconn}>") for n in names), (ctype, ndim, tconn)
+                assert any(n.startswith("cutopo::ecc::ecc_contributions<" + ctype + ",")
+                           and n.endswith(f", {ndim}, {tconn}>") for n in names), (ctype, ndim, tconn)
+    assert "cutopo::ecc::ecc_cumsum" in names
+    assert set(ecc_cupy._INPUT_CTYPE) == {np.dtype(d) for d in
+                                         ("bool", "uint8", "uint16", "int16", "int32", "float16",
+                                          "float32", "float64")}
+    assert cutopo  # the package imports without a GPU

@@ -1,0 +1,136 @@
+"""Offline compile check: every registered kernel instance compiles with NVRTC, without a GPU.
+
+Runs wherever CuPy's NVRTC binding and the NVRTC library are installed (``pip install
+cutopo[nvrtc]``); CI sets CUTOPO_REQUIRE_NVRTC=1 so a missing NVRTC fails instead of skipping.
+Both architectures compile concurrently (NVRTC releases the GIL), about 80 s on two cores.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import re
+
+import pytest
+
+import cutopo  # noqa: F401  (the package must import without a GPU)
+
+pytestmark = pytest.mark.nvrtc
+
+ARCHS = ("80", "90")
+PTXAS_VERBOSE = ("--ptxas-options=-v",)
+
+# ptxas -v prints, per entry function:
+#   ptxas info    : Compiling entry function '<mangled>' for 'sm_80'
+#   ptxas info    : Function properties for <mangled>
+#   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
+_PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack frame, "
+                    r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+# Spill budget per kernel, a regression guard. ptxas sometimes trades a few bytes of spill for
+# occupancy (4 B in the 2D histogram kernels, up to ~60 B in the 3D ones at their register
+# count); the 3D contribution-map kernels with 64-bit value keys (int32 and float64 images)
+# hold 27 64-bit keys and spill more. Anything past these budgets is a real regression.
+_TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y")
+_MAX_SPILL_BYTES = 96
+_MAX_TOLERATED_SPILL_BYTES = 256
+
+
+def _instances():
+    import cutopo._ecc_cupy  # noqa: F401  (registers the ecc family's instances)
+    from cutopo._cuda.compile import registered_instances
+
+    instances = registered_instances()
+    assert "ecc" in instances and instances["ecc"], "no ecc instances registered"
+    return instances
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """{(family, arch): (cubin, log, names)} for every registered family and both archs."""
+    from cutopo._cuda.compile import compile_offline
+
+    jobs = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(ARCHS)) as pool:
+        for family, names in _instances().items():
+            for arch in ARCHS:
+                jobs[(family, arch)] = (pool.submit(compile_offline, family, names, arch, PTXAS_VERBOSE),
+                                        names)
+        return {key: fut.result() + (names,) for key, (fut, names) in jobs.items()}
+
+
+def _properties(log: str) -> dict[str, tuple[int, int, int]]:
+    return {m.group(1): tuple(int(g) for g in m.group(2, 3, 4)) for m in _PROPS.finditer(log)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_instance_compiles(compiled, arch):
+    for (family, a), (cubin, log, names) in compiled.items():
+        if a != arch:
+            continue
+        assert isinstance(cubin, bytes) and len(cubin) > 1000
+        assert cubin[:4] == b"\x7fELF", "a cubin is an ELF image"
+        entries = [m.group(1) for m in _ENTRY.finditer(log)]
+        assert all(m.group(2) == arch for m in _ENTRY.finditer(log))
+        # At least one kernel per distinct instance (non-template kernels compile regardless).
+        assert len(set(entries)) >= len(set(names)), (family, arch, len(entries), len(set(names)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_warnings(compiled, arch):
+    for (family, a), (_, log, _) in compiled.items():
+        if a == arch:
+            bad = [line for line in log.splitlines() if "warning" in line.lower()]
+            assert not bad, f"{family} sm_{arch}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_no_register_spills(compiled, arch):
+    for (family, a), (_, log, _) in compiled.items():
+        if a != arch:
+            continue
+        log = log.replace("\x00", "")
+        props = _properties(log)
+        entries = {m.group(1) for m in _ENTRY.finditer(log)}
+        assert entries and entries <= set(props), "ptxas -v output changed format"
+        problems = []
+        for name in sorted(entries):
+            stack, stores, loads = props[name]
+            budget = _MAX_TOLERATED_SPILL_BYTES if _TOLERATED_SPILL.search(name) else _MAX_SPILL_BYTES
+            if stores > budget or loads > budget:
+                problems.append(f"{name}: {stores} B spill stores, {loads} B spill loads "
+                                f"(budget {budget} B)")
+        assert not problems, f"{family} sm_{arch}:\n" + "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+_BAD_SOURCE = """// deliberately broken
+template <int N>
+__global__ void broken_kernel(int* out) {
+    out[0] = N + ;
+}
+"""
+
+
+def test_syntax_error_raises_kernel_compile_error(monkeypatch):
+    from cutopo._cuda import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "family_source", lambda family: _BAD_SOURCE)
+    with pytest.raises(compile_mod.KernelCompileError) as info:
+        compile_mod.compile_offline("brokenfam", ["broken_kernel<1>"], "80")
+    message = str(info.value)
+    assert "brokenfam.cu" in message and "sm_80" in message
+    # The NVRTC log: file(line): error: ...
+    assert re.search(r"brokenfam\.cu\(4\): error", message), message
+    assert "expected an expression" in message
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_missing_instance_raises_kernel_compile_error():
+    from cutopo._cuda.compile import KernelCompileError, compile_offline
+
+    with pytest.raises(KernelCompileError) as info:
+        compile_offline("ecc", ["cutopo::ecc::no_such_kernel<int>"], "80")
+    assert "ecc.cu" in str(info.value) and "no_such_kernel" in str(info.value)
