@@ -155,6 +155,8 @@ VARIANTS = {
     "full": (),
     "no histogram updates": ("-DCUTOPO_PROFILE_NO_SINK",),
     "tile loads only": ("-DCUTOPO_PROFILE_NO_SINK", "-DCUTOPO_PROFILE_LOAD_ONLY"),
+    "registers for 2 blocks/SM": ("-DCUTOPO_ECC_MIN_BLOCKS=2",),
+    "registers for 3 blocks/SM": ("-DCUTOPO_ECC_MIN_BLOCKS=3",),
 }
 
 

@@ -530,9 +530,17 @@ struct HistSink {
 };
 
 // hist (rows, T) must be zeroed; each block adds the contributions of its tiles of one image.
+// Blocks per multiprocessor the histogram kernel's register budget is sized for. Left to
+// itself ptxas gave the 3D kernels ~108 registers (2 blocks/SM), too few warps to hide the
+// tile loads; capping at 64 (4 blocks/SM) measured 1.86 -> 1.28 ms at 512^3 float32 despite
+// a few bytes of spill (benchmarks/RESULTS.md). 2D kernels use 32 registers either way.
+#ifndef CUTOPO_ECC_MIN_BLOCKS
+#define CUTOPO_ECC_MIN_BLOCKS 4
+#endif
+
 // Keys of 16 bits take the packed sweep (tiles 64 pixels wide), 32-bit keys the scalar one.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS)
 ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
               int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem) {
