@@ -79,9 +79,9 @@ def compile_offline(family: str, name_expressions: Iterable[str], arch: str,
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise KernelCompileError(
-                f"compiling {family}.cu for sm_{arch} ({len(names)} instances) failed: {exc}\n{log}"
-            ) from exc
+                f"compiling {family}.cu for sm_{arch} ({shown}) failed: {exc}\n{log}") from exc
         for name in names:
             nvrtc.getLoweredName(prog, name)  # raises if an instance was not generated
         return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)

@@ -72,7 +72,7 @@ def _convert(value, kind: str, index: int, sig: Signature):
         if not info.min <= int(value) <= info.max:
             raise LaunchError(f"{sig.name}: argument {index} = {value} overflows {kind}")
         return dtype.type(int(value))
-    if not isinstance(value, (int, float, np.integer, np.floating)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise LaunchError(f"{sig.name}: argument {index} must be a real number, got {value!r}")
     return dtype.type(value)
 
