@@ -6,7 +6,8 @@ test oracle).
 """
 from ._array import gpu_available
 from .ecc import ecc, euler_contributions, linear_thresholds
+from .vjp import vjp
 
 __version__ = "0.1.0"
 
-__all__ = ["ecc", "euler_contributions", "linear_thresholds", "gpu_available", "__version__"]
+__all__ = ["ecc", "euler_contributions", "linear_thresholds", "vjp", "gpu_available", "__version__"]

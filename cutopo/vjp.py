@@ -1,0 +1,175 @@
+"""The one vector-Jacobian-product mechanism of cutopo.
+
+Every differentiable op registers, next to its public function, a ``forward`` that returns
+``(output, residuals)`` and a ``backward`` that maps ``(residuals, cotangent, needs)`` to one
+cotangent per positional argument. :func:`vjp` runs the forward and hands back the pullback;
+calling the op directly is the plain forward. The framework adapters (PyTorch, JAX) are built
+from :data:`REGISTRY`, so an op needs nothing else to become differentiable there.
+
+Conventions
+-----------
+* Positional arguments are the arrays (and scalars) that may be differentiated; keyword
+  arguments are static configuration and never receive cotangents.
+* A cotangent has the shape, dtype and array type of its argument. Python scalars get 0-d
+  arrays of the output's array type and floating dtype.
+* Arguments that cannot be differentiated (integer/bool arrays, arguments the op declares
+  non-differentiable, or ones left out of ``wrt``) get ``None``, and the backward is told not
+  to compute them (``needs``), so asking for fewer cotangents costs less.
+* Residuals are kept small: a backward recomputes cheap quantities (such as the Euler
+  contribution map) instead of storing them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import numpy as np
+
+from ._array import array_module, is_cupy_array
+
+__all__ = ["vjp", "register", "OpSpec", "REGISTRY"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """How an op is differentiated.
+
+    ``forward(*args, **kwargs) -> (out, residuals)``;
+    ``backward(residuals, cotangent, needs) -> tuple`` with one entry per positional argument
+    (``needs[i]`` False: entry i is ignored and may be None).
+    """
+
+    name: str
+    forward: Callable[..., tuple[Any, Any]]
+    backward: Callable[[Any, Any, tuple[bool, ...]], tuple]
+    arg_names: tuple[str, ...]
+    differentiable: frozenset[str]
+
+
+REGISTRY: dict[str, OpSpec] = {}
+
+
+def register(*, name: str, forward, backward, arg_names, differentiable):
+    """Decorator: attach an :class:`OpSpec` to a public op and record it in :data:`REGISTRY`."""
+    unknown = set(differentiable) - set(arg_names)
+    if unknown:
+        raise ValueError(f"{name}: differentiable arguments {sorted(unknown)} are not positional arguments")
+    spec = OpSpec(name, forward, backward, tuple(arg_names), frozenset(differentiable))
+
+    def attach(fn):
+        fn.__cutopo_op__ = spec
+        REGISTRY[name] = spec
+        return fn
+
+    return attach
+
+
+def _is_float_argument(x) -> bool:
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (float, np.floating)):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and np.dtype(dtype).kind == "f"
+
+
+def _normalise_wrt(spec: OpSpec, wrt) -> set[int]:
+    if wrt is None:
+        return set(range(len(spec.arg_names)))
+    if isinstance(wrt, (str, int)):
+        wrt = (wrt,)
+    chosen = set()
+    for w in wrt:
+        if isinstance(w, str):
+            if w not in spec.arg_names:
+                raise ValueError(f"wrt: {spec.name} has no positional argument {w!r} "
+                                 f"(arguments: {', '.join(spec.arg_names)})")
+            chosen.add(spec.arg_names.index(w))
+        else:
+            i = operator.index(w)
+            if not -len(spec.arg_names) <= i < len(spec.arg_names):
+                raise ValueError(f"wrt: argument index {i} out of range for {spec.name}")
+            chosen.add(i % len(spec.arg_names))
+    return chosen
+
+
+def _as_cotangent(g, like, name):
+    """Cast a backward's result to the argument's shape, dtype and array type."""
+    if isinstance(like, (float, np.floating, int)):
+        return g
+    xp = array_module(like)
+    g = xp.asarray(g)
+    if g.shape != like.shape:
+        raise AssertionError(f"internal: cotangent of {name} has shape {g.shape}, argument {like.shape}")
+    return g.astype(like.dtype, copy=False)
+
+
+def vjp(op, *args, wrt=None, **kwargs):
+    """Run ``op(*args, **kwargs)`` and return ``(out, pullback)``.
+
+    Parameters
+    ----------
+    op : callable
+        A differentiable cutopo op (one carrying an :class:`OpSpec`).
+    *args
+        The op's positional arguments.
+    wrt : None, int, str or sequence of them, optional
+        Positional arguments (by index or name) whose cotangents the pullback should compute;
+        None means all differentiable ones. The others come back as None, uncomputed.
+    **kwargs
+        The op's keyword (static) arguments.
+
+    Returns
+    -------
+    out : the op's output
+    pullback : callable
+        ``pullback(cotangent) -> tuple`` with one entry per positional argument: its cotangent
+        (same shape, dtype and array type; a 0-d array for a Python scalar) or None.
+
+    Examples
+    --------
+    >>> import numpy as np, cutopo
+    >>> image = np.random.default_rng(0).random((8, 8))
+    >>> out, pullback = cutopo.vjp(cutopo.expected_euler, image)     # doctest: +SKIP
+    >>> (d_image,) = pullback(np.ones_like(out))                     # doctest: +SKIP
+    """
+    spec = getattr(op, "__cutopo_op__", None)
+    if spec is None:
+        raise TypeError(f"{getattr(op, '__name__', op)!r} is not a differentiable cutopo op")
+    if len(args) != len(spec.arg_names):
+        raise TypeError(f"{spec.name} takes {len(spec.arg_names)} positional arguments "
+                        f"({', '.join(spec.arg_names)}), got {len(args)}")
+    chosen = _normalise_wrt(spec, wrt)
+    needs = tuple(i in chosen and name in spec.differentiable and _is_float_argument(a)
+                  for i, (name, a) in enumerate(zip(spec.arg_names, args)))
+    out, residuals = spec.forward(*args, **kwargs)
+    out_is_cupy = is_cupy_array(out)
+    out_dtype = out.dtype
+
+    def pullback(cotangent):
+        xp = array_module(out)
+        if is_cupy_array(cotangent) != out_is_cupy:
+            raise TypeError(f"cotangent must be a {'CuPy' if out_is_cupy else 'NumPy'} array like "
+                            f"the output of {spec.name}")
+        cotangent = xp.asarray(cotangent)
+        if cotangent.shape != out.shape:
+            raise ValueError(f"cotangent has shape {cotangent.shape}, the output of {spec.name} "
+                             f"has shape {out.shape}")
+        if cotangent.dtype.kind not in "fiub":
+            raise TypeError(f"cotangent: dtype {cotangent.dtype} is not real")
+        cotangent = cotangent.astype(out_dtype, copy=False)
+        grads = spec.backward(residuals, cotangent, needs)
+        if len(grads) != len(args):
+            raise AssertionError(f"internal: {spec.name} backward returned {len(grads)} cotangents")
+        result = []
+        for need, g, a, name in zip(needs, grads, args, spec.arg_names):
+            if not need:
+                result.append(None)
+            elif isinstance(a, (float, np.floating)):
+                result.append(xp.asarray(g, dtype=out_dtype).reshape(()))
+            else:
+                result.append(_as_cotangent(g, a, name))
+        return tuple(result)
+
+    return out, pullback
