@@ -1,0 +1,83 @@
+"""The VJP mechanism itself, on a toy op registered here (the real ops test their own VJPs)."""
+import numpy as np
+import pytest
+
+import cutopo
+from cutopo.vjp import REGISTRY, register
+
+CALLS = []
+
+
+def _forward(x, k, a, *, power=2):
+    return a * np.sum(x ** power, axis=-1), (x, a, power)
+
+
+def _backward(res, g, needs):
+    CALLS.append(needs)
+    x, a, power = res
+    dx = a * power * x ** (power - 1) * g[..., None] if needs[0] else None
+    da = np.sum(g * np.sum(x ** power, axis=-1)) if needs[2] else None
+    return dx, None, da
+
+
+@register(name="toy_power_sum", forward=_forward, backward=_backward, arg_names=("x", "k", "a"),
+          differentiable=("x", "a"))
+def toy(x, k, a, *, power=2):
+    return _forward(x, k, a, power=power)[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unregister_toy():
+    yield
+    REGISTRY.pop("toy_power_sum", None)  # keep the registry to real ops for other tests
+
+
+def test_registry_and_plain_forward(rng):
+    x = rng.standard_normal((3, 4))
+    assert REGISTRY["toy_power_sum"] is toy.__cutopo_op__
+    np.testing.assert_allclose(toy(x, 1, 2.0, power=3), 2.0 * np.sum(x ** 3, axis=-1))
+
+
+def test_pullback_values_types_and_needs(rng):
+    x = rng.standard_normal((3, 4))
+    k = np.arange(3)
+    out, pullback = cutopo.vjp(toy, x, k, 1.5, power=3)
+    g = rng.standard_normal(out.shape)
+    dx, dk, da = pullback(g)
+    np.testing.assert_allclose(dx, 1.5 * 3 * x ** 2 * g[:, None])
+    assert dk is None  # integer array and declared non-differentiable
+    assert isinstance(da, np.ndarray) and da.shape == () and da.dtype == out.dtype
+    np.testing.assert_allclose(da, np.sum(g * np.sum(x ** 3, axis=-1)))
+    assert CALLS[-1] == (True, False, True)
+
+
+def test_wrt_restricts_what_is_computed(rng):
+    x = rng.standard_normal((2, 5)).astype(np.float32)
+    out, pullback = cutopo.vjp(toy, x, 0, 2.0, wrt="x")
+    dx, dk, da = pullback(np.ones_like(out))
+    assert dx.dtype == np.float32 and dx.shape == x.shape and da is None
+    assert CALLS[-1] == (True, False, False)
+    _, pullback = cutopo.vjp(toy, x, 0, 2.0, wrt=(2,))
+    assert pullback(np.ones_like(out))[0] is None and CALLS[-1] == (False, False, True)
+    _, pullback = cutopo.vjp(toy, x, 0, 2.0, wrt=())
+    assert pullback(np.ones_like(out)) == (None, None, None)
+
+
+def test_errors(rng):
+    x = rng.standard_normal((2, 3))
+    with pytest.raises(TypeError, match="not a differentiable cutopo op"):
+        cutopo.vjp(np.sum, x)
+    with pytest.raises(TypeError, match="3 positional arguments"):
+        cutopo.vjp(toy, x, 0)
+    with pytest.raises(ValueError, match="wrt"):
+        cutopo.vjp(toy, x, 0, 1.0, wrt="y")
+    with pytest.raises(ValueError, match="wrt"):
+        cutopo.vjp(toy, x, 0, 1.0, wrt=5)
+    out, pullback = cutopo.vjp(toy, x, 0, 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        pullback(np.ones(out.shape + (1,)))
+    with pytest.raises(TypeError, match="dtype"):
+        pullback(np.ones(out.shape, dtype=complex))
+    with pytest.raises(ValueError, match="not positional"):
+        register(name="bad", forward=_forward, backward=_backward, arg_names=("x",),
+                 differentiable=("y",))
