@@ -11,3 +11,12 @@ from .vjp import vjp
 __version__ = "0.1.0"
 
 __all__ = ["ecc", "euler_contributions", "linear_thresholds", "vjp", "gpu_available", "__version__"]
+
+
+def __getattr__(name):
+    # Families with heavier imports (scipy.sparse for CPAB) load on first use: cutopo.cpab.
+    if name == "cpab":
+        import importlib
+
+        return importlib.import_module(".cpab", __name__)
+    raise AttributeError(f"module 'cutopo' has no attribute {name!r}")

@@ -1,0 +1,104 @@
+"""The CPA velocity field v(x) = A_c(x) [x; 1] of a tessellation at given points."""
+from __future__ import annotations
+
+import numpy as np
+
+from .._array import is_cupy_array
+from .tessellation import Tessellation, cell_index
+
+__all__ = ["velocity"]
+
+
+def _real_array(x, name):
+    x = np.asarray(x)
+    if x.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    return x
+
+
+def velocity(points, theta, tess):
+    """The continuous piecewise-affine velocity field of ``theta`` at ``points``.
+
+    Parameters
+    ----------
+    points : ndarray, shape (N, K) or (B, N, K)
+        Coordinates in [0, 1]^K, shared by the batch (N, K) or one set per batch item. Points
+        outside the box take the velocity of their nearest point of the box (coordinates
+        clamped to [0, 1]), a continuous extension: zero outside under no-slip.
+    theta : ndarray, shape (n_params,) or (B, n_params)
+        Vertex velocities at the free components, as laid out by ``tess`` (see
+        :class:`Tessellation`).
+    tess : Tessellation
+
+    Returns
+    -------
+    v : ndarray, shape (B, N, K), or (N, K) when neither input has a batch axis
+        dtype ``numpy.result_type(points, theta, float32)`` (float64 if that is neither
+        float32 nor float64): float32 inputs give float32. Batch axes of size 1 broadcast. The
+        maps A_c are formed in float64 and rounded to that dtype; the points are located and
+        evaluated in it.
+
+    Convention
+    ----------
+    Domain [0, 1]^K, coordinate k of a point is array axis k. ``theta[j]`` is the velocity
+    component ``tess.dof_axis[j]`` at vertex ``tess.dof_vertex[j]`` (vertex-major,
+    component-minor, vertices in FG-CPAB's order). Each point is evaluated with the affine map
+    of the cell :func:`~cutopo.cpab.tessellation.cell_index` gives it; the field is continuous,
+    so on a face either side's map gives the same value up to rounding.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cutopo.cpab import Tessellation, velocity
+    >>> tess = Tessellation((4,))                  # vertices 0.25, 0.5, 0.75 are free
+    >>> velocity(np.array([[0.25], [0.375], [0.875]]), np.array([1.0, 0.0, -1.0]), tess)
+    array([[ 1. ],
+           [ 0.5],
+           [-0.5]])
+    >>> tess = Tessellation((2, 2))                # 1 interior corner and 4 centres
+    >>> theta = np.zeros(tess.n_params); theta[:2] = (0.1, 0.2)   # the centre of box (0, 0)
+    >>> velocity(np.array([[0.25, 0.25], [0.25, 0.0]]), theta[None], tess)
+    array([[[0.1, 0.2],
+            [0. , 0. ]]])
+
+    References
+    ----------
+    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
+       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
+    .. [2] N. S. Detlefsen, libcpab, https://github.com/SkafteNicki/libcpab, 2018
+       (``calc_vectorfield``).
+    """
+    if is_cupy_array(points) or is_cupy_array(theta):
+        raise NotImplementedError("cpab.velocity has no CUDA kernel yet")
+    if not isinstance(tess, Tessellation):
+        raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
+    K, d = tess.ndim, tess.n_params
+    points = _real_array(points, "points")
+    theta = _real_array(theta, "theta")
+    if points.ndim not in (2, 3) or points.shape[-1] != K:
+        raise ValueError(f"points must have shape (N, {K}) or (B, N, {K}) for a {K}-D "
+                         f"tessellation, got {points.shape}")
+    if theta.ndim not in (1, 2) or theta.shape[-1] != d:
+        raise ValueError(f"theta must have shape ({d},) or (B, {d}) (n_params={d}), got {theta.shape}")
+    batched = points.ndim == 3 or theta.ndim == 2
+    if points.ndim == 3 and theta.ndim == 2 and 1 not in (len(points), len(theta)) \
+            and len(points) != len(theta):
+        raise ValueError(f"points and theta have batch sizes {len(points)} and {len(theta)}")
+    dtype = np.result_type(points.dtype, theta.dtype, np.float32)
+    if dtype not in (np.float32, np.float64):
+        dtype = np.dtype(np.float64)
+    points = points.astype(dtype, copy=False)
+    if not np.isfinite(points).all():
+        raise ValueError("points must be finite")
+
+    P = points if points.ndim == 3 else points[None]                     # (Bp, N, K)
+    A = tess.affine_maps(theta if theta.ndim == 2 else theta[None])      # (Bt, C, K, K+1)
+    A = A.astype(dtype, copy=False)
+    x = np.clip(P, 0, 1)                                                 # the nearest domain point
+    cells = cell_index(x, tess.shape)                                    # (Bp, N)
+    batch = np.arange(len(A))[:, None]                                   # broadcasts against cells
+    # v = A[:, :, K] + sum_q A[:, :, q] x_q, gathered one column at a time (no (B, N, K, K+1) copy)
+    v = A[batch, cells, :, K]
+    for q in range(K):
+        v = v + A[batch, cells, :, q] * x[..., q, None]
+    return v if batched else v[0]
