@@ -5,7 +5,7 @@ from . import _ecc_cupy, _ecc_numpy
 from ._array import is_cupy_array
 from ._checks import check_connectivity, check_image, check_thresholds, linear_thresholds, same_array_type
 
-__all__ = ["ecc", "euler_contributions", "linear_thresholds"]
+__all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expected_euler"]
 
 
 def ecc(image, thresholds, *, ndim=None, connectivity=1):
@@ -116,3 +116,8 @@ def euler_contributions(image, *, ndim=None, connectivity=1):
     if is_cupy_array(image):
         return _ecc_cupy.euler_contributions(image, ndim, tconn)
     return _ecc_numpy.euler_contributions(image, ndim, tconn)
+
+
+# The differentiable members of the family live in modules of their own (one op each).
+from ._expected_euler import expected_euler  # noqa: E402
+from ._soft_ecc import soft_ecc  # noqa: E402

@@ -16,7 +16,8 @@ Conventions
   non-differentiable, or ones left out of ``wrt``) get ``None``, and the backward is told not
   to compute them (``needs``), so asking for fewer cotangents costs less.
 * Residuals are kept small: a backward recomputes cheap quantities (such as the Euler
-  contribution map) instead of storing them.
+  contribution map) instead of storing them. Residuals refer to the arguments, not copies:
+  modifying an argument in place between the forward and the pullback changes the cotangents.
 """
 from __future__ import annotations
 
