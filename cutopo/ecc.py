@@ -5,7 +5,8 @@ from . import _ecc_cupy, _ecc_numpy
 from ._array import is_cupy_array
 from ._checks import check_connectivity, check_image, check_thresholds, linear_thresholds, same_array_type
 
-__all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expected_euler"]
+__all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expected_euler", "ect",
+           "soft_ect"]
 
 
 def ecc(image, thresholds, *, ndim=None, connectivity=1):
@@ -119,5 +120,6 @@ def euler_contributions(image, *, ndim=None, connectivity=1):
 
 
 # The differentiable members of the family live in modules of their own (one op each).
+from ._ect import ect, soft_ect  # noqa: E402
 from ._expected_euler import expected_euler  # noqa: E402
 from ._soft_ecc import soft_ecc  # noqa: E402
