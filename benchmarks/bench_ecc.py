@@ -147,7 +147,7 @@ def run_gpu(args, out_rows):
                f"{base_ms / ours:.0f}x" if base_ms == base_ms else "-", f"{gbs:.0f}", f"{gbs / bw:.0%}", equal)
         print("| " + " | ".join(row) + " |", flush=True)
         out_rows.append(row)
-        del image
+        image = flat = plan = result = None  # release this case's arrays before the next one
         cp.get_default_memory_pool().free_all_blocks()
 
 

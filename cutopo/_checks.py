@@ -5,6 +5,7 @@ the argument's name in the message, before any kernel runs.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -112,3 +113,28 @@ def same_array_type(image, thresholds) -> None:
     """Reject mixing host and device arrays where that would hide a transfer."""
     if is_cupy_array(thresholds) and not is_cupy_array(image):
         raise TypeError("thresholds is a CuPy array but image is not: move both to one device")
+
+
+def check_scale(scale):
+    """Validate a sigmoid scale; return (value as float, True when the argument forces float64).
+
+    A plain Python float is weakly typed (it does not make a float32 computation float64); a
+    NumPy float64 scalar or 0-d array is not.
+    """
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"scale must be a positive real number, got {scale!r}")
+    if isinstance(scale, (int, float, np.integer, np.floating)):
+        strong64 = isinstance(scale, np.float64)  # a plain Python float is weakly typed
+        value = float(scale)
+    elif isinstance(scale, np.ndarray):
+        if scale.dtype.kind not in "iuf":
+            raise TypeError(f"scale: dtype {scale.dtype} is not a real number type")
+        if scale.ndim != 0:
+            raise ValueError(f"scale must be a scalar (0-d array), got shape {scale.shape}")
+        strong64 = scale.dtype == np.float64
+        value = float(scale)
+    else:
+        raise TypeError(f"scale must be a positive real number, got {type(scale).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be positive and finite, got {value!r}")
+    return value, strong64

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._array import is_cupy_array
-from ._checks import check_connectivity, check_thresholds
+from ._checks import check_connectivity, check_scale, check_thresholds
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -452,27 +452,6 @@ def ect(mask, directions, thresholds, *, connectivity=1):
 # Soft ECT
 
 
-def _check_scale(scale):
-    """(value as float, True when the argument forces float64)."""
-    if isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"scale must be a positive real number, got {scale!r}")
-    if isinstance(scale, (int, float, np.integer, np.floating)):
-        strong64 = isinstance(scale, np.float64)  # a plain Python float is weakly typed
-        value = float(scale)
-    elif isinstance(scale, np.ndarray):
-        if scale.dtype.kind not in "iuf":
-            raise TypeError(f"scale: dtype {scale.dtype} is not a real number type")
-        if scale.ndim != 0:
-            raise ValueError(f"scale must be a scalar (0-d array), got shape {scale.shape}")
-        strong64 = scale.dtype == np.float64
-        value = float(scale)
-    else:
-        raise TypeError(f"scale must be a positive real number, got {type(scale).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"scale must be positive and finite, got {value!r}")
-    return value, strong64
-
-
 def _sigmoid(u):
     e = np.exp(-np.abs(u))
     return np.where(u >= 0, 1 / (1 + e), e / (1 + e))
@@ -509,7 +488,7 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
     _reject_cupy("soft_ect", scale)
     directions, dirs64, mask_b, batch, spatial, coords, tconn, t64, count = _prepare(
         "soft_ect", mask, directions, thresholds, connectivity)
-    scale_value, scale64 = _check_scale(scale)
+    scale_value, scale64 = check_scale(scale)
     strong64 = scale64 or directions.dtype == np.float64
     if count is None:
         strong64 = strong64 or np.asarray(thresholds).dtype == np.float64

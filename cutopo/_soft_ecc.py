@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _ecc_numpy
 from ._array import as_array, is_cupy_array
-from ._checks import check_connectivity, check_image, check_thresholds
+from ._checks import check_connectivity, check_image, check_scale, check_thresholds
 from .vjp import register
 
 __all__ = ["soft_ecc"]
@@ -57,32 +57,11 @@ def _reject_cupy(*args):
         raise NotImplementedError("soft_ecc has no CUDA kernel yet; pass NumPy arrays")
 
 
-def _check_scale(scale):
-    """Return (value as float, True when the argument forces float64)."""
-    if isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"scale must be a positive real number, got {scale!r}")
-    if isinstance(scale, (int, float, np.integer, np.floating)):
-        strong64 = isinstance(scale, np.float64)  # a plain Python float is weakly typed
-        value = float(scale)
-    elif isinstance(scale, np.ndarray):
-        if scale.dtype.kind not in "iuf":
-            raise TypeError(f"scale: dtype {scale.dtype} is not a real number type")
-        if scale.ndim != 0:
-            raise ValueError(f"scale must be a scalar (0-d array), got shape {scale.shape}")
-        strong64 = scale.dtype == np.float64
-        value = float(scale)
-    else:
-        raise TypeError(f"scale must be a positive real number, got {type(scale).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"scale must be positive and finite, got {value!r}")
-    return value, strong64
-
-
 def _prepare(image, thresholds, scale, ndim, connectivity) -> _Config:
     _reject_cupy(image, thresholds, scale)
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
-    scale_value, scale64 = _check_scale(scale)
+    scale_value, scale64 = check_scale(scale)
     if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
         t_host, _ = check_thresholds(thresholds, image)  # linear_thresholds(image, n)
         t64 = False  # a count does not choose the precision

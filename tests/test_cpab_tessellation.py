@@ -342,7 +342,6 @@ def test_slip_normal_component_zero_on_boundary(shape, rng):
 @pytest.mark.parametrize("shape", [(5,), (3, 2), (2, 3, 2), (3, 3, 3)])
 def test_affine_maps_reproduce_vertex_velocities(shape, zero_boundary, rng):
     tess = Tessellation(shape, zero_boundary)
-    K = tess.ndim
     theta = rng.standard_normal((3, tess.n_params))
     u = tess.vertex_velocities(theta)                                 # (3, V, K)
     # theta's own entries are the velocities at their vertices
