@@ -138,3 +138,26 @@ def check_scale(scale):
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale must be positive and finite, got {value!r}")
     return value, strong64
+
+
+BOUNDARIES = ("box", "periodic")
+
+
+def check_boundary(boundary, image, ndim) -> bool:
+    """Validate ``boundary``; return True for "periodic" (every spatial axis must be >= 3).
+
+    CuPy inputs with "periodic" raise NotImplementedError: the CUDA kernels have no wrap-around.
+    """
+    if not isinstance(boundary, str):
+        raise TypeError(f"boundary must be 'box' or 'periodic', got {boundary!r}")
+    if boundary not in BOUNDARIES:
+        raise ValueError(f"boundary must be 'box' or 'periodic', got {boundary!r}")
+    if boundary == "box":
+        return False
+    spatial = tuple(image.shape[image.ndim - ndim:])
+    if any(s < 3 for s in spatial):
+        raise ValueError(f"image: boundary='periodic' needs every spatial axis to have length >= 3 "
+                         f"(with 1 or 2 the torus complex degenerates), got spatial shape {spatial}")
+    if is_cupy_array(image):
+        raise NotImplementedError("periodic boundaries have no CUDA kernel yet")
+    return True

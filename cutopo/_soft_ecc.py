@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _ecc_numpy
 from ._array import as_array, is_cupy_array
-from ._checks import check_connectivity, check_image, check_scale, check_thresholds
+from ._checks import check_boundary, check_connectivity, check_image, check_scale, check_thresholds
 from .vjp import register
 
 __all__ = ["soft_ecc"]
@@ -36,6 +36,7 @@ class _Config(NamedTuple):
     tconn: bool
     dtype: np.dtype     # computation dtype (float32 or float64)
     band: float         # B
+    periodic: bool = False  # boundary="periodic": the torus complex
 
 
 class _Pixels(NamedTuple):
@@ -57,10 +58,11 @@ def _reject_cupy(*args):
         raise NotImplementedError("soft_ecc has no CUDA kernel yet; pass NumPy arrays")
 
 
-def _prepare(image, thresholds, scale, ndim, connectivity) -> _Config:
+def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _Config:
     _reject_cupy(image, thresholds, scale)
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
+    periodic = check_boundary(boundary, image, ndim)
     scale_value, scale64 = check_scale(scale)
     if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
         t_host, _ = check_thresholds(thresholds, image)  # linear_thresholds(image, n)
@@ -76,7 +78,7 @@ def _prepare(image, thresholds, scale, ndim, connectivity) -> _Config:
     if not (np.isfinite(lam) and lam > 0):
         raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
     t = t_host.astype(dtype)
-    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype])
+    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +97,7 @@ def _pixels(cfg: _Config) -> _Pixels:
     T = t.size
     spatial = image.shape[image.ndim - cfg.ndim:]
     per_image = math.prod(spatial)
-    c_all = _ecc_numpy.euler_contributions(image, cfg.ndim, cfg.tconn).reshape(-1)
+    c_all = _ecc_numpy.euler_contributions(image, cfg.ndim, cfg.tconn, cfg.periodic).reshape(-1)
     index = np.flatnonzero(c_all)
     f = image.reshape(-1)[index].astype(cfg.dtype)
     if f.dtype.kind == "f":
@@ -185,8 +187,8 @@ def _shape_info(cfg: _Config):
     return batch, math.prod(batch)
 
 
-def _forward(image, thresholds, scale, *, ndim=None, connectivity=1):
-    cfg = _prepare(image, thresholds, scale, ndim, connectivity)
+def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
+    cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
     px = _pixels(cfg)
@@ -246,7 +248,7 @@ def _backward(cfg: _Config, g, needs):
 @register(name="soft_ecc", forward=_forward, backward=_backward,
           arg_names=("image", "thresholds", "scale"),
           differentiable=("image", "thresholds", "scale"))
-def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1):
+def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
     r"""Soft Euler characteristic curve: the ECC with every step relaxed to a sigmoid.
 
     Entry k of the result is
@@ -274,6 +276,10 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1):
     connectivity : {1, ndim}, optional
         ``1``: V construction (cells take the max of their vertices); ``ndim``: T construction
         (lower cells take the min of the pixels around them), as for :func:`ecc`.
+    boundary : {"box", "periodic"}, optional
+        ``"box"`` (default) or ``"periodic"`` (the cubical complex of the torus: cells spanning
+        the wrap included, every spatial axis >= 3; the curve tends to 0 instead of 1 once
+        every pixel is in), as for :func:`ecc`.
 
     Returns
     -------
@@ -317,7 +323,8 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1):
     * scale: ``sum_k sum_p g_k c(p) (t_k - f(p)) sigma'_pk``.
 
     Convention: array axes are spatial axes in C order (``(rows, cols)`` in 2D,
-    ``(planes, rows, cols)`` in 3D); positions outside the image are empty. Pixels are ordered
+    ``(planes, rows, cols)`` in 3D); positions outside the image are empty (``boundary="box"``)
+    or the image repeats (``boundary="periodic"``). Pixels are ordered
     by (value, linear index), NaN as +inf, exactly as for :func:`ecc`; note that the relaxed
     step is centred on the pixel value, so a threshold equal to a pixel value gets 1/2 of its
     contribution, where :func:`ecc` (``image <= t``) counts it fully.
@@ -340,4 +347,5 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1):
     .. [1] E. Röell, B. Rieck, "Differentiable Euler Characteristic Transforms for Shape
        Classification", ICLR 2024 (the sigmoid-relaxed Euler characteristic).
     """
-    return _forward(image, thresholds, scale, ndim=ndim, connectivity=connectivity)[0]
+    return _forward(image, thresholds, scale, ndim=ndim, connectivity=connectivity,
+                    boundary=boundary)[0]

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from . import _ecc_cupy, _ecc_numpy
 from ._array import is_cupy_array
-from ._checks import check_connectivity, check_image, check_thresholds, linear_thresholds, same_array_type
+from ._checks import (check_boundary, check_connectivity, check_image, check_thresholds, linear_thresholds,
+                      same_array_type)
 
 __all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expected_euler", "ect",
            "soft_ect"]
 
 
-def ecc(image, thresholds, *, ndim=None, connectivity=1):
+def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     """Exact Euler characteristic curve of the sublevel filtration of an image.
 
     Entry k of the result is the Euler characteristic of the sublevel set
@@ -32,7 +33,19 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1):
         value of its vertices (V construction; 4-connected foreground in 2D, 6-connected in
         3D). ``ndim``: pixels are the top cells and every lower cell takes the smallest value
         of the pixels around it (T construction; 8- / 26-connected). The curve equals
-        ``skimage.measure.euler_number(image <= t, connectivity=connectivity)`` at every t.
+        ``skimage.measure.euler_number(image <= t, connectivity=connectivity)`` at every t
+        (with ``boundary="box"``).
+    boundary : {"box", "periodic"}, optional
+        ``"box"`` (default): the complex of the image's box; positions outside it are empty,
+        and the curve ends at 1 once every pixel is in (the box is contractible).
+        ``"periodic"``: the cubical complex of the torus, every spatial axis wrapping around
+        (simulation and cosmology boxes). V: the cells spanning the wrap (e.g. the edge between
+        the last and the first pixel of a row) are included, with the max of their vertices.
+        T: the faces on the wrap are shared by the last and the first pixel and take the min
+        of them. The torus has Euler characteristic 0 in 2D and 3D, so the curve ends at 0
+        once every pixel is in.
+        Every spatial axis must have length >= 3 (with 1 or 2 the torus complex
+        degenerates). NumPy inputs only for now: CuPy inputs raise NotImplementedError.
 
     Returns
     -------
@@ -48,7 +61,8 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1):
     (the sublevel set at ``t_k`` is exactly the set of pixels whose bin is at most k).
 
     Convention: array axes are spatial axes in C order (``(rows, cols)`` in 2D,
-    ``(planes, rows, cols)`` in 3D); positions outside the image are empty.
+    ``(planes, rows, cols)`` in 3D); positions outside the image are empty
+    (``boundary="box"``) or the image repeats (``boundary="periodic"``).
 
     Examples
     --------
@@ -61,6 +75,17 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1):
     >>> cutopo.ecc(image, [0, 1, 2], connectivity=2)
     array([4, 4, 1])
 
+    On the torus the four corners touch across the wrap and form one filled square; the whole
+    torus has Euler characteristic 0:
+
+    >>> cutopo.ecc(image, [0, 1, 2], boundary="periodic")
+    array([1, 1, 0])
+    >>> ring = np.array([[1, 1, 1],
+    ...                  [0, 0, 0],
+    ...                  [1, 1, 1]], dtype=np.uint8)
+    >>> cutopo.ecc(ring, [0, 1], boundary="periodic")   # a full row wraps into a circle
+    array([0, 0])
+
     References
     ----------
     .. [1] H. Wang, H. Wagner, C. Chen, "GPU computation of the Euler characteristic curve for
@@ -70,14 +95,15 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1):
     """
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
+    periodic = check_boundary(boundary, image, ndim)
     same_array_type(image, thresholds)
     t, _ = check_thresholds(thresholds, image)
     if is_cupy_array(image):
         return _ecc_cupy.ecc(image, t, ndim, tconn)
-    return _ecc_numpy.ecc(image, t, ndim, tconn)
+    return _ecc_numpy.ecc(image, t, ndim, tconn, periodic)
 
 
-def euler_contributions(image, *, ndim=None, connectivity=1):
+def euler_contributions(image, *, ndim=None, connectivity=1, boundary="box"):
     """Per-pixel Euler characteristic contributions c(p) of the sublevel filtration.
 
     Order the pixels by (value, linear C-order index), NaN as +inf. In the V construction
@@ -86,12 +112,19 @@ def euler_contributions(image, *, ndim=None, connectivity=1):
     the sum of (-1)^dim over the cells p owns, so the ECC at t is the sum of c over the pixels
     with value <= t, and ``c.sum()`` over an image is 1 (the Euler characteristic of a box).
 
+    With ``boundary="periodic"`` the cells are those of the torus complex (the cells spanning
+    the wrap included) and the neighbours of a border pixel are the wrapped-around pixels,
+    still compared by (value, real linear index); ``c.sum()`` is then 0 per image (the Euler
+    characteristic of the torus).
+
     Parameters
     ----------
     image : ndarray, shape (*batch, *spatial)
         As for :func:`ecc`.
     ndim : {None, 2, 3}, optional
     connectivity : {1, ndim}, optional
+    boundary : {"box", "periodic"}, optional
+        As for :func:`ecc` (``"periodic"``: every spatial axis >= 3, NumPy inputs only).
 
     Returns
     -------
@@ -106,6 +139,9 @@ def euler_contributions(image, *, ndim=None, connectivity=1):
     >>> cutopo.euler_contributions(np.array([[1.0, 0.0], [0.0, 1.0]]))
     array([[-1,  1],
            [ 1,  0]], dtype=int8)
+    >>> c = cutopo.euler_contributions(np.arange(9.0).reshape(3, 3), boundary="periodic")
+    >>> int(c.sum())
+    0
 
     References
     ----------
@@ -114,9 +150,10 @@ def euler_contributions(image, *, ndim=None, connectivity=1):
     """
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
+    periodic = check_boundary(boundary, image, ndim)
     if is_cupy_array(image):
         return _ecc_cupy.euler_contributions(image, ndim, tconn)
-    return _ecc_numpy.euler_contributions(image, ndim, tconn)
+    return _ecc_numpy.euler_contributions(image, ndim, tconn, periodic)
 
 
 # The differentiable members of the family live in modules of their own (one op each).
