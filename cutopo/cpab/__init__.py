@@ -1,9 +1,11 @@
 """CPAB: diffeomorphisms from continuous piecewise-affine velocity fields on [0, 1]^K.
 
-So far: the tessellations and their sparse nodal basis (:class:`Tessellation`) and the
-velocity field (:func:`velocity`), NumPy only.
+So far: the tessellations and their sparse nodal basis (:class:`Tessellation`), the velocity
+field (:func:`velocity`), and the transformation (:func:`integrate`, differentiable through
+:func:`cutopo.vjp`) with its log-Jacobian (:func:`log_jacobian`), NumPy only.
 """
+from .integrate import integrate, log_jacobian
 from .tessellation import Tessellation
 from .velocity import velocity
 
-__all__ = ["Tessellation", "velocity"]
+__all__ = ["Tessellation", "velocity", "integrate", "log_jacobian"]

@@ -1,0 +1,484 @@
+"""Integration of a CPA velocity field: the transformation phi_theta, its log-Jacobian and its VJP.
+
+The scheme is libcpab's and FG-CPAB's closed-form step with the cell frozen at the step start:
+with h = 1/T and E_c = expm(h A~_c), A~_c = [[A_c], [0 ... 0]] the augmented affine map of cell c,
+
+    x_{t+1} = P(E_c(t) [x_t; 1]),   c(t) = cell_index(x_t),   t = 0 .. T-1,   x_0 = P(x),
+
+where P is the projection onto [0, 1]^K under the "noslip" and "slip" boundaries and the identity
+without a zero boundary. Within one cell this is the exact affine flow for time h; a step that
+crosses a face keeps the start cell's map for the whole step (the scheme's only error).
+
+The VJP is the discrete adjoint of exactly this map (research notes cpab.md 6.5.3): a backward
+sweep lambda_t = E_lin^T (m_{t+1} * lambda_{t+1}) over segment-checkpointed trajectories that
+accumulates one outer product per (point, step) into per-cell matrices G_c, then one adjoint
+Frechet derivative of expm per visited cell turns G_c into dL/dA_c, and the sparse basis gives
+dL/dtheta = B^T vec(dL/dA): O(T N + d C) work, no [d, N] Jacobian.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import numpy as np
+
+from .._array import is_cupy_array
+from ..vjp import register
+from .tessellation import Tessellation, cell_index
+from .velocity import _real_array
+
+__all__ = ["integrate", "log_jacobian", "MAX_STEP_NORM"]
+
+# The step-size guard: h * max_c ||A_c,lin||_F may not exceed this. Below log 2 it proves that
+# no-slip trajectories never leave the box (see integrate's Notes); at 0.5 the frozen-cell
+# steps also stay accurate enough to be useful (research notes cpab.md 5.5).
+MAX_STEP_NORM = 0.5
+
+# -- the matrix exponential and its adjoint Frechet derivative, vectorised over matrices -------
+
+_THETA_13 = 5.371920351148152               # Higham (2005): Pade 13 is accurate to u below this
+# Pade(13, 13) numerator coefficients, divided by the first: a zero matrix then gives exactly I
+_PADE_13 = tuple(c / 64764752532480000.0 for c in (
+    64764752532480000.0, 32382376266240000.0, 7771770303897600.0, 1187353796428800.0,
+    129060195264000.0, 10559470521600.0, 670442572800.0, 33522128640.0, 1323241920.0,
+    40840800.0, 960960.0, 16380.0, 182.0, 1.0))
+
+
+_EXPM_CHUNK = 16384                         # matrices per vectorised pass (bounds the temporaries)
+
+
+def _expm(M):
+    """exp of every matrix of ``M`` (n, m, m), float64: Pade(13, 13) with scaling and squaring
+    (Higham 2005, the degree-13 branch for every matrix), vectorised over n."""
+    M = np.asarray(M, dtype=np.float64)
+    if len(M) <= _EXPM_CHUNK:
+        return _expm_chunk(M)
+    return np.concatenate([_expm_chunk(M[i:i + _EXPM_CHUNK])
+                           for i in range(0, len(M), _EXPM_CHUNK)])
+
+
+def _expm_chunk(M):
+    n, m = M.shape[0], M.shape[-1]
+    if n == 0:
+        return M.copy()
+    norm1 = np.abs(M).sum(axis=1).max(axis=1)                            # 1-norm of each matrix
+    with np.errstate(divide="ignore"):
+        s = np.ceil(np.log2(norm1 / _THETA_13))
+    s = np.where(norm1 > 0, np.maximum(s, 0), 0).astype(np.int64)
+    X = M * np.ldexp(1.0, -s)[:, None, None]
+    b = _PADE_13
+    eye = np.eye(m)
+    X2 = X @ X
+    X4 = X2 @ X2
+    X6 = X4 @ X2
+    U = X @ (X6 @ (b[13] * X6 + b[11] * X4 + b[9] * X2) + b[7] * X6 + b[5] * X4 + b[3] * X2
+             + b[1] * eye)
+    V = X6 @ (b[12] * X6 + b[10] * X4 + b[8] * X2) + b[6] * X6 + b[4] * X4 + b[2] * X2 + b[0] * eye
+    R = np.linalg.solve(V - U, V + U)
+    for i in range(int(s.max())):                                        # undo the scaling
+        sel = np.flatnonzero(s > i)
+        R[sel] = R[sel] @ R[sel]
+    return R
+
+
+def _expm_frechet_adjoint(X, G):
+    """L(X^T, G) for every pair of (n, m, m) matrices, where L(X, E) is the Frechet derivative
+    of expm at X in direction E, so that <G, L(X, E)> = <L(X^T, G), E>. Van Loan's block
+    exponential: expm([[Y, Z], [0, Y]]) holds L(Y, Z) in its top-right block. G is scaled to a
+    unit largest entry (L is linear in it) so that it does not drive the squaring."""
+    n, m = X.shape[0], X.shape[-1]
+    scale = np.abs(G).reshape(n, -1).max(axis=1)
+    scale = np.where(scale > 0, scale, 1.0)
+    block = np.zeros((n, 2 * m, 2 * m))
+    Y = np.swapaxes(X, 1, 2)
+    block[:, :m, :m] = Y
+    block[:, m:, m:] = Y
+    block[:, :m, m:] = G / scale[:, None, None]
+    return _expm(block)[:, :m, m:] * scale[:, None, None]
+
+
+# -- argument checks and the per-call set-up ----------------------------------------------------
+
+def _check_count(value, name):
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+@dataclasses.dataclass
+class _Setup:
+    """Everything the steps need, shared by the forward, log_jacobian and the backward."""
+
+    shape: tuple            # cells per axis
+    K: int
+    n_cells: int
+    n_steps: int
+    h: float
+    dtype: np.dtype
+    project: bool           # P = clip to [0, 1]^K ("noslip", "slip")
+    batched: bool           # the output keeps its batch axis
+    x0: np.ndarray          # (B, N, K) dtype: P(points), broadcast over the batch (read-only)
+    inside0: np.ndarray     # (Bp, N, K) bool: where P(points) == points (None if not project)
+    boff: np.ndarray        # (B,) int64: offset of each batch item's cells in the flat tables
+    A_aug: np.ndarray       # (Bt*C, K+1, K+1) float64: A~_c
+    E: np.ndarray           # (Bt*C, K, K+1) dtype: top K rows of expm(h A~_c), as applied
+    columns: list           # E[:, :, q] contiguous, q = 0..K (gathered one column at a time)
+    basis: object           # the tessellation's sparse B
+    points_ndim: int
+    theta_ndim: int
+    n_points: int           # Bp
+    n_theta: int            # Bt
+
+
+def _setup(points, theta, tess, n_steps, name):
+    if is_cupy_array(points) or is_cupy_array(theta):
+        raise NotImplementedError(f"cpab.{name} has no CUDA kernel yet")
+    if not isinstance(tess, Tessellation):
+        raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
+    n_steps = _check_count(n_steps, "n_steps")
+    K, d, C = tess.ndim, tess.n_params, tess.n_cells
+    points = _real_array(points, "points")
+    theta = _real_array(theta, "theta")
+    if points.ndim not in (2, 3) or points.shape[-1] != K:
+        raise ValueError(f"points must have shape (N, {K}) or (B, N, {K}) for a {K}-D "
+                         f"tessellation, got {points.shape}")
+    if theta.ndim not in (1, 2) or theta.shape[-1] != d:
+        raise ValueError(f"theta must have shape ({d},) or (B, {d}) (n_params={d}), got {theta.shape}")
+    P = points if points.ndim == 3 else points[None]                     # (Bp, N, K)
+    T2 = theta if theta.ndim == 2 else theta[None]                       # (Bt, d)
+    Bp, Bt = len(P), len(T2)
+    if Bp != Bt and 1 not in (Bp, Bt):
+        raise ValueError(f"points and theta have batch sizes {Bp} and {Bt}")
+    B = Bt if Bp == 1 else Bp
+    dtype = np.result_type(points.dtype, theta.dtype, np.float32)
+    if dtype not in (np.float32, np.float64):
+        dtype = np.dtype(np.float64)
+    P = P.astype(dtype, copy=False)
+    if not np.isfinite(P).all():
+        raise ValueError("points must be finite")
+    if not np.isfinite(T2).all():
+        raise ValueError("theta must be finite")
+
+    A = tess.affine_maps(T2).reshape(Bt * C, K, K + 1)                  # float64
+    largest = float(np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0))
+    if largest > MAX_STEP_NORM * n_steps:
+        raise ValueError(
+            f"cpab.{name}: n_steps={n_steps} is too coarse for this theta: h * max_c "
+            f"||A_c,lin||_F = {largest / n_steps:.4g} exceeds {MAX_STEP_NORM} (max_c "
+            f"||A_c,lin||_F = {largest:.4g}); use n_steps >= {math.ceil(largest / MAX_STEP_NORM)}")
+    h = 1.0 / n_steps
+    A_aug = np.zeros((Bt * C, K + 1, K + 1))
+    A_aug[:, :K, :] = A
+    E = _expm(h * A_aug)[:, :K, :].astype(dtype)
+    project = tess.zero_boundary in ("noslip", "slip")
+    if project:
+        inside0 = (P >= 0) & (P <= 1)
+        x0 = np.clip(P, 0, 1)
+    else:
+        inside0, x0 = None, P
+    x0 = np.broadcast_to(x0, (B,) + P.shape[1:])
+    boff = (np.arange(B, dtype=np.int64) if Bt > 1 else np.zeros(B, dtype=np.int64)) * C
+    return _Setup(shape=tess.shape, K=K, n_cells=C, n_steps=n_steps, h=h, dtype=dtype,
+                  project=project, batched=points.ndim == 3 or theta.ndim == 2, x0=x0,
+                  inside0=inside0, boff=boff, A_aug=A_aug, E=E,
+                  columns=[np.ascontiguousarray(E[:, :, q]) for q in range(K + 1)],
+                  basis=tess.basis, points_ndim=points.ndim, theta_ndim=theta.ndim,
+                  n_points=Bp, n_theta=Bt)
+
+
+def _step(s, x):
+    """One step from x (B, N, K): (x_next, flat cell ids (B, N), inside mask or None)."""
+    flat = s.boff[:, None] + cell_index(x, s.shape)
+    y = s.columns[s.K][flat]
+    for q in range(s.K):
+        y = y + s.columns[q][flat] * x[..., q, None]
+    if not s.project:
+        return y, flat, None
+    inside = (y >= 0) & (y <= 1)
+    return np.clip(y, 0, 1), flat, inside
+
+
+# -- the ops -------------------------------------------------------------------------------------
+
+def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
+    """``(integrate(...), residuals)``: the trajectory is kept every ``checkpoint_every`` steps."""
+    S = _check_count(checkpoint_every, "checkpoint_every")
+    s = _setup(points, theta, tess, n_steps, "integrate")
+    checkpoints, x = [], s.x0
+    for t in range(s.n_steps):
+        if t % S == 0:
+            checkpoints.append(x)
+        x, _, _ = _step(s, x)
+    return (x if s.batched else x[0]), (s, checkpoints, S)
+
+
+def _integrate_backward(residuals, cotangent, needs):
+    """The discrete adjoint of the scheme, segment by segment from the last checkpoint."""
+    s, checkpoints, S = residuals
+    need_points, need_theta = needs[0], needs[1]
+    if not (need_points or need_theta):
+        return None, None, None
+    K, C, T = s.K, s.n_cells, s.n_steps
+    B, N = s.x0.shape[:2]
+    lam = np.asarray(cotangent, dtype=np.float64).reshape(B, N, K)
+    E_lin = s.E[:, :, :K].astype(np.float64)                             # the maps as applied
+    n_flat = s.n_theta * C
+    G = np.zeros((n_flat, K * (K + 1))) if need_theta else None
+    for j in range(len(checkpoints) - 1, -1, -1):
+        L = min(S, T - j * S)
+        xs, flats, insides = [checkpoints[j]], [], []
+        for _ in range(L):                                               # recompute the segment
+            y, flat, inside = _step(s, xs[-1])
+            xs.append(y)
+            flats.append(flat)
+            insides.append(inside)
+        mus = [None] * L
+        for i in range(L - 1, -1, -1):                                   # sweep it backwards
+            mu = lam * insides[i] if s.project else lam                  # through P
+            mus[i] = mu
+            lam = np.einsum("bnkq,bnk->bnq", E_lin[flats[i]], mu)        # through E_lin^T
+        if need_theta:                                                   # G_c += mu [x; 1]^T
+            flat = np.stack(flats).ravel()
+            mu = np.stack(mus).reshape(-1, K)
+            x = np.stack(xs[:L]).reshape(-1, K).astype(np.float64)
+            for k in range(K):
+                for q in range(K + 1):
+                    w = mu[:, k] * x[:, q] if q < K else mu[:, k]
+                    G[:, k * (K + 1) + q] += np.bincount(flat, weights=w, minlength=n_flat)
+
+    grad_points = None
+    if need_points:
+        if s.project:
+            lam = lam * s.inside0                                        # through P(points)
+        if s.points_ndim == 2:                                           # shared by the batch
+            grad_points = lam.sum(axis=0)
+        elif s.n_points == 1 != B:                                       # a broadcast batch of 1
+            grad_points = lam.sum(axis=0, keepdims=True)
+        else:
+            grad_points = lam
+
+    grad_theta = None
+    if need_theta:
+        moments = np.zeros((n_flat, K, K + 1))
+        visited = np.flatnonzero(G.any(axis=1))
+        if len(visited):
+            G_aug = np.zeros((len(visited), K + 1, K + 1))
+            G_aug[:, :K, :] = G[visited].reshape(-1, K, K + 1)
+            F = _expm_frechet_adjoint(s.h * s.A_aug[visited], G_aug)
+            moments[visited] = s.h * F[:, :K, :]                         # dL/dA_c
+        grad_theta = np.asarray(s.basis.T @ moments.reshape(s.n_theta, -1).T).T
+        if s.theta_ndim == 1:
+            grad_theta = grad_theta[0]
+    return grad_points, grad_theta, None
+
+
+@register(name="cpab_integrate", forward=_integrate_forward, backward=_integrate_backward,
+          arg_names=("points", "theta", "tess"), differentiable=("points", "theta"))
+def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
+    """The CPAB transformation phi_theta(points): the flow of the CPA velocity field for unit time.
+
+    Parameters
+    ----------
+    points : ndarray, shape (N, K) or (B, N, K)
+        Start points, shared by the batch (N, K) or one set per batch item. Under the
+        ``"noslip"`` and ``"slip"`` boundaries points outside [0, 1]^K are first moved to their
+        nearest point of the box (see Notes).
+    theta : ndarray, shape (n_params,) or (B, n_params)
+        Vertex velocities at the free components, as laid out by ``tess``.
+    tess : Tessellation
+    n_steps : int, optional
+        T, the number of steps of size h = 1/T (default 50, libcpab's and FG-CPAB's
+        ``nstepsolver``). It must pass the step-size guard ``h * max_c ||A_c,lin||_F <=
+        MAX_STEP_NORM`` (0.5), the maximum over cells and batch items of the Frobenius norm of
+        the linear part of A_c; otherwise a ValueError says which n_steps would do.
+    checkpoint_every : int, optional
+        S, the segment length of the VJP (:func:`cutopo.vjp`): its forward keeps the trajectory
+        every S steps and its backward recomputes one segment at a time, so a point holds
+        ceil(T/S) + S + 1 positions instead of T + 1. Default 4. The plain call only checks it.
+
+    Returns
+    -------
+    phi : ndarray, shape (B, N, K), or (N, K) when neither input has a batch axis
+        The points moved for unit time. dtype ``numpy.result_type(points, theta, float32)``
+        (float64 if that is neither float32 nor float64); batch axes of size 1 broadcast. The
+        step matrices are formed in float64 and rounded to that dtype; the points are located
+        and stepped in it.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not fit ``tess`` or each other, non-finite points or theta, ``n_steps``
+        or ``checkpoint_every`` below 1, or ``n_steps`` too small for ``theta`` (the guard).
+    TypeError
+        ``tess`` not a :class:`Tessellation`, non-real dtypes, ``n_steps`` or
+        ``checkpoint_every`` not an int.
+    NotImplementedError
+        CuPy inputs (no CUDA kernel yet).
+
+    Notes
+    -----
+    **Scheme.** With h = 1/T, A~_c = [[A_c], [0 ... 0]] and E_c = expm(h A~_c)::
+
+        x_0 = P(points),   x_{t+1} = P(E_c(t) [x_t; 1]),   c(t) = cell_index(x_t),
+
+    for t = 0 .. T-1: each step is the exact affine flow of the cell holding the step's start
+    point, for time h, ignoring any cell change within the step (libcpab's and FG-CPAB's
+    closed-form step, without FG-CPAB's optional Heun correction; research notes cpab.md 5).
+    Inside one cell it is exact; a step that crosses a face keeps the start cell's map for the
+    rest of the step, an error of O(h^2) per crossing, so the transformation converges as
+    O(h^2) (cpab.md 5.5 measures it against RK4). ``phi_{-theta}`` is the inverse flow, so it
+    inverts ``phi_theta`` up to that discretisation error. E_c is computed once per call and
+    cell (Pade(13) with scaling and squaring, vectorised over cells).
+
+    **Boundary.** P is the projection onto [0, 1]^K (coordinate-wise clipping) under
+    ``"noslip"`` and ``"slip"``, whose exact flows keep the box invariant, and the identity
+    under ``zero_boundary=None``. Under no-slip the guard makes P a no-op in exact arithmetic:
+    the field vanishes on the boundary and is Lipschitz with constant L <= max_c
+    ||A_c,lin||_F, so ``|v(x)| <= L dist(x, boundary)``; a frozen-cell step moves x by at most
+    ``|v(x)| (e^{hL} - 1) / L <= dist(x, boundary) (e^{hL} - 1)``, less than the distance to
+    the boundary because hL <= 0.5 < log 2. Trajectories therefore stay in the open box
+    (boundary points stay put) and P only removes rounding excursions. Under slip the
+    frozen-cell steps can overshoot the boundary near it, and P pulls them back. Without a zero
+    boundary points may leave the box; a point outside moves with the affine map of the cell of
+    its nearest box point (:func:`~cutopo.cpab.tessellation.cell_index` clamps), i.e. that
+    boundary cell's affine extension, as in libcpab (:func:`~cutopo.cpab.velocity` instead
+    extends the field as constant along the normal).
+
+    **VJP** (registered as ``"cpab_integrate"``; points and theta are differentiable, tess
+    gets None): the exact derivative of the scheme above, almost everywhere (cell indices are
+    piecewise constant in x, P piecewise linear; their jumps are ignored). Backwards from
+    lambda_T = cotangent, ``mu_{t+1} = m_{t+1} * lambda_{t+1}`` (m the mask of coordinates
+    that P left alone) and ``lambda_t = E_c(t),lin^T mu_{t+1}``, while every step adds
+    ``mu_{t+1} [x_t; 1]^T`` to a K x (K+1) matrix G_c of its cell. Then per visited cell
+    ``dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K}``, L the Frechet derivative of expm (whose
+    adjoint is L(X^T, .)), computed as Van Loan's block exponential, and ``dL/dtheta = B^T
+    vec(dL/dA)``, ``dL/dpoints = m_0 * lambda_0`` (summed over the batch when shared). Work
+    O(T N + d C), no [d, N] Jacobian; the trajectory is recomputed from checkpoints every S
+    steps (so the backward costs about two forwards). lambda and G are accumulated in
+    float64.
+
+    Convention
+    ----------
+    Domain [0, 1]^K; coordinate k of a point is array axis k, points are (N, K) in that order.
+    ``theta[j]`` is the velocity component ``tess.dof_axis[j]`` at vertex
+    ``tess.dof_vertex[j]`` (see :class:`Tessellation`). The flow runs for unit time; the
+    inverse transformation is ``integrate(points, -theta, tess)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cutopo.cpab import Tessellation, integrate
+    >>> tess = Tessellation((4,))                      # no-slip: the ends stay put
+    >>> theta = np.array([0.2, 0.3, 0.1])              # velocities at 0.25, 0.5, 0.75
+    >>> x = np.array([[0.0], [0.25], [0.5], [0.9], [1.0]])
+    >>> phi = integrate(x, theta, tess)
+    >>> np.round(phi, 4)
+    array([[0.    ],
+           [0.4959],
+           [0.7065],
+           [0.933 ],
+           [1.    ]])
+    >>> bool(np.abs(integrate(phi, -theta, tess) - x).max() < 1e-6)      # the inverse flow
+    True
+    >>> bool((integrate(x, np.zeros(3), tess) == x).all())                # theta = 0: identity
+    True
+
+    A batch of fields in 2D, and the VJP:
+
+    >>> import cutopo
+    >>> tess = Tessellation((3, 3))
+    >>> theta = tess.sample(2, length_scale=0.3, rng=0)                  # (2, 26)
+    >>> points = np.random.default_rng(0).random((5, 2))
+    >>> out, pullback = cutopo.vjp(integrate, points, theta, tess, n_steps=20)
+    >>> out.shape
+    (2, 5, 2)
+    >>> d_points, d_theta, d_tess = pullback(np.ones_like(out))
+    >>> d_points.shape, d_theta.shape, d_tess                            # points shared: summed
+    ((5, 2), (2, 26), None)
+
+    References
+    ----------
+    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
+       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
+    .. [2] N. S. Detlefsen, libcpab, https://github.com/SkafteNicki/libcpab, 2018 (the
+       expm-per-step integrator, ``nstepsolver``).
+    .. [3] A. Aflalo, E. Treister, C. Baskin, O. Freifeld, FG-CPAB, https://github.com/BGU-CS-VIL/FG-CPAB
+       (the discrete adjoint with per-cell moments and segment checkpointing).
+    .. [4] N. J. Higham, "The scaling and squaring method for the matrix exponential
+       revisited", SIAM J. Matrix Anal. Appl. 26(4), 2005.
+    .. [5] C. F. Van Loan, "Computing integrals involving the matrix exponential", IEEE Trans.
+       Automatic Control 23(3), 1978 (the block form of the Frechet derivative).
+    """
+    _check_count(checkpoint_every, "checkpoint_every")
+    s = _setup(points, theta, tess, n_steps, "integrate")
+    x = s.x0
+    for _ in range(s.n_steps):
+        x, _, _ = _step(s, x)
+    return x if s.batched else x[0]
+
+
+def log_jacobian(points, theta, tess, *, n_steps=50):
+    """log det D phi_theta at the points: the log-Jacobian of :func:`integrate`'s scheme.
+
+    Each step multiplies the Jacobian by E_c,lin = expm(h A_c,lin), whose determinant is
+    exp(h tr A_c,lin) (tr A_c,lin is the divergence of the field on cell c), so
+
+        log det D phi(x) = h * sum_t tr A_c(t),lin
+
+    along the trajectory of x, exactly for the scheme (almost everywhere) and without
+    differencing. Positive values mean expansion, negative compression; the map never folds.
+
+    Parameters
+    ----------
+    points, theta, tess, n_steps
+        As for :func:`integrate` (same checks, same step-size guard, same trajectories).
+
+    Returns
+    -------
+    log_det : ndarray, shape (B, N), or (N,) when neither input has a batch axis
+        dtype as :func:`integrate`'s result; accumulated in float64.
+
+    Notes
+    -----
+    The trajectories are :func:`integrate`'s, projection included, but the projection's own
+    factor is left out of the sum: where P clips a coordinate the scheme's Jacobian is
+    singular (log det = -inf). Under no-slip P only ever undoes rounding (see
+    :func:`integrate`), so this is the log-Jacobian of the map; under slip, at points whose
+    trajectory was clipped, it is the volume change of the unclipped steps. This op has no
+    VJP yet: it is piecewise constant in the points, and its theta-derivative (h times the
+    visits of each cell, on the diagonal of the per-cell moments) is not registered.
+
+    Convention
+    ----------
+    As for :func:`integrate`: domain [0, 1]^K, coordinate k of a point is array axis k.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cutopo.cpab import Tessellation, log_jacobian
+    >>> tess = Tessellation((4,))
+    >>> theta = np.array([0.2, 0.3, 0.1])
+    >>> x = np.array([[0.0], [0.25], [0.5], [0.9], [1.0]])
+    >>> np.round(log_jacobian(x, theta, tess), 4)       # x = 0 stays in cell 0: slope 0.8
+    array([ 0.8,  0.4, -0.8, -0.4, -0.4])
+
+    References
+    ----------
+    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
+       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
+    """
+    s = _setup(points, theta, tess, n_steps, "log_jacobian")
+    trace = np.trace(s.A_aug[:, :s.K, :s.K], axis1=1, axis2=2)          # div v on each cell
+    total, x = np.zeros(s.x0.shape[:2]), s.x0
+    for _ in range(s.n_steps):
+        x, flat, _ = _step(s, x)
+        total += trace[flat]
+    out = (s.h * total).astype(s.dtype)
+    return out if s.batched else out[0]
