@@ -23,10 +23,9 @@ import operator
 
 import numpy as np
 
-from .._array import is_cupy_array
 from ..vjp import register
-from .tessellation import Tessellation, cell_index
-from .velocity import _real_array
+from .tessellation import cell_index
+from .velocity import check_points_theta
 
 __all__ = ["integrate", "log_jacobian", "MAX_STEP_NORM"]
 
@@ -138,24 +137,12 @@ class _Setup:
 
 
 def _setup(points, theta, tess, n_steps, name):
-    if is_cupy_array(points) or is_cupy_array(theta):
-        raise NotImplementedError(f"cpab.{name} has no CUDA kernel yet")
-    if not isinstance(tess, Tessellation):
-        raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
+    points, theta = check_points_theta(points, theta, tess, name)
     n_steps = _check_count(n_steps, "n_steps")
-    K, d, C = tess.ndim, tess.n_params, tess.n_cells
-    points = _real_array(points, "points")
-    theta = _real_array(theta, "theta")
-    if points.ndim not in (2, 3) or points.shape[-1] != K:
-        raise ValueError(f"points must have shape (N, {K}) or (B, N, {K}) for a {K}-D "
-                         f"tessellation, got {points.shape}")
-    if theta.ndim not in (1, 2) or theta.shape[-1] != d:
-        raise ValueError(f"theta must have shape ({d},) or (B, {d}) (n_params={d}), got {theta.shape}")
+    K, C = tess.ndim, tess.n_cells
     P = points if points.ndim == 3 else points[None]                     # (Bp, N, K)
     T2 = theta if theta.ndim == 2 else theta[None]                       # (Bt, d)
     Bp, Bt = len(P), len(T2)
-    if Bp != Bt and 1 not in (Bp, Bt):
-        raise ValueError(f"points and theta have batch sizes {Bp} and {Bt}")
     B = Bt if Bp == 1 else Bp
     dtype = np.result_type(points.dtype, theta.dtype, np.float32)
     if dtype not in (np.float32, np.float64):

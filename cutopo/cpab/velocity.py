@@ -16,6 +16,29 @@ def _real_array(x, name):
     return x
 
 
+
+def check_points_theta(points, theta, tess, name):
+    """Validate the (points, theta, tess) arguments of a CPA op; return points and theta as
+    real NumPy arrays. points: (N, K) or (B, N, K); theta: (d,) or (B, d); batch sizes equal
+    or one of them 1 (broadcast)."""
+    if is_cupy_array(points) or is_cupy_array(theta):
+        raise NotImplementedError(f"cpab.{name} has no CUDA kernel yet")
+    if not isinstance(tess, Tessellation):
+        raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
+    K, d = tess.ndim, tess.n_params
+    points = _real_array(points, "points")
+    theta = _real_array(theta, "theta")
+    if points.ndim not in (2, 3) or points.shape[-1] != K:
+        raise ValueError(f"points must have shape (N, {K}) or (B, N, {K}) for a {K}-D "
+                         f"tessellation, got {points.shape}")
+    if theta.ndim not in (1, 2) or theta.shape[-1] != d:
+        raise ValueError(f"theta must have shape ({d},) or (B, {d}) (n_params={d}), got {theta.shape}")
+    if points.ndim == 3 and theta.ndim == 2 and 1 not in (len(points), len(theta)) \
+            and len(points) != len(theta):
+        raise ValueError(f"points and theta have batch sizes {len(points)} and {len(theta)}")
+    return points, theta
+
+
 def velocity(points, theta, tess):
     """The continuous piecewise-affine velocity field of ``theta`` at ``points``.
 
@@ -68,22 +91,9 @@ def velocity(points, theta, tess):
     .. [2] N. S. Detlefsen, libcpab, https://github.com/SkafteNicki/libcpab, 2018
        (``calc_vectorfield``).
     """
-    if is_cupy_array(points) or is_cupy_array(theta):
-        raise NotImplementedError("cpab.velocity has no CUDA kernel yet")
-    if not isinstance(tess, Tessellation):
-        raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
-    K, d = tess.ndim, tess.n_params
-    points = _real_array(points, "points")
-    theta = _real_array(theta, "theta")
-    if points.ndim not in (2, 3) or points.shape[-1] != K:
-        raise ValueError(f"points must have shape (N, {K}) or (B, N, {K}) for a {K}-D "
-                         f"tessellation, got {points.shape}")
-    if theta.ndim not in (1, 2) or theta.shape[-1] != d:
-        raise ValueError(f"theta must have shape ({d},) or (B, {d}) (n_params={d}), got {theta.shape}")
+    points, theta = check_points_theta(points, theta, tess, "velocity")
+    K = tess.ndim
     batched = points.ndim == 3 or theta.ndim == 2
-    if points.ndim == 3 and theta.ndim == 2 and 1 not in (len(points), len(theta)) \
-            and len(points) != len(theta):
-        raise ValueError(f"points and theta have batch sizes {len(points)} and {len(theta)}")
     dtype = np.result_type(points.dtype, theta.dtype, np.float32)
     if dtype not in (np.float32, np.float64):
         dtype = np.dtype(np.float64)
