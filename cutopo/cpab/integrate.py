@@ -321,8 +321,10 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     Inside one cell it is exact; a step that crosses a face keeps the start cell's map for the
     rest of the step, an error of O(h^2) per crossing, so the transformation converges as
     O(h^2) (cpab.md 5.5 measures it against RK4). ``phi_{-theta}`` is the inverse flow, so it
-    inverts ``phi_theta`` up to that discretisation error. E_c is computed once per call and
-    cell (Pade(13) with scaling and squaring, vectorised over cells).
+    inverts ``phi_theta`` up to that discretisation error. The scheme's map is discontinuous
+    where a step starts on a face (the two cells' steps differ by O(h^2) there), so nearby
+    points, or float32 and float64 runs, can differ by that much. E_c is computed once per
+    call and cell (Pade(13) with scaling and squaring, vectorised over cells).
 
     **Boundary.** P is the projection onto [0, 1]^K (coordinate-wise clipping) under
     ``"noslip"`` and ``"slip"``, whose exact flows keep the box invariant, and the identity
