@@ -97,7 +97,8 @@ def face_margin(points, theta, tess, n_steps):
     states, cells, raw = reference_trajectory(points, theta, tess, n_steps)
     coef = barycentric_coefficients(tess)
     x = np.clip(states[:-1], 0, 1)
-    bary = np.einsum("tnlq,tnq->tnl", coef[cells], np.concatenate([x, np.ones(x.shape[:-1] + (1,))], -1))
+    x_aug = np.concatenate([x, np.ones(x.shape[:-1] + (1,))], axis=-1)
+    bary = np.einsum("tnlq,tnq->tnl", coef[cells], x_aug)
     bary = np.where(box_faces(tess)[cells], np.inf, bary)
     margin = bary.min(axis=(0, 2))
     if tess.zero_boundary in ("noslip", "slip"):
@@ -340,7 +341,8 @@ def test_points_outside_the_box(rng):
     tess = Tessellation((3, 2), zero_boundary=None)
     theta = theta_with_norm(tess, rng, 3.0)
     np.testing.assert_allclose(integrate(x, theta, tess, n_steps=10),
-                               reference_trajectory(x, theta, tess, 10)[0][-1], rtol=1e-13, atol=1e-13)
+                               reference_trajectory(x, theta, tess, 10)[0][-1],
+                               rtol=1e-13, atol=1e-13)
 
 
 def test_batch_shapes_and_broadcasting(rng):
@@ -379,7 +381,8 @@ def test_float32(rng):
                                n_steps=20)
     d_points, d_theta, _ = pullback(np.ones_like(out))
     assert d_points.dtype == np.float32 and d_theta.dtype == np.float32
-    ref_points, ref_theta, _ = cutopo.vjp(integrate, x, theta, tess, n_steps=20)[1](np.ones_like(out64))
+    _, pullback64 = cutopo.vjp(integrate, x, theta, tess, n_steps=20)
+    ref_points, ref_theta, _ = pullback64(np.ones_like(out64))
     assert rel_err(d_theta, ref_theta) < 1e-3 and rel_err(d_points, ref_points) < 1e-3
 
 
@@ -498,14 +501,16 @@ def test_vjp_batches_sum_over_shared_arguments(rng):
         ref = [cutopo.vjp(integrate, pts[0], theta[b], tess, n_steps=T)[1](w[b]) for b in range(3)]
         d_points, d_theta, _ = cutopo.vjp(integrate, shared, theta, tess, n_steps=T)[1](w)
         assert d_points.shape == shared.shape
-        np.testing.assert_allclose(d_points.reshape(6, 2), sum(r[0] for r in ref), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(d_points.reshape(6, 2), sum(r[0] for r in ref),
+                                   rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(d_theta, np.array([r[1] for r in ref]), rtol=1e-12, atol=1e-14)
     # shared theta (d,) and (1, d)
     for shared in (theta[0], theta[:1]):
         ref = [cutopo.vjp(integrate, pts[b], theta[0], tess, n_steps=T)[1](w[b]) for b in range(3)]
         d_points, d_theta, _ = cutopo.vjp(integrate, pts, shared, tess, n_steps=T)[1](w)
         assert d_theta.shape == shared.shape
-        np.testing.assert_allclose(d_theta.reshape(-1), sum(r[1] for r in ref), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(d_theta.reshape(-1), sum(r[1] for r in ref),
+                                   rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(d_points, np.array([r[0] for r in ref]), rtol=1e-12, atol=1e-14)
 
 
