@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 
 import numpy as np
 
 from ..vjp import register
 from .tessellation import cell_index
+from ._checks import check_count
 from .velocity import check_points_theta
 
 __all__ = ["integrate", "log_jacobian", "MAX_STEP_NORM"]
@@ -99,18 +99,6 @@ def _expm_frechet_adjoint(X, G):
 
 # -- argument checks and the per-call set-up ----------------------------------------------------
 
-def _check_count(value, name):
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 @dataclasses.dataclass
 class _Setup:
     """Everything the steps need, shared by the forward, log_jacobian and the backward."""
@@ -137,21 +125,13 @@ class _Setup:
 
 
 def _setup(points, theta, tess, n_steps, name):
-    points, theta = check_points_theta(points, theta, tess, name)
-    n_steps = _check_count(n_steps, "n_steps")
+    points, theta, dtype = check_points_theta(points, theta, tess, name)
+    n_steps = check_count(n_steps, "n_steps")
     K, C = tess.ndim, tess.n_cells
     P = points if points.ndim == 3 else points[None]                     # (Bp, N, K)
     T2 = theta if theta.ndim == 2 else theta[None]                       # (Bt, d)
     Bp, Bt = len(P), len(T2)
     B = Bt if Bp == 1 else Bp
-    dtype = np.result_type(points.dtype, theta.dtype, np.float32)
-    if dtype not in (np.float32, np.float64):
-        dtype = np.dtype(np.float64)
-    P = P.astype(dtype, copy=False)
-    if not np.isfinite(P).all():
-        raise ValueError("points must be finite")
-    if not np.isfinite(T2).all():
-        raise ValueError("theta must be finite")
 
     A = tess.affine_maps(T2).reshape(Bt * C, K, K + 1)                  # float64
     largest = float(np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0))
@@ -196,7 +176,7 @@ def _step(s, x):
 
 def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     """``(integrate(...), residuals)``: the trajectory is kept every ``checkpoint_every`` steps."""
-    S = _check_count(checkpoint_every, "checkpoint_every")
+    S = check_count(checkpoint_every, "checkpoint_every")
     s = _setup(points, theta, tess, n_steps, "integrate")
     checkpoints, x = [], s.x0
     for t in range(s.n_steps):
@@ -407,7 +387,7 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     .. [5] C. F. Van Loan, "Computing integrals involving the matrix exponential", IEEE Trans.
        Automatic Control 23(3), 1978 (the block form of the Frechet derivative).
     """
-    _check_count(checkpoint_every, "checkpoint_every")
+    check_count(checkpoint_every, "checkpoint_every")
     s = _setup(points, theta, tess, n_steps, "integrate")
     x = s.x0
     for _ in range(s.n_steps):

@@ -8,9 +8,10 @@ kernel matrices, applied one axis at a time; the vertices pick their grid points
 from __future__ import annotations
 
 import math
-import operator
 
 import numpy as np
+
+from ._checks import check_count
 
 __all__ = ["sample_vertex_prior", "MAX_GRID_POINTS_PER_AXIS"]
 
@@ -39,14 +40,7 @@ def _check_positive_float(value, name, *, allow_zero=False):
 
 def sample_vertex_prior(tess, n, *, length_scale, scale, rng):
     """theta of shape (n, tess.n_params), float64; see :meth:`Tessellation.sample`."""
-    if isinstance(n, (bool, np.bool_)):
-        raise TypeError(f"n must be an int, got {n!r}")
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"n must be an int, got {n!r}") from None
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    n = check_count(n, "n", minimum=0)
     length_scale = _check_positive_float(length_scale, "length_scale")
     scale = _check_positive_float(scale, "scale", allow_zero=True)
     rng = np.random.default_rng(rng)

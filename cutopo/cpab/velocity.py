@@ -36,7 +36,17 @@ def check_points_theta(points, theta, tess, name):
     if points.ndim == 3 and theta.ndim == 2 and 1 not in (len(points), len(theta)) \
             and len(points) != len(theta):
         raise ValueError(f"points and theta have batch sizes {len(points)} and {len(theta)}")
-    return points, theta
+    # float32 only when both are (at most) float32; everything else computes in float64
+    dtype = np.result_type(points.dtype, theta.dtype, np.float32)
+    if dtype not in (np.float32, np.float64):
+        dtype = np.dtype(np.float64)
+    points = points.astype(dtype, copy=False)
+    if not np.isfinite(points).all():
+        raise ValueError("points must be finite")
+    if not np.isfinite(theta).all():
+        raise ValueError("theta must be finite")
+    return points, theta, dtype
+
 
 
 def velocity(points, theta, tess):
@@ -91,15 +101,9 @@ def velocity(points, theta, tess):
     .. [2] N. S. Detlefsen, libcpab, https://github.com/SkafteNicki/libcpab, 2018
        (``calc_vectorfield``).
     """
-    points, theta = check_points_theta(points, theta, tess, "velocity")
+    points, theta, dtype = check_points_theta(points, theta, tess, "velocity")
     K = tess.ndim
     batched = points.ndim == 3 or theta.ndim == 2
-    dtype = np.result_type(points.dtype, theta.dtype, np.float32)
-    if dtype not in (np.float32, np.float64):
-        dtype = np.dtype(np.float64)
-    points = points.astype(dtype, copy=False)
-    if not np.isfinite(points).all():
-        raise ValueError("points must be finite")
 
     P = points if points.ndim == 3 else points[None]                     # (Bp, N, K)
     A = tess.affine_maps(theta if theta.ndim == 2 else theta[None])      # (Bt, C, K, K+1)
