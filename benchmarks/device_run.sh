@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything one device session runs, in one call: GPU tests, the benchmark, instruction counts.
+# Everything one device session runs, in one call: GPU tests, the benchmarks, instruction counts.
 # Usage (repository root, on a machine with a GPU):  OUT=/tmp/out bash benchmarks/device_run.sh
 # Environment: BENCH_ARGS (extra benchmark options), TESTS (pytest selection, default: -m gpu tests),
+# BENCH_SOFT_ARGS (extra bench_soft.py options), SOFT=0 (skip bench_soft.py),
 # NCU=1 (also count instructions per voxel with Nsight Compute).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,6 +18,10 @@ mkdir -p "$OUT"
 python3 -m pytest -q -p no:cacheprovider -x ${TESTS:--m gpu tests} 2>&1 | tee "$OUT/tests.log"
 
 python3 benchmarks/bench_ecc.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+
+if [ "${SOFT:-1}" != 0 ]; then
+  python3 benchmarks/bench_soft.py ${BENCH_SOFT_ARGS:-} 2>&1 | tee "$OUT/bench_soft.log"
+fi
 
 if [ "${SASS:-0}" = 1 ] && command -v nvdisasm >/dev/null; then
   python3 - <<'PY'

@@ -652,3 +652,5 @@ ecc_contributions(const In* __restrict__ image, signed char* __restrict__ out, i
 
 }  // namespace ecc
 }  // namespace cutopo
+#include "ecc_band.cuh"
+#include "ecc_expected.cuh"

@@ -126,13 +126,13 @@ def check_scale(scale):
     if isinstance(scale, (int, float, np.integer, np.floating)):
         strong64 = isinstance(scale, np.float64)  # a plain Python float is weakly typed
         value = float(scale)
-    elif isinstance(scale, np.ndarray):
+    elif isinstance(scale, np.ndarray) or is_cupy_array(scale):
         if scale.dtype.kind not in "iuf":
             raise TypeError(f"scale: dtype {scale.dtype} is not a real number type")
         if scale.ndim != 0:
             raise ValueError(f"scale must be a scalar (0-d array), got shape {scale.shape}")
         strong64 = scale.dtype == np.float64
-        value = float(scale)
+        value = float(scale)  # one device-to-host copy for a CuPy scalar
     else:
         raise TypeError(f"scale must be a positive real number, got {type(scale).__name__}")
     if not (math.isfinite(value) and value > 0):

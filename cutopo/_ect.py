@@ -11,7 +11,8 @@ per-pixel contributions (ecc.md 5.2, 5.3): ECT(v, t) = sum_p c_v(p) [h_v(p) <= t
 * T construction (``connectivity=ndim``): the owner of a lower cell is its lowest adjacent
   pixel, which depends on the magnitudes of v, so c_v is recomputed for every direction.
 
-NumPy only for now.
+NumPy path here; CuPy masks go to :mod:`cutopo._band_cupy` (the same contribution maps, computed
+by the kernels of ``cuda_src/ecc.cu``, then per-direction kernels over the critical pixels).
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._array import is_cupy_array
+from . import _band_cupy
+from ._array import is_cupy_array, to_numpy
 from ._checks import check_connectivity, check_scale, check_thresholds
 from ._ecc_numpy import contributions_from_keys, order_keys
+from ._soft_ecc import band_halfwidth
 from .vjp import register
 
 __all__ = ["ect", "soft_ect", "heights"]
@@ -133,17 +136,24 @@ def _reach(coords, dirs):
 # Validation
 
 
-def _reject_cupy(op, *args):
-    if any(is_cupy_array(a) for a in args):
-        raise NotImplementedError(f"{op} has no CUDA kernel yet; pass NumPy arrays")
+def _same_device(op, mask, *others):
+    """The mask picks the backend; device arguments with a host mask would hide a transfer."""
+    if not is_cupy_array(mask):
+        for name, a in others:
+            if is_cupy_array(a):
+                raise TypeError(f"{op}: {name} is a CuPy array but mask is not: move both to "
+                                "one device")
 
 
 def _check_directions(directions):
-    if isinstance(directions, np.ndarray):
+    if is_cupy_array(directions):
         d = directions
+        host = to_numpy(directions)
+    elif isinstance(directions, np.ndarray):
+        d = host = directions
     else:
         try:
-            d = np.asarray(directions)
+            d = host = np.asarray(directions)
         except Exception as exc:
             raise TypeError("directions must be an array, got "
                             f"{type(directions).__name__}") from exc
@@ -154,7 +164,7 @@ def _check_directions(directions):
                          f"{d.shape}")
     if d.shape[0] == 0:
         raise ValueError(f"directions must hold at least one direction (got shape {d.shape})")
-    d64 = d.astype(np.float64)
+    d64 = host.astype(np.float64)
     if not np.all(np.isfinite(d64)):
         raise ValueError("directions must be finite (found NaN or inf)")
     zero = np.flatnonzero(~np.any(d64 != 0, axis=1))
@@ -165,7 +175,7 @@ def _check_directions(directions):
 
 
 def _check_mask(mask, ndim):
-    if not isinstance(mask, np.ndarray):
+    if not (isinstance(mask, np.ndarray) or is_cupy_array(mask)):
         try:
             mask = np.asarray(mask)
         except Exception as exc:
@@ -201,7 +211,7 @@ def _check_thresholds(thresholds, coords, dirs64):
 
 
 def _prepare(op, mask, directions, thresholds, connectivity):
-    _reject_cupy(op, mask, directions, thresholds)
+    _same_device(op, mask, ("directions", directions), ("thresholds", thresholds))
     directions, dirs64 = _check_directions(directions)
     ndim = dirs64.shape[1]
     mask = _check_mask(mask, ndim)
@@ -214,6 +224,10 @@ def _prepare(op, mask, directions, thresholds, connectivity):
         raise ValueError("directions: too large, the pixel heights overflow float64")
     t, count = _check_thresholds(thresholds, coords, dirs64)
     mask_b = mask.reshape((math.prod(batch),) + spatial)
+    if is_cupy_array(mask_b):
+        import cupy
+
+        mask_b = cupy.ascontiguousarray(mask_b)
     return directions, dirs64, mask_b, batch, spatial, coords, tconn, t, count
 
 
@@ -362,8 +376,10 @@ def ect(mask, directions, thresholds, *, connectivity=1):
     Parameters
     ----------
     mask : ndarray, shape (*batch, *spatial)
-        NumPy array of dtype bool, or integer (non-zero is foreground). The last ``ndim``
-        axes are spatial, where ``ndim = directions.shape[1]``; leading axes are a batch.
+        NumPy or CuPy array of dtype bool, or integer (non-zero is foreground). The last
+        ``ndim`` axes are spatial, where ``ndim = directions.shape[1]``; leading axes are a
+        batch. A CuPy mask runs on its GPU (``directions`` and ``thresholds`` may then be
+        host or device arrays; with a NumPy mask they must be host arrays).
     directions : array-like, shape (D, ndim)
         Finite, real directions with no zero row, ndim 2 or 3, components in array-axis
         order. Used as given, not normalised: unit rows give the usual ECT; the scale of a row
@@ -383,6 +399,7 @@ def ect(mask, directions, thresholds, *, connectivity=1):
     Returns
     -------
     transform : ndarray of int64, shape (*batch, D, T)
+        Of the mask's array type.
 
     Notes
     -----
@@ -437,6 +454,10 @@ def ect(mask, directions, thresholds, *, connectivity=1):
     _, dirs64, mask_b, batch, spatial, coords, tconn, t, _ = _prepare(
         "ect", mask, directions, thresholds, connectivity)
     B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
+    if is_cupy_array(mask_b):
+        with mask_b.device:
+            out, _ = _band_cupy.ect_forward(mask_b, dirs64, coords, t, tconn, soft=False)
+        return out.reshape(batch + (D, T))
     hist = np.zeros((B, D, T + 1), dtype=np.int64)
     for ch in _entries(mask_b, dirs64, coords, tconn):
         k = ch.ids.size
@@ -474,6 +495,7 @@ class _Residuals(NamedTuple):
     scale: np.generic      # computation dtype
     batch: tuple
     dtype: np.dtype
+    entries: object = None  # GPU: the critical pixels found by the forward (_band_cupy.Entries)
 
 
 def _blocks(ch, T):
@@ -485,7 +507,7 @@ def _blocks(ch, T):
 
 
 def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
-    _reject_cupy("soft_ect", scale)
+    _same_device("soft_ect", mask, ("scale", scale))
     directions, dirs64, mask_b, batch, spatial, coords, tconn, t64, count = _prepare(
         "soft_ect", mask, directions, thresholds, connectivity)
     scale_value, scale64 = check_scale(scale)
@@ -499,6 +521,12 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
         raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
     t = t64.astype(dtype)
     B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
+    res = _Residuals(mask_b, dirs64, coords, tconn, t, count, lam, batch, dtype)
+    if is_cupy_array(mask_b):
+        with mask_b.device:
+            out, entries = _band_cupy.ect_forward(mask_b, dirs64, coords, t, tconn, soft=True,
+                                                  lam=lam, w=band_halfwidth(dtype, lam), keep=True)
+        return out.reshape(batch + (D, T)), res._replace(entries=entries)
     out = np.zeros((B, D, T), dtype=np.float64)
     # Dense evaluation: every (entry, threshold) pair gets a sigmoid, N_crit x T per direction,
     # in blocks of about _BLOCK pairs (memory stays bounded). The entries are only the pixels
@@ -514,7 +542,6 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
             starts = _segment_starts(row)
             local[row[starts]] += np.add.reduceat(vals, starts, axis=0, dtype=np.float64)
         out[ch.b0:ch.b0 + ch.nb, ch.ids] += local.reshape(k, ch.nb, T).transpose(1, 0, 2)
-    res = _Residuals(mask_b, dirs64, coords, tconn, t, count, lam, batch, dtype)
     return out.astype(dtype).reshape(batch + (D, T)), res
 
 
@@ -525,8 +552,10 @@ def _soft_backward(res: _Residuals, g, needs):
     dtype, t, lam = res.dtype, res.t, res.scale
     B, D, T = res.mask_b.shape[0], res.dirs64.shape[0], t.size
     ndim = res.dirs64.shape[1]
-    g = np.asarray(g, dtype=dtype).reshape(B, D, T)
     chain = need_v and res.count is not None  # the count's thresholds +-R move with the directions
+    if is_cupy_array(res.mask_b):
+        return _soft_backward_cupy(res, g, needs, chain)
+    g = np.asarray(g, dtype=dtype).reshape(B, D, T)
     d_v = np.zeros((D, ndim), dtype=np.float64) if need_v else None
     d_t = np.zeros(T, dtype=np.float64) if (need_t or chain) else None
     d_scale = 0.0
@@ -550,14 +579,41 @@ def _soft_backward(res: _Residuals, g, needs):
     if d_t is not None:
         d_t *= float(lam)
     if chain:
-        # t_k = -R + 2 R k / (n - 1) (t = [-R] when n = 1), R = |h| at one grid corner for one
-        # direction (the first where the maximum is attained): dR/dv = +-(corner position).
-        n = res.count
-        slope = -1.0 + 2.0 * np.arange(n) / (n - 1) if n > 1 else np.array([-1.0])
-        _, d_star, grad_r = _reach(res.coords, res.dirs64)
-        d_v[d_star] += float(np.dot(d_t, slope)) * grad_r
+        d_star, step = _threshold_motion(res, float(np.dot(d_t, _count_slope(res.count))))
+        d_v[d_star] += step
     return (None, d_v, d_t if need_t else None,
             np.asarray(d_scale) if need_scale else None)
+
+
+def _count_slope(n):
+    """d t_k / d R for the count's thresholds t_k = -R + 2 R k / (n - 1) (t = [-R] when n = 1)."""
+    return -1.0 + 2.0 * np.arange(n) / (n - 1) if n > 1 else np.array([-1.0])
+
+
+def _threshold_motion(res, dt_dot_slope):
+    """(direction, its added cotangent) from thresholds that move with R. R = |h| at one grid
+    corner for one direction (the first where the maximum is attained): dR/dv = +-(corner)."""
+    _, d_star, grad_r = _reach(res.coords, res.dirs64)
+    return d_star, dt_dot_slope * grad_r
+
+
+def _soft_backward_cupy(res: _Residuals, g, needs, chain):
+    import cupy
+
+    _, need_v, need_t, need_scale = needs
+    lam = res.scale
+    with res.mask_b.device:
+        d_v, d_t, d_scale = _band_cupy.ect_backward(
+            res.mask_b, res.dirs64, res.coords, res.t, res.tconn, lam,
+            band_halfwidth(res.dtype, lam), g, (need_v, need_t or chain, need_scale),
+            kept=res.entries)
+        d_t *= float(lam)
+        if chain:
+            slope = cupy.asarray(_count_slope(res.count))
+            d_star, step = _threshold_motion(res, float(cupy.dot(d_t, slope)))
+            d_v[d_star] += cupy.asarray(step)
+    return (None, d_v if need_v else None, d_t if need_t else None,
+            d_scale if need_scale else None)
 
 
 @register(name="soft_ect", forward=_soft_forward, backward=_soft_backward,
@@ -618,7 +674,10 @@ def soft_ect(mask, directions, thresholds, scale, *, connectivity=1):
     The backward recomputes the contribution maps and heights instead of storing them.
 
     Cost: as for :func:`ect`, plus one sigmoid per pair (pixel with c != 0, threshold) for
-    every direction (dense evaluation, in bounded-memory blocks).
+    every direction (dense evaluation, in bounded-memory blocks). On the GPU only the band
+    ``|scale (t - h)| < B`` of each pair is evaluated, as :func:`soft_ecc` does (B = 37 in
+    float64, 17 in float32; the terms left out are below ``e^-B |c|`` each), with per-block
+    float64 sums; the heights and contribution maps are the same as on the CPU.
 
     Convention: as for :func:`ect` (positions centred, isotropic, longest axis spanning
     [-1, 1]; direction components in array-axis order).

@@ -16,6 +16,10 @@ The derivative of a box product with respect to one corner is the product of the
 corners, formed exactly (no division) as a product of ``len(S)`` sub-box products: ordering S
 increasingly, the other corners are split by the first axis on which they differ from the
 chosen corner, and each part is a box over the later axes of S.
+
+This module is the NumPy path (CPU fallback and test oracle); CuPy arrays run the kernels of
+``cuda_src/ecc_expected.cuh`` through :mod:`cutopo._expected_euler_cupy`, which form the same
+products directly per cell.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import itertools
 
 import numpy as np
 
+from . import _expected_euler_cupy
 from ._array import as_array, is_cupy_array
 from ._checks import check_connectivity, check_image
 from .vjp import register
@@ -45,17 +50,33 @@ def _validate(prob, ndim, connectivity):
     except ValueError as exc:
         raise ValueError(str(exc).replace("the image", "prob").replace("image", "prob")) from None
     tconn = check_connectivity(connectivity, ndim)
-    if is_cupy_array(prob):
-        raise NotImplementedError("expected_euler has no CUDA kernel yet; pass a NumPy array")
     if prob.size:
-        lo, hi = prob.min(), prob.max()
-        if np.isnan(lo) or np.isnan(hi):
+        if is_cupy_array(prob):
+            lo, hi, has_nan = _device_range(prob)
+        else:
+            lo, hi = prob.min(), prob.max()
+            has_nan = np.isnan(lo) or np.isnan(hi)
+        if has_nan:
             raise ValueError("prob: contains NaN; probabilities must lie in [0, 1]")
         if lo < 0 or hi > 1:
             raise ValueError(f"prob: values must lie in [0, 1], found range "
                              f"[{float(lo)}, {float(hi)}]")
     cdtype = np.dtype(np.float64) if prob.dtype == np.float64 else np.dtype(np.float32)
     return prob, ndim, tconn, cdtype
+
+
+def _device_range(prob):
+    """(min, max, has NaN) of a non-empty CuPy array, fetched in one device-to-host copy.
+
+    NaN is looked for separately rather than trusted to propagate through min/max, which
+    depends on CuPy's reduction backend (CUB, cuTENSOR).
+    """
+    import cupy
+
+    with prob.device:
+        lo, hi, nan = cupy.stack([prob.min(), prob.max(),
+                                  cupy.isnan(prob).any().astype(prob.dtype)]).get()
+    return lo, hi, bool(nan)
 
 
 # ----------------------------------------------------------------------------- cell geometry
@@ -123,7 +144,11 @@ def _expected(p, ndim, tconn):
 
 def _forward(prob, *, ndim=None, connectivity=1):
     prob, ndim, tconn, cdtype = _validate(prob, ndim, connectivity)
-    out = _expected(prob.astype(cdtype, copy=False), ndim, tconn)
+    if is_cupy_array(prob):
+        with prob.device:
+            out = _expected_euler_cupy.expected(prob, ndim, tconn).astype(cdtype, copy=False)
+    else:
+        out = _expected(prob.astype(cdtype, copy=False), ndim, tconn)
     return out, (prob, ndim, tconn)
 
 
@@ -175,6 +200,9 @@ def _backward(residuals, cotangent, needs):
     prob, ndim, tconn = residuals
     if not needs[0]:
         return (None,)
+    if is_cupy_array(prob):
+        with prob.device:
+            return (_expected_euler_cupy.gradient(prob, ndim, tconn, cotangent),)
     cdtype = np.dtype(np.float64) if prob.dtype == np.float64 else np.dtype(np.float32)
     cotangent = np.asarray(cotangent, dtype=cdtype)
     g = _gradient(prob.astype(cdtype, copy=False), ndim, tconn)
@@ -209,9 +237,10 @@ def expected_euler(prob, *, ndim=None, connectivity=1):
     Parameters
     ----------
     prob : ndarray, shape (*batch, *spatial)
-        NumPy array of dtype float16, float32 or float64 with values in [0, 1] (NaN is
+        NumPy or CuPy array of dtype float16, float32 or float64 with values in [0, 1] (NaN is
         rejected). The last ``ndim`` axes are spatial; leading axes are a batch. float16 is
-        computed in float32.
+        computed in float32. CuPy arrays run CUDA kernels on the array's device, NumPy arrays
+        the vectorised NumPy path.
     ndim : {None, 2, 3}, optional
         Number of trailing spatial axes. ``None`` means ``prob.ndim``, which must be 2 or 3.
     connectivity : {1, ndim}, optional
@@ -222,8 +251,10 @@ def expected_euler(prob, *, ndim=None, connectivity=1):
     -------
     chi : ndarray of float32 or float64, shape (*batch,)
         The expected Euler characteristic of every image of the batch (a 0-d array when there
-        is no batch), float64 for float64 input and float32 otherwise. Per-cell-type sums are
-        accumulated in float64.
+        is no batch), of the array type of ``prob``, float64 for float64 input and float32
+        otherwise. Cell terms are accumulated in float64 (per cell type on the CPU, per thread
+        and block on the GPU, so the two agree to rounding, not bit for bit). The cotangent of
+        ``prob`` has its dtype (float16 included).
 
     Raises
     ------
@@ -231,16 +262,18 @@ def expected_euler(prob, *, ndim=None, connectivity=1):
         ``prob`` is not a floating array (integer and bool arrays are refused).
     ValueError
         Wrong shape or ``ndim``, values outside [0, 1] or NaN, or a connectivity other than
-        1 or ``ndim``.
-    NotImplementedError
-        ``prob`` is a CuPy array (no CUDA kernel yet).
+        1 or ``ndim``. For a CuPy array the check costs one device-to-host copy of its range.
 
     Notes
     -----
-    Cost is O(3^ndim) vectorised passes over the image: the forward forms the box products
+    NumPy: O(3^ndim) vectorised passes over the image: the forward forms the box products
     of every cell type (at most ndim + 1 of them alive at once); the backward recomputes
     the box products over the axes other than the first (2^(ndim-1) arrays) and adds the
     products of the other factors of every (cell type, corner) pair at the corner's pixel.
+    CUDA: one pass each, no temporary arrays. The forward runs a thread per cell anchor (the
+    lowest corner) summing the cells of every type anchored there, reduced per block into
+    one atomic add per image; the backward runs a thread per pixel that gathers the 3^ndim
+    cells through it (no atomics).
 
     Convention: array axes are spatial axes in C order (``(rows, cols)`` in 2D,
     ``(planes, rows, cols)`` in 3D); positions outside the image are empty (probability 0).

@@ -3,7 +3,8 @@
 chi_lambda(t_k) = sum_p c(p) * sigmoid(lambda * (t_k - f(p))), with c the contribution map of
 :func:`cutopo.euler_contributions`. Only the thresholds inside a band around each pixel's value
 are evaluated; the saturated ones are added exactly through a difference array over the
-thresholds (ecc.md 5.8). NumPy only for now.
+thresholds (ecc.md 5.8). NumPy path here; CuPy arrays go to the kernels of
+``cuda_src/ecc_band.cuh`` (:mod:`cutopo._band_cupy`), which evaluate the same band entries.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _ecc_numpy
+from . import _band_cupy, _ecc_numpy
 from ._array import as_array, is_cupy_array
-from ._checks import check_boundary, check_connectivity, check_image, check_scale, check_thresholds
+from ._checks import (check_boundary, check_connectivity, check_image, check_scale,
+                      check_thresholds, same_array_type)
 from .vjp import register
 
 __all__ = ["soft_ecc"]
@@ -53,14 +55,11 @@ class _Pixels(NamedTuple):
 # Validation
 
 
-def _reject_cupy(*args):
-    if any(is_cupy_array(a) for a in args):
-        raise NotImplementedError("soft_ecc has no CUDA kernel yet; pass NumPy arrays")
-
-
 def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _Config:
-    _reject_cupy(image, thresholds, scale)
     image, ndim = check_image(image, ndim)
+    same_array_type(image, thresholds)
+    if is_cupy_array(scale) and not is_cupy_array(image):
+        raise TypeError("scale is a CuPy array but image is not: move both to one device")
     tconn = check_connectivity(connectivity, ndim)
     periodic = check_boundary(boundary, image, ndim)
     scale_value, scale64 = check_scale(scale)
@@ -83,6 +82,19 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
 
 # ---------------------------------------------------------------------------------------------
 # Bands
+
+
+def band_halfwidth(dtype, scale) -> float:
+    """w = B / scale widened by 2^-40 (past the rounding of the division), inf on overflow.
+
+    Every backend of the soft ops takes its band edges f -+ w from this value.
+    """
+    with np.errstate(over="ignore"):
+        return float((np.float64(_BAND[np.dtype(dtype)]) / np.float64(scale)) * (1.0 + 2.0 ** -40))
+
+
+def _halfwidth(cfg: _Config) -> float:
+    return band_halfwidth(cfg.dtype, cfg.scale)
 
 
 def _outward(x, direction, steps=2):
@@ -110,8 +122,7 @@ def _pixels(cfg: _Config) -> _Pixels:
     # of the sum, so every threshold left out of [lo, hi) has |u| >= B exactly.
     f64 = f.astype(np.float64)
     t64 = t.astype(np.float64)
-    with np.errstate(over="ignore"):
-        w = (cfg.band / float(cfg.scale)) * (1.0 + 2.0 ** -40)
+    w = _halfwidth(cfg)
     with np.errstate(invalid="ignore"):
         lo_edge = _outward(f64 - w, -np.inf)
         hi_edge = _outward(f64 + w, np.inf)
@@ -191,6 +202,10 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
+    if is_cupy_array(cfg.image):
+        out = _band_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg), cfg.ndim,
+                                          cfg.tconn)
+        return out.reshape(batch + (T,)), cfg
     px = _pixels(cfg)
     # Saturated part: c(p) counts as 1 from threshold hi(p) on (difference array + prefix sum).
     diff = np.bincount(px.row * (T + 1) + px.hi, weights=px.c, minlength=nimg * (T + 1))
@@ -213,6 +228,9 @@ def _backward(cfg: _Config, g, needs):
     need_image, need_t, need_scale = needs
     if not any(needs):
         return None, None, None
+    if is_cupy_array(cfg.image):
+        return _band_cupy.soft_ecc_backward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
+                                            cfg.ndim, cfg.tconn, g, needs)
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
     g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
@@ -262,9 +280,9 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     Parameters
     ----------
     image : ndarray, shape (*batch, *spatial)
-        NumPy array of dtype bool, uint8, uint16, int16, int32, float16, float32 or float64, as
-        for :func:`ecc`. NaN and +inf pixels contribute nothing (sigmoid(-inf) = 0); -inf
-        pixels contribute c(p) at every threshold.
+        NumPy or CuPy array of dtype bool, uint8, uint16, int16, int32, float16, float32 or
+        float64, as for :func:`ecc`. NaN and +inf pixels contribute nothing
+        (sigmoid(-inf) = 0); -inf pixels contribute c(p) at every threshold.
     thresholds : int or 1-D array
         Sorted (non-decreasing), finite threshold values, or a count ``n`` meaning
         :func:`linear_thresholds(image, n) <linear_thresholds>` (then not differentiable, and
@@ -279,11 +297,12 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     boundary : {"box", "periodic"}, optional
         ``"box"`` (default) or ``"periodic"`` (the cubical complex of the torus: cells spanning
         the wrap included, every spatial axis >= 3; the curve tends to 0 instead of 1 once
-        every pixel is in), as for :func:`ecc`.
+        every pixel is in), as for :func:`ecc`. CuPy arrays: ``"box"`` only.
 
     Returns
     -------
     curve : ndarray of float32 or float64, shape (*batch, T)
+        Of the image's array type (NumPy or CuPy).
         float64 when ``image``, ``thresholds`` or ``scale`` is float64 (a NumPy float64
         scalar or array; a plain Python float does not count), else float32 (float16 and
         integer images are computed in float32).
@@ -313,6 +332,14 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     that is below 8.6e-17 (float64) or 4.2e-8 (float32) times ``sum |c|`` (at most 3 N in 2D,
     7 N in 3D), on top of the rounding of the evaluated entries and of the sums. The band
     entries are summed in float64 before the cast to the computation dtype.
+
+    *GPU.* CuPy inputs run the kernels of ``cuda_src/ecc_band.cuh``: the contribution map,
+    then one pass in which each thread finds its pixel's band edges (the same float64 edges
+    as above, by binary search) and the 32 lanes of a warp evaluate the band of one pixel
+    at a time over consecutive thresholds, adding into per-block float64 accumulators. The
+    entries are the same as on the CPU; the sums are formed in a different order and the
+    sigmoids by CUDA's ``exp``, so the results agree to the rounding of the computation
+    dtype relative to ``sum |c|``, not bit for bit.
 
     The vector-Jacobian product is the exact derivative of this band-limited curve, over the
     band entries only (sigma' = s (1 - s) inside the band, 0 outside): for a cotangent g,

@@ -100,6 +100,8 @@ def _as_cotangent(g, like, name):
     if isinstance(like, (float, np.floating, int)):
         return g
     xp = array_module(like)
+    if xp is np and is_cupy_array(g):
+        g = g.get()  # a host argument (e.g. NumPy thresholds) of an op run on the device
     g = xp.asarray(g)
     if g.shape != like.shape:
         raise AssertionError(f"internal: cotangent of {name} has shape {g.shape}, argument {like.shape}")

@@ -462,30 +462,20 @@ def test_errors_scale():
             soft_ect(mask, [[1.0, 0.0]], [0.0], bad)
 
 
-def test_cupy_inputs_rejected_before_any_work(monkeypatch):
-    """Without a GPU: pretend that one argument at a time is a CuPy array."""
+def test_device_arguments_with_a_host_mask_are_refused(monkeypatch):
+    """Without a GPU: pretend that one of directions, thresholds, scale is a CuPy array."""
     mask, dirs = np.ones((4, 4), dtype=bool), np.array([[1.0, 0.0]])
     t, scale = np.array([0.0]), np.array(2.0)
-    for i in range(4):
+    names = ("mask", "directions", "thresholds", "scale")
+    for i in (1, 2, 3):
         args = [mask, dirs, t, scale]
         fake = args[i]
         monkeypatch.setattr(_ect, "is_cupy_array", lambda x, fake=fake: x is fake)
-        with pytest.raises(NotImplementedError, match="soft_ect has no CUDA kernel yet"):
+        with pytest.raises(TypeError, match=f"soft_ect: {names[i]} is a CuPy array but mask is not"):
             soft_ect(*args)
         if i < 3:
-            with pytest.raises(NotImplementedError, match="ect has no CUDA kernel yet; pass NumPy"):
+            with pytest.raises(TypeError, match=f"ect: {names[i]} is a CuPy array but mask"):
                 ect(*args[:3])
-
-
-@pytest.mark.gpu
-def test_cupy_inputs_not_implemented():
-    import cupy
-
-    mask = cupy.ones((4, 4), dtype=bool)
-    with pytest.raises(NotImplementedError, match="ect"):
-        ect(mask, [[1.0, 0.0]], [0.0])
-    with pytest.raises(NotImplementedError, match="soft_ect"):
-        soft_ect(np.ones((4, 4), dtype=bool), [[1.0, 0.0]], [0.0], cupy.asarray(2.0))
 
 
 def test_doctests():

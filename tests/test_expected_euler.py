@@ -256,6 +256,19 @@ def test_registered():
     assert expected_euler.__cutopo_op__ is spec
 
 
+def test_cuda_instances_are_registered():
+    """Every kernel the CuPy path launches is one the offline NVRTC check compiles."""
+    from cutopo import _expected_euler_cupy as cuda_path
+    from cutopo._cuda.compile import registered_instances
+
+    names = set(registered_instances()["ecc"])
+    for dtype in (np.float32, np.float64):
+        for ndim in (2, 3):
+            for tconn in (False, True):
+                assert cuda_path.forward_signature(dtype, ndim, tconn).name in names
+                assert cuda_path.backward_signature(dtype, ndim, tconn).name in names
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_rejects_values_outside_unit_interval(rng):

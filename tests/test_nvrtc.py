@@ -36,8 +36,15 @@ _MAX_TOLERATED_SPILL_BYTES = 256
 
 
 def _instances():
-    import cutopo._ecc_cupy  # noqa: F401  (registers the ecc family's instances)
+    import importlib
+    import pkgutil
+
     from cutopo._cuda.compile import registered_instances
+
+    # Every module that launches kernels is named *_cupy and registers its instances on import.
+    for info in pkgutil.walk_packages(cutopo.__path__, "cutopo."):
+        if info.name.rsplit(".", 1)[-1].endswith("_cupy"):
+            importlib.import_module(info.name)
 
     instances = registered_instances()
     assert "ecc" in instances and instances["ecc"], "no ecc instances registered"

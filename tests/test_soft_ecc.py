@@ -396,11 +396,12 @@ def test_bad_image_and_connectivity(rng):
         soft_ecc(random_image(rng, (3, 3)), np.array([0.0]), 1.0, connectivity=3)
 
 
-def test_cupy_input_is_not_implemented(monkeypatch, rng):
+def test_device_scale_with_host_image_is_refused(monkeypatch, rng):
     image = random_image(rng, (4, 4))
-    monkeypatch.setattr(_soft_ecc, "is_cupy_array", lambda x: x is image)
-    with pytest.raises(NotImplementedError, match="no CUDA kernel"):
-        soft_ecc(image, np.array([0.0]), 1.0)
+    scale = np.array(2.0)
+    monkeypatch.setattr(_soft_ecc, "is_cupy_array", lambda x: x is scale)  # stands for a CuPy scalar
+    with pytest.raises(TypeError, match="scale is a CuPy array but image is not"):
+        soft_ecc(image, np.array([0.0]), scale)
 
 
 # ---------------------------------------------------------------------------------------------

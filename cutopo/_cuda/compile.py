@@ -21,7 +21,7 @@ OPTIONS: tuple[str, ...] = ("--std=c++17", "-lineinfo")
 # it compiles what the runtime compiles.
 _CUPY_IMPLIED = ("-ftz=true", "--device-as-default-execution-space")
 
-_INSTANCES: dict[str, Callable[[], Iterable[str]]] = {}
+_INSTANCES: dict[str, list[Callable[[], Iterable[str]]]] = {}
 
 
 class KernelCompileError(RuntimeError):
@@ -29,12 +29,20 @@ class KernelCompileError(RuntimeError):
 
 
 def register_instances(family: str, instances: Callable[[], Iterable[str]]) -> None:
-    """Declare the name expressions of ``family`` that the offline compile check covers."""
-    _INSTANCES[family] = instances
+    """Declare name expressions of ``family`` that the offline compile check covers.
+
+    A family may register several generators (one per Python module that launches its kernels);
+    registering the same generator twice (a module reload) counts once.
+    """
+    generators = _INSTANCES.setdefault(family, [])
+    if instances not in generators:
+        generators.append(instances)
 
 
 def registered_instances() -> dict[str, list[str]]:
-    return {family: list(fn()) for family, fn in _INSTANCES.items()}
+    """{family: name expressions}, each expression once, in registration order."""
+    return {family: list(dict.fromkeys(name for fn in fns for name in fn()))
+            for family, fns in _INSTANCES.items()}
 
 
 @functools.lru_cache(maxsize=None)

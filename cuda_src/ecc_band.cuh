@@ -1,0 +1,494 @@
+// Band-limited sigmoid sums of the soft ECC and soft ECT, and the histogram of the exact ECT.
+//
+// An "entry" is a (value f, contribution c) pair that adds c * sigmoid(lambda (t_k - f)) to
+// row r of the result for every threshold t_k. Only the thresholds of the band [lo, hi), where
+// |lambda (t_k - f)| < B, are evaluated; from hi on the sigmoid is exactly 1 and c enters a
+// difference array ("sat") whose prefix sum adds it to every later threshold. The band edges are
+// computed in float64 exactly as the NumPy path does (cutopo/_soft_ecc.py), so both backends
+// evaluate the same entries.
+//
+// Work layout: each thread prepares one entry (band edges, the saturated part), then its warp
+// walks the warp's entries one at a time, the 32 lanes covering consecutive thresholds of the
+// band. Lanes thus add to distinct accumulators: shared-memory float atomics are CAS loops on
+// sm_80/sm_90, and lanes of one warp hitting one address (neighbouring pixels of a smooth image
+// have nearly equal values) would serialise them.
+//
+// Entry sources: the pixels of an image with their contribution map (soft ECC), or the
+// critical pixels of a mask with their heights <x_p, v_d> in direction d (ECT).
+#pragma once
+#include "common.cuh"
+
+namespace cutopo {
+namespace ecc {
+namespace band {
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+constexpr unsigned FULL = 0xffffffffu;
+
+// sigmoid(u) and sigmoid'(u) = s (1 - s) from e = exp(-|u|), without cancellation, in the
+// operation order of the NumPy path (_soft_ecc._sigmoid_parts).
+__device__ __forceinline__ float exp_neg_abs(float u) { return expf(-fabsf(u)); }
+__device__ __forceinline__ double exp_neg_abs(double u) { return ::exp(-::fabs(u)); }
+
+template <typename Real>
+__device__ __forceinline__ Real sigmoid(Real u) {
+    const Real e = exp_neg_abs(u);
+    const Real r = Real(1) / (Real(1) + e);
+    return u >= Real(0) ? r : e * r;
+}
+template <typename Real>
+__device__ __forceinline__ Real dsigmoid(Real u) {
+    const Real e = exp_neg_abs(u);
+    const Real r = Real(1) / (Real(1) + e);
+    return e * r * r;
+}
+
+__device__ __forceinline__ double inf_d() { return __longlong_as_double(0x7ff0000000000000LL); }
+
+// The next double towards -inf / +inf (nextafter without its library call, which made ptxas
+// spill around it). Infinities and NaN stay as they are.
+__device__ __forceinline__ double next_down(double x) {
+    const long long b = __double_as_longlong(x);
+    if (x != x || x == -inf_d()) return x;
+    if (x == 0.0) return -__longlong_as_double(1LL);  // -denorm_min, also for -0.0
+    return __longlong_as_double(b >= 0 ? b - 1 : b + 1);
+}
+__device__ __forceinline__ double next_up(double x) { return -next_down(-x); }
+
+// Number of thresholds t_k (sorted, T of them) with t_k <= x (upper) or t_k < x (lower).
+template <typename Real>
+__device__ __forceinline__ int count_le(const Real* t, int T, double x) {
+    int lo = 0, hi = T;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (convert<double>(t[mid]) <= x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+template <typename Real>
+__device__ __forceinline__ int count_lt(const Real* t, int T, double x) {
+    int lo = 0, hi = T;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (convert<double>(t[mid]) < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// The band [lo, hi) of value f for half-width w = B / lambda (already widened by 2^-40): the
+// edges f -+ w are pushed outwards by two ulps, past the rounding of the subtraction, so every
+// threshold outside the band has |lambda (t - f)| >= B exactly (as numpy.searchsorted there).
+template <typename Real>
+__device__ __forceinline__ void band_edges(Real f, double w, const Real* t, int T, int& lo, int& hi) {
+    const double fd = convert<double>(f);  // exact for float32 denormals despite -ftz=true
+    if (fd == -inf_d()) {  // sigmoid(+inf) = 1 at every threshold
+        lo = hi = 0;
+        return;
+    }
+    double a = fd - w, b = fd + w;
+    a = next_down(next_down(a));
+    b = next_up(next_up(b));
+    hi = count_lt(t, T, b);
+    lo = min(count_le(t, T, a), hi);
+}
+
+// f is NaN or +inf: the entry adds nothing (sigmoid(-inf) = 0).
+template <typename Real>
+__device__ __forceinline__ bool no_entry(Real f) {
+    return isnan(f) || convert<double>(f) == inf_d();
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(FULL, v, d);
+    return v;
+}
+
+// Block-wide sum of one double per thread, added to *out by thread 0 (one atomic per block).
+__device__ __forceinline__ void block_add(double v, double* out, double* scratch) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < WARPS ? scratch[lane] : 0.0;
+        v = warp_sum(v);
+        if (lane == 0 && v != 0.0) atomicAdd(out, v);
+    }
+    __syncthreads();
+}
+
+// Per-row accumulators: shared per block (flushed at the end) or straight to global memory
+// when T is too large for shared memory.
+// Shared and global pointers are kept apart (not one generic pointer) so that the compiler
+// emits shared-memory atomics for the shared ones.
+struct Accum {
+    double* acc_s;     // shared band sums (forward) or threshold cotangents (backward), or nullptr
+    double* acc_g;     // their global row (used when acc_s is nullptr)
+    int* sat_s;        // shared difference array, or nullptr
+    long long* sat_g;  // global difference array of the row (used when sat_s is nullptr)
+
+    __device__ __forceinline__ void add(int k, double v) const {
+        if (acc_s) atomicAdd(acc_s + k, v);
+        else atomicAdd(acc_g + k, v);
+    }
+    __device__ __forceinline__ void add_sat(int k, int c) const {
+        if (sat_s) atomicAdd(sat_s + k, c);
+        else atomicAdd(reinterpret_cast<u64*>(sat_g + k), (u64)(i64)c);
+    }
+};
+
+// Shared-memory layout of a block: thresholds (T Real), cotangent row (T Real, backward only),
+// band accumulator (T double), difference array (T int). Offsets rounded to 16 bytes.
+__host__ __device__ inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+// Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
+template <typename Real>
+__device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Real* t, int T,
+                                             Real lam, double w, bool soft, const Accum& a) {
+    const int lane = threadIdx.x % 32;
+    int lo = T, hi = T;
+    if (valid) {
+        if (soft) {
+            band_edges(f, w, t, T, lo, hi);
+        } else {  // exact: the entry counts from the first t_k >= f on (f <= t_k)
+            hi = count_lt(t, T, convert<double>(f));
+            lo = hi;
+        }
+        if (hi < T) a.add_sat(hi, c);
+    }
+    unsigned todo = __ballot_sync(FULL, valid && lo < hi);
+    while (todo) {
+        const int src = __ffs(todo) - 1;
+        todo &= todo - 1;
+        const Real fi = __shfl_sync(FULL, f, src);
+        const int ci = __shfl_sync(FULL, c, src);
+        const int loi = __shfl_sync(FULL, lo, src);
+        const int hii = __shfl_sync(FULL, hi, src);
+        for (int k = loi + lane; k < hii; k += 32) {
+            // Distinct k per lane: the atomics of one warp never contend.
+            a.add(k, (double)sigmoid<Real>((t[k] - fi) * lam) * (double)ci);
+        }
+    }
+}
+
+// Backward of one warp's entries: threshold cotangents into a.acc (when need_t), the scale
+// cotangent into *dscale (per lane), and the sum over k of g_k c sigma'_k of the lane's own
+// entry returned (0 for an invalid entry).
+template <typename Real>
+__device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const Real* t,
+                                                const Real* g, int T, Real lam, double w,
+                                                bool need_t, double& dscale, const Accum& a) {
+    const int lane = threadIdx.x % 32;
+    int lo = T, hi = T;
+    if (valid) band_edges(f, w, t, T, lo, hi);
+    double mine = 0.0;
+    unsigned todo = __ballot_sync(FULL, valid && lo < hi);
+    while (todo) {
+        const int src = __ffs(todo) - 1;
+        todo &= todo - 1;
+        const Real fi = __shfl_sync(FULL, f, src);
+        const int ci = __shfl_sync(FULL, c, src);
+        const int loi = __shfl_sync(FULL, lo, src);
+        const int hii = __shfl_sync(FULL, hi, src);
+        double sum = 0.0;
+        for (int k = loi + lane; k < hii; k += 32) {
+            const Real diff = t[k] - fi;
+            const double v = (double)dsigmoid<Real>(diff * lam) * (double)ci * (double)g[k];
+            if (need_t) a.add(k, v);
+            sum += v;
+            dscale += v * (double)diff;
+        }
+        sum = warp_sum(sum);
+        if (lane == src) mine = sum;
+    }
+    return mine;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block set-up and flush
+
+template <typename Real>
+struct Smem {
+    Real* t;
+    Real* g;
+    double* acc;
+    int* sat;
+};
+
+// With `shared`: carves the dynamic shared memory, loads the thresholds (and the cotangent row)
+// and zeroes the accumulators. Without: t and g stay in global memory, accumulators are global.
+template <typename Real>
+__device__ __forceinline__ Smem<Real> setup(unsigned char* smem, const Real* t, const Real* g,
+                                            int T, bool shared, bool with_sat) {
+    Smem<Real> s{const_cast<Real*>(t), const_cast<Real*>(g), nullptr, nullptr};
+    if (shared) {
+        size_t off = 0;
+        s.t = reinterpret_cast<Real*>(smem);
+        off = align16((size_t)T * sizeof(Real));
+        if (g) {
+            s.g = reinterpret_cast<Real*>(smem + off);
+            off += align16((size_t)T * sizeof(Real));
+        }
+        s.acc = reinterpret_cast<double*>(smem + off);
+        off += align16((size_t)T * sizeof(double));
+        if (with_sat) s.sat = reinterpret_cast<int*>(smem + off);
+        for (int k = threadIdx.x; k < T; k += THREADS) {
+            s.t[k] = t[k];
+            if (g) s.g[k] = g[k];
+            s.acc[k] = 0.0;
+            if (with_sat) s.sat[k] = 0;
+        }
+    }
+    __syncthreads();
+    return s;
+}
+
+// Adds a block's shared accumulators to the row's global ones.
+__device__ __forceinline__ void flush(const double* acc, const int* sat, double* acc_g,
+                                      long long* sat_g, int T) {
+    __syncthreads();
+    for (int k = threadIdx.x; k < T; k += THREADS) {
+        if (acc_g && acc[k] != 0.0) atomicAdd(acc_g + k, acc[k]);
+        if (sat && sat[k] != 0) atomicAdd(reinterpret_cast<u64*>(sat_g + k), (u64)(i64)sat[k]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Soft ECC: entries are the pixels of each image, with the contribution map cmap.
+//
+// Grid: blocks_per_image blocks per image, each a contiguous range of its pixels.
+// acc_g (rows, T) float64 and sat_g (rows, T) int64 must be zeroed.
+
+template <typename In, typename Real>
+__global__ void __launch_bounds__(THREADS)
+soft_ecc_forward(const In* __restrict__ image, const signed char* __restrict__ cmap,
+                 const Real* __restrict__ thresholds, double* __restrict__ acc_g,
+                 long long* __restrict__ sat_g, i64 N, int blocks_per_image, int T, Real lam,
+                 double w, int shared) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const i64 img = blockIdx.x / blocks_per_image;
+    const int chunk = blockIdx.x % blocks_per_image;
+    const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
+    double* acc_row = acc_g + img * T;
+    long long* sat_row = sat_g + img * T;
+    const Accum a{s.acc, acc_row, s.sat, sat_row};
+    const i64 begin = N * chunk / blocks_per_image, end = N * (chunk + 1) / blocks_per_image;
+    const In* x = image + img * N;
+    const signed char* cm = cmap + img * N;
+    for (i64 base = begin + (threadIdx.x & ~31); base < end; base += THREADS) {
+        const i64 i = base + threadIdx.x % 32;
+        int c = 0;
+        Real f = 0;
+        if (i < end) {
+            c = cm[i];
+            if (c != 0) f = convert<Real>(x[i]);
+        }
+        forward_warp<Real>(c != 0 && !no_entry(f), f, c, s.t, T, lam, w, true, a);
+    }
+    if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
+}
+
+// d_image (rows, N) receives -lambda sum_k g_k c sigma'_k for every pixel (0 where c = 0 or
+// f is not finite); dt_g (T) the threshold cotangent without the factor lambda; dscale_g the
+// scale cotangent. dt_g and dscale_g must be zeroed.
+template <typename In, typename Real>
+__global__ void __launch_bounds__(THREADS)
+soft_ecc_backward(const In* __restrict__ image, const signed char* __restrict__ cmap,
+                  const Real* __restrict__ thresholds, const Real* __restrict__ g,
+                  Real* __restrict__ d_image, double* __restrict__ dt_g, double* __restrict__ dscale_g,
+                  i64 N, int blocks_per_image, int T, Real lam, double w, int shared,
+                  int need_image, int need_t, int need_scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ double scratch[WARPS];
+    const i64 img = blockIdx.x / blocks_per_image;
+    const int chunk = blockIdx.x % blocks_per_image;
+    const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
+    const Accum a{s.acc, dt_g, nullptr, nullptr};
+    const i64 begin = N * chunk / blocks_per_image, end = N * (chunk + 1) / blocks_per_image;
+    const In* x = image + img * N;
+    const signed char* cm = cmap + img * N;
+    double dscale = 0.0;
+    for (i64 base = begin + (threadIdx.x & ~31); base < end; base += THREADS) {
+        const i64 i = base + threadIdx.x % 32;
+        int c = 0;
+        Real f = 0;
+        if (i < end) {
+            c = cm[i];
+            if (c != 0) f = convert<Real>(x[i]);
+        }
+        const double sum = backward_warp<Real>(c != 0 && !no_entry(f), f, c, s.t, s.g, T, lam, w, need_t != 0,
+                                               dscale, a);
+        if (need_image && i < end) d_image[img * N + i] = (Real)(-(double)lam * sum);
+    }
+    if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
+    if (need_scale) block_add(dscale, dscale_g, scratch);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ECT: entries are the critical pixels (c != 0) of the masks, listed per segment; direction d
+// of image b reads segment seg_of_dir[d] * B + b, entries [seg[s], seg[s + 1]). Their heights
+// x_0 v_0 + x_1 v_1 (+ x_2 v_2) are formed in float64 with explicit round-to-nearest operations
+// (no fused multiply-add) so that they equal the NumPy heights bit for bit.
+//
+// Grid: rows = B * D rows (b, d) in the output's order (b major), chunks_per_row blocks each.
+
+// Position of pixel lin (C order in the grid n0 x n1 (x n2)); coords holds the positions of
+// axis 0, then axis 1 (then axis 2), concatenated.
+template <int NDIM>
+__device__ __forceinline__ void position(i64 lin, const double* coords, i64 n0, i64 n1, i64 n2,
+                                         double (&x)[NDIM]) {
+    if constexpr (NDIM == 2) {
+        const i64 i1 = lin % n1, i0 = lin / n1;
+        x[0] = coords[i0];
+        x[1] = coords[n0 + i1];
+    } else {
+        const i64 i2 = lin % n2, r = lin / n2;
+        const i64 i1 = r % n1, i0 = r / n1;
+        x[0] = coords[i0];
+        x[1] = coords[n0 + i1];
+        x[2] = coords[n0 + n1 + i2];
+    }
+}
+
+template <int NDIM>
+__device__ __forceinline__ double height(const double (&x)[NDIM], const double (&v)[NDIM]) {
+    double h = __dmul_rn(x[0], v[0]);
+#pragma unroll
+    for (int a = 1; a < NDIM; ++a) h = __dadd_rn(h, __dmul_rn(x[a], v[a]));
+    return h;
+}
+
+// Forward of the exact (soft = 0: Real is double, only the difference array) or soft ECT.
+template <typename Real, int NDIM>
+__global__ void __launch_bounds__(THREADS)
+ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent_c,
+            const i64* __restrict__ seg, const int* __restrict__ seg_of_dir,
+            const double* __restrict__ coords, const double* __restrict__ dirs,
+            const Real* __restrict__ thresholds, double* __restrict__ acc_g,
+            long long* __restrict__ sat_g, i64 n0, i64 n1, i64 n2, int B, int D,
+            int chunks_per_row, int T, Real lam, double w, int soft, int shared) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const i64 row = blockIdx.x / chunks_per_row;
+    const int chunk = blockIdx.x % chunks_per_row;
+    const int b = (int)(row / D), d = (int)(row % D);
+    double v[NDIM];
+#pragma unroll
+    for (int a = 0; a < NDIM; ++a) v[a] = dirs[(i64)d * NDIM + a];
+    const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
+    double* acc_row = soft ? acc_g + row * T : nullptr;
+    long long* sat_row = sat_g + row * T;
+    const Accum a{s.acc, acc_row, s.sat, sat_row};
+    const i64 sid = (i64)seg_of_dir[d] * B + b;
+    const i64 s0 = seg[sid], n = seg[sid + 1] - s0;
+    const i64 begin = s0 + n * chunk / chunks_per_row, end = s0 + n * (chunk + 1) / chunks_per_row;
+    for (i64 base = begin + (threadIdx.x & ~31); base < end; base += THREADS) {
+        const i64 e = base + threadIdx.x % 32;
+        int c = 0;
+        Real f = 0;
+        if (e < end) {
+            c = ent_c[e];
+            double x[NDIM];
+            position<NDIM>(ent_lin[e], coords, n0, n1, n2, x);
+            f = (Real)height<NDIM>(x, v);
+        }
+        forward_warp<Real>(c != 0, f, c, s.t, T, lam, w, soft != 0, a);
+    }
+    if (shared) flush(soft ? s.acc : nullptr, s.sat, acc_row, sat_row, T);
+}
+
+// d_dirs (D, NDIM) float64 receives -lambda sum g c sigma' x_p (added; must be zeroed).
+template <typename Real, int NDIM>
+__global__ void __launch_bounds__(THREADS)
+ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent_c,
+             const i64* __restrict__ seg, const int* __restrict__ seg_of_dir,
+             const double* __restrict__ coords, const double* __restrict__ dirs,
+             const Real* __restrict__ thresholds, const Real* __restrict__ g,
+             double* __restrict__ d_dirs, double* __restrict__ dt_g, double* __restrict__ dscale_g,
+             i64 n0, i64 n1, i64 n2, int B, int D, int chunks_per_row, int T, Real lam, double w,
+             int shared, int need_dirs, int need_t, int need_scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ double scratch[WARPS];
+    const i64 row = blockIdx.x / chunks_per_row;
+    const int chunk = blockIdx.x % chunks_per_row;
+    const int b = (int)(row / D), d = (int)(row % D);
+    double v[NDIM];
+#pragma unroll
+    for (int a = 0; a < NDIM; ++a) v[a] = dirs[(i64)d * NDIM + a];
+    const Smem<Real> s = setup<Real>(smem, thresholds, g + row * T, T, shared, false);
+    const Accum a{s.acc, dt_g, nullptr, nullptr};
+    const i64 sid = (i64)seg_of_dir[d] * B + b;
+    const i64 s0 = seg[sid], n = seg[sid + 1] - s0;
+    const i64 begin = s0 + n * chunk / chunks_per_row, end = s0 + n * (chunk + 1) / chunks_per_row;
+    double dscale = 0.0;
+    double dv[NDIM];
+#pragma unroll
+    for (int k = 0; k < NDIM; ++k) dv[k] = 0.0;
+    for (i64 base = begin + (threadIdx.x & ~31); base < end; base += THREADS) {
+        const i64 e = base + threadIdx.x % 32;
+        int c = 0;
+        Real f = 0;
+        double x[NDIM] = {};
+        if (e < end) {
+            c = ent_c[e];
+            position<NDIM>(ent_lin[e], coords, n0, n1, n2, x);
+            f = (Real)height<NDIM>(x, v);
+        }
+        const double sum = backward_warp<Real>(c != 0, f, c, s.t, s.g, T, lam, w, need_t != 0,
+                                               dscale, a);
+        if (need_dirs && sum != 0.0) {
+#pragma unroll
+            for (int k = 0; k < NDIM; ++k) dv[k] += sum * x[k];
+        }
+    }
+    if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
+    if (need_scale) block_add(dscale, dscale_g, scratch);
+    if (need_dirs) {
+#pragma unroll
+        for (int k = 0; k < NDIM; ++k) block_add(-(double)lam * dv[k], d_dirs + (i64)d * NDIM + k, scratch);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// out (rows, T) = prefix sum of sat over the thresholds + acc, rounded once to Real; one warp
+// per row.
+template <typename Real>
+__global__ void __launch_bounds__(THREADS)
+soft_finalize(const long long* __restrict__ sat, const double* __restrict__ acc,
+              Real* __restrict__ out, i64 rows, int T) {
+    constexpr int PER = 8;  // consecutive thresholds per lane
+    const int lane = threadIdx.x % 32;
+    const i64 row = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
+    if (row >= rows) return;  // whole warps leave together: no block barrier below
+    const long long* h = sat + row * T;
+    long long carry = 0;
+    for (int base = 0; base < T; base += 32 * PER) {
+        long long v[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int k = base + lane * PER + i;
+            v[i] = k < T ? h[k] : 0;
+        }
+#pragma unroll
+        for (int i = 1; i < PER; ++i) v[i] += v[i - 1];
+        long long incl = v[PER - 1];
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const long long n = __shfl_up_sync(FULL, incl, d);
+            if (lane >= d) incl += n;
+        }
+        const long long before = incl - v[PER - 1] + carry;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int k = base + lane * PER + i;
+            if (k < T) out[row * T + k] = (Real)((double)(v[i] + before) + acc[row * T + k]);
+        }
+        carry += __shfl_sync(FULL, incl, 31);
+    }
+}
+
+}  // namespace band
+}  // namespace ecc
+}  // namespace cutopo

@@ -1,0 +1,271 @@
+// Exact expected Euler characteristic of random binary images with independent pixels, and its
+// gradient (cutopo.expected_euler; the cell model is described in cutopo/_expected_euler.py).
+//
+// A cell is a box spanned by a set S of axes over a base grid B; its box product is the product
+// of B over its 2^|S| corners. V construction: B = p, a cell contributes (-1)^|S| * product.
+// T construction: B = q = 1 - p on a grid padded by a ring of ones, a cell contributes
+// (-1)^(NDIM - |S|) * (1 - product), and along the axes outside S only the image's own
+// positions count. Box types S are bit masks: bit a set when the box spans axis a (C order,
+// axis 0 slowest). A thread reads its 2^NDIM (forward) or 3^NDIM (backward) neighbours straight
+// from global memory: the work per element is small, and the caches serve the reuse.
+#include "common.cuh"
+
+namespace cutopo {
+namespace ecc {
+namespace expected {
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+
+__host__ __device__ constexpr int popcount(unsigned m) { return m ? (int)(m & 1u) + popcount(m >> 1) : 0; }
+
+// (-1)^dim of the cells of box type S: dim = |S| (V) or NDIM - |S| (T).
+template <int NDIM, bool TCONN>
+__host__ __device__ constexpr int cell_sign(unsigned S) {
+    return ((TCONN ? NDIM - popcount(S) : popcount(S)) & 1) ? -1 : 1;
+}
+
+// Index into a 3^NDIM neighbourhood (digit of axis a weighs 3^a) of corner d of a box, seen
+// from corner c of the same box (both bit masks: the offset along axis a is d_a - c_a).
+template <int NDIM>
+__host__ __device__ constexpr int relative(unsigned d, unsigned c, int a = 0, int weight = 1) {
+    return a == NDIM ? 0 : (1 + (int)((d >> a) & 1u) - (int)((c >> a) & 1u)) * weight +
+                           relative<NDIM>(d, c, a + 1, weight * 3);
+}
+
+// Product of nb over the corners D != C of a box of type S, nb seen from corner C. Template
+// recursion keeps every neighbourhood index a compile-time constant, so nb[] stays in
+// registers (loops left to the unroller put it in local memory in 3D).
+template <int NDIM, unsigned S, unsigned C, unsigned D = 0, typename Real, int NB>
+__device__ __forceinline__ Real others(const Real (&nb)[NB]) {
+    if constexpr (D == (1u << NDIM)) {
+        return Real(1);
+    } else if constexpr ((D & ~S) != 0 || D == C) {
+        return others<NDIM, S, C, D + 1>(nb);
+    } else {
+        return nb[relative<NDIM>(D, C)] * others<NDIM, S, C, D + 1>(nb);
+    }
+}
+
+// Sum over the box types S and the corners C of S of (-1)^dim times the product of the other
+// corners: the derivative of the cells through the centre of nb with respect to it.
+template <int NDIM, bool TCONN, unsigned S = 0, unsigned C = 0, typename Real, int NB>
+__device__ __forceinline__ Real cell_derivatives(const Real (&nb)[NB]) {
+    constexpr unsigned CORNERS = 1u << NDIM;
+    if constexpr (S == CORNERS) {
+        return Real(0);
+    } else if constexpr (C == CORNERS) {
+        return cell_derivatives<NDIM, TCONN, S + 1, 0>(nb);
+    } else if constexpr ((C & ~S) != 0) {
+        return cell_derivatives<NDIM, TCONN, S, C + 1>(nb);
+    } else {
+        const Real rest = cell_derivatives<NDIM, TCONN, S, C + 1>(nb);
+        if constexpr (cell_sign<NDIM, TCONN>(S) > 0) return rest + others<NDIM, S, C>(nb);
+        else return rest - others<NDIM, S, C>(nb);
+    }
+}
+
+template <int NDIM>
+__device__ __forceinline__ void extents(i64 (&n)[NDIM], i64 nz, i64 ny, i64 nx) {
+    if constexpr (NDIM == 3) n[0] = nz;
+    n[NDIM - 2] = ny;
+    n[NDIM - 1] = nx;
+}
+
+// Block-wide sum, complete in thread 0. Every thread of the block must call it (barriers).
+__device__ __forceinline__ double block_sum(double v) {
+    __shared__ double partial[WARPS];
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_down_sync(0xffffffffu, v, d);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = 0.0;
+    if (threadIdx.x < 32) {
+        v = threadIdx.x < WARPS ? partial[threadIdx.x] : 0.0;
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) v += __shfl_down_sync(0xffffffffu, v, d);
+    }
+    __syncthreads();  // the next call overwrites partial[]
+    return v;
+}
+
+// Mixed-radix coordinates of a C-order linear index over extents ext (digit 0 unbounded), moved
+// by a fixed step with carries: the loops below then need no 64-bit division, a subroutine
+// call that costs more than a cell's arithmetic and made ptxas spill around it. A thread's
+// start and step are below 2^32 (the host caps the grid at 2^32 / THREADS blocks), so the
+// constructor divides in 32 bits: an extent above the index just takes the index whole.
+template <int K>
+struct Counter {
+    i64 digit[K];
+    __device__ __forceinline__ Counter(unsigned i, const i64 (&ext)[K]) {
+#pragma unroll
+        for (int a = K - 1; a > 0; --a) {
+            if ((u64)ext[a] > i) {
+                digit[a] = i;
+                i = 0;
+            } else {  // ext[a] <= i < 2^32
+                digit[a] = i % (unsigned)ext[a];
+                i /= (unsigned)ext[a];
+            }
+        }
+        digit[0] = i;
+    }
+    // Needs step.digit[a] < ext[a] (true by construction), so one carry per digit suffices.
+    __device__ __forceinline__ void advance(const Counter& step, const i64 (&ext)[K]) {
+        int carry = 0;
+#pragma unroll
+        for (int a = K - 1; a > 0; --a) {
+            const i64 d = digit[a] + step.digit[a] + carry;
+            carry = d >= ext[a];
+            digit[a] = carry ? d - ext[a] : d;
+        }
+        digit[0] += step.digit[0] + carry;
+    }
+};
+
+// Signed terms of the cells of every box type anchored (lowest corner) at base position y of
+// one image ``p`` with C-order strides ``stride``: the base grid has extents n + 2 * TCONN.
+template <typename Real, int NDIM, bool TCONN>
+__device__ __forceinline__ double anchor_terms(const Real* p, const i64 (&n)[NDIM], const i64 (&stride)[NDIM],
+                                               const i64 (&y)[NDIM]) {
+    constexpr int TRIM = TCONN ? 1 : 0;
+    constexpr int CORNERS = 1 << NDIM;
+    // Bit a of: spans, a box may extend along axis a from here (y_a + 1 < n_a + 2 TRIM); own,
+    // the anchor's image coordinate x_a = y_a - TRIM is inside the image (in T: y_a is not on
+    // the ring); next, x_a + 1 is inside the image.
+    unsigned spans = 0, own = 0, next = 0;
+    i64 off = 0;  // image offset of the anchor (unused when outside)
+#pragma unroll
+    for (int a = 0; a < NDIM; ++a) {
+        const i64 x = y[a] - TRIM;
+        off += x * stride[a];
+        if (x + 1 < n[a] + TRIM) spans |= 1u << a;
+        if (x >= 0 && x < n[a]) own |= 1u << a;
+        if (x + 1 < n[a]) next |= 1u << a;
+    }
+
+    // B at the corners y + c of the unit box: q = 1 on the T ring. In V every corner a cell
+    // uses is inside; the others are never read.
+    Real v[CORNERS];
+#pragma unroll
+    for (unsigned c = 0; c < CORNERS; ++c) {
+        const bool inside = (c & ~next) == 0 && ((CORNERS - 1) & ~c & ~own) == 0;
+        i64 corner = off;
+#pragma unroll
+        for (int a = 0; a < NDIM; ++a)
+            if ((c >> a) & 1u) corner += stride[a];
+        if constexpr (TCONN) v[c] = inside ? Real(1) - p[corner] : Real(1);
+        else v[c] = inside ? p[corner] : Real(0);
+    }
+
+    double sum = 0.0;
+#pragma unroll
+    for (unsigned S = 0; S < CORNERS; ++S) {
+        const unsigned rest = (CORNERS - 1) & ~S;
+        if ((S & ~spans) || (rest & ~own)) continue;  // no cell of type S anchored here
+        Real w = Real(1);
+#pragma unroll
+        for (unsigned c = 0; c < CORNERS; ++c)
+            if ((c & ~S) == 0) w *= v[c];
+        const double term = TCONN ? 1.0 - (double)w : (double)w;
+        sum += cell_sign<NDIM, TCONN>(S) * term;
+    }
+    return sum;
+}
+
+}  // namespace expected
+
+// out (nimg,) float64, zeroed: out[img] += E[chi] of image img of prob (nimg, *spatial).
+// Each image gets blocks_per_image blocks that stride over its base positions; the grid is a
+// multiple of blocks_per_image and strides over images, so a block never mixes two images in
+// one sum. One thread per anchor, one double atomicAdd per block and image.
+template <typename Real, int NDIM, bool TCONN>
+__global__ void __launch_bounds__(expected::THREADS)
+expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ out, i64 nimg, i64 nz,
+                       i64 ny, i64 nx, int blocks_per_image) {
+    i64 n[NDIM], stride[NDIM], L[NDIM];
+    expected::extents<NDIM>(n, nz, ny, nx);
+    i64 npix = 1;
+#pragma unroll
+    for (int a = NDIM - 1; a >= 0; --a) {
+        L[a] = n[a] + (TCONN ? 2 : 0);
+        stride[a] = npix;
+        npix *= n[a];
+    }
+    typedef expected::Counter<NDIM> Anchor;
+    const Anchor first((blockIdx.x % blocks_per_image) * expected::THREADS + threadIdx.x, L);
+    const Anchor step((unsigned)blocks_per_image * expected::THREADS, L);
+    const i64 images_per_pass = gridDim.x / blocks_per_image;
+
+    for (i64 img = blockIdx.x / blocks_per_image; img < nimg; img += images_per_pass) {
+        const Real* p = prob + img * npix;
+        double sum = 0.0;
+        for (Anchor y = first; y.digit[0] < L[0]; y.advance(step, L))
+            sum += expected::anchor_terms<Real, NDIM, TCONN>(p, n, stride, y.digit);
+        sum = expected::block_sum(sum);
+        if (threadIdx.x == 0) atomicAdd(out + img, sum);
+    }
+}
+
+// grad (nimg, *spatial) = dE[chi]/dprob times the cotangent of each image. One thread per
+// pixel x, no atomics: the sum over every cell containing x of (-1)^dim times the product of
+// the cell's other corners, products formed directly (no division by p). In T, a pixel's
+// cells all exist (the ring gives every box through x an anchor, and x is an own position), and
+// corners on the ring read q = 1. In V a cell through x that leaves the image has another corner
+// outside, which reads 0 and cancels the term: no cell needs a bounds check in either.
+template <typename Real, int NDIM, bool TCONN>
+__global__ void __launch_bounds__(expected::THREADS)
+expected_euler_backward(const Real* __restrict__ prob, const Real* __restrict__ cotangent,
+                        Real* __restrict__ grad, i64 nimg, i64 nz, i64 ny, i64 nx) {
+    constexpr int NB = NDIM == 3 ? 27 : 9;
+    i64 n[NDIM], stride[NDIM];
+    expected::extents<NDIM>(n, nz, ny, nx);
+    i64 npix = 1;
+#pragma unroll
+    for (int a = NDIM - 1; a >= 0; --a) {
+        stride[a] = npix;
+        npix *= n[a];
+    }
+    // Position i is (image, x_0, ..., x_{NDIM-1}) in C order.
+    i64 ext[NDIM + 1];
+    ext[0] = nimg;
+#pragma unroll
+    for (int a = 0; a < NDIM; ++a) ext[a + 1] = n[a];
+    typedef expected::Counter<NDIM + 1> Pixel;
+    const i64 total = nimg * npix;
+    const unsigned first = blockIdx.x * expected::THREADS + threadIdx.x;
+    const unsigned step = gridDim.x * expected::THREADS;
+    const Pixel pixel_step(step, ext);
+
+    Pixel pos(first, ext);
+    for (i64 i = first; i < total; i += step, pos.advance(pixel_step, ext)) {
+        const i64 img = pos.digit[0];
+        const i64* x = pos.digit + 1;
+
+        // B on the 3^NDIM neighbourhood of x (digit of axis a weighs 3^a, offset digit - 1).
+        Real nb[NB];
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+            bool inside = true;
+            i64 off = i;
+            int rest = j;
+#pragma unroll
+            for (int a = 0; a < NDIM; ++a) {
+                const int o = rest % 3 - 1;
+                rest /= 3;
+                const i64 xa = x[a] + o;
+                inside = inside && xa >= 0 && xa < n[a];
+                off += o * stride[a];
+            }
+            if constexpr (TCONN) nb[j] = inside ? Real(1) - prob[off] : Real(1);
+            else nb[j] = inside ? prob[off] : Real(0);
+        }
+
+        // x is corner C of the cells of type S anchored at x - C.
+        const Real g = expected::cell_derivatives<NDIM, TCONN>(nb);
+        grad[i] = g * cotangent[img];
+    }
+}
+
+}  // namespace ecc
+}  // namespace cutopo

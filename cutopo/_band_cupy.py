@@ -1,0 +1,415 @@
+"""CuPy path of the soft ECC and of the exact and soft ECT (kernels of ``cuda_src/ecc_band.cuh``).
+
+The Python side validates and plans; the kernels evaluate the band-limited sigmoid sums
+(soft ops) or the threshold histograms (exact ECT) described in ``ecc_band.cuh``. Entries of the
+ECT are the critical pixels of the masks, found by the contribution-map kernel of ``ecc.cu``
+and compacted with ``cupy.flatnonzero``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _ecc_cupy
+from ._cuda.compile import register_instances
+from ._cuda.launch import Signature, launch, resident_blocks
+
+FAMILY = "ecc"
+THREADS = 256                   # band::THREADS
+WARPS = THREADS // 32
+SHARED_MAX = 48 * 1024          # per-block accumulators in shared memory up to this size
+MIN_ENTRIES_PER_BLOCK = 1024    # below this a block spends more on set-up and flush than on work
+# Height images (directions x images x pixels, float64) per T-construction pass of the ECT.
+T_PASS_ELEMENTS = 1 << 25
+# The soft ECT keeps its entries (critical pixels, 9 bytes each) for the backward up to this
+# many; beyond, the backward recomputes them.
+KEEP_ENTRIES = 1 << 24
+
+_REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+def _cbool(x: bool) -> int:
+    return 1 if x else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Instances and signatures
+
+
+def _soft_ecc_name(kind, in_ctype, real):
+    return f"cutopo::ecc::band::soft_ecc_{kind}<{in_ctype}, {real}>"
+
+
+def _soft_ecc_sig(kind, in_dtype, real_dtype):
+    in_ctype = _ecc_cupy._INPUT_CTYPE[in_dtype]
+    view = _ecc_cupy._INPUT_VIEW.get(in_dtype, in_dtype)
+    r = real_dtype.name
+    name = _soft_ecc_name(kind, in_ctype, _REAL[real_dtype])
+    if kind == "forward":
+        params = (f"ptr:{view}", "ptr:int8", f"ptr:{r}", "ptr:float64", "ptr:int64",
+                  "int64", "int32", "int32", r, "float64", "int32")
+    else:
+        params = (f"ptr:{view}", "ptr:int8", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", "ptr:float64",
+                  "ptr:float64", "int64", "int32", "int32", r, "float64", "int32", "int32",
+                  "int32", "int32")
+    return Signature(FAMILY, name, params)
+
+
+def _ect_sig(kind, real_dtype, ndim):
+    r = real_dtype.name
+    name = f"cutopo::ecc::band::ect_{kind}<{_REAL[real_dtype]}, {ndim}>"
+    head = ("ptr:int64", "ptr:int8", "ptr:int64", "ptr:int32", "ptr:float64", "ptr:float64",
+            f"ptr:{r}")
+    if kind == "forward":
+        params = head + ("ptr:float64", "ptr:int64", "int64", "int64", "int64", "int32", "int32",
+                         "int32", "int32", r, "float64", "int32", "int32")
+    else:
+        params = head + (f"ptr:{r}", "ptr:float64", "ptr:float64", "ptr:float64", "int64",
+                         "int64", "int64", "int32", "int32", "int32", "int32", r, "float64",
+                         "int32", "int32", "int32", "int32")
+    return Signature(FAMILY, name, params)
+
+
+def _finalize_sig(real_dtype):
+    r = real_dtype.name
+    return Signature(FAMILY, f"cutopo::ecc::band::soft_finalize<{_REAL[real_dtype]}>",
+                     ("ptr:int64", "ptr:float64", f"ptr:{r}", "int64", "int32"))
+
+
+def _instances():
+    for in_dtype in _ecc_cupy._INPUT_CTYPE:
+        for real in (np.dtype(np.float32), np.dtype(np.float64)):
+            if in_dtype == np.float64 and real == np.float32:
+                continue  # float64 images always compute in float64
+            for kind in ("forward", "backward"):
+                yield _soft_ecc_sig(kind, in_dtype, real).name
+    for real in (np.dtype(np.float32), np.dtype(np.float64)):
+        yield _finalize_sig(real).name
+        for ndim in (2, 3):
+            for kind in ("forward", "backward"):
+                yield _ect_sig(kind, real, ndim).name
+
+
+register_instances(FAMILY, _instances)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _smem_bytes(T, real_dtype, with_g, with_sat):
+    def a16(n):
+        return (n + 15) // 16 * 16
+    r = real_dtype.itemsize
+    return a16(T * r) + (a16(T * r) if with_g else 0) + a16(T * 8) + (a16(T * 4) if with_sat else 0)
+
+
+def _shared_plan(T, real_dtype, with_g, with_sat):
+    """(use shared accumulators, dynamic shared bytes)."""
+    smem = _smem_bytes(T, real_dtype, with_g, with_sat)
+    return (True, smem) if smem <= SHARED_MAX else (False, 0)
+
+
+def _blocks_per_row(sig, rows, entries, T, smem):
+    """Blocks per row: enough to fill the device, not so many that set-up and flush dominate."""
+    target = 2 * resident_blocks(sig, THREADS, smem)
+    most = max(1, math.ceil(entries / max(MIN_ENTRIES_PER_BLOCK, 2 * T)))
+    return int(max(1, min(math.ceil(target / max(rows, 1)), most)))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_table_cached(device_id, data: bytes, dtype):
+    import cupy
+
+    return cupy.asarray(np.frombuffer(data, dtype=dtype))
+
+
+def device_table(host):
+    """A device copy of a small host array, memoized: a repeated call (a training loop, a CUDA
+    graph capture) then makes no host-to-device copy."""
+    import cupy
+
+    host = np.ascontiguousarray(host)
+    return _device_table_cached(cupy.cuda.Device().id, host.tobytes(), host.dtype)
+
+
+def _finalize(sat, acc, real_dtype):
+    import cupy
+
+    rows, T = sat.shape
+    out = cupy.empty((rows, T), dtype=real_dtype)
+    launch(_finalize_sig(real_dtype), math.ceil(rows / WARPS), THREADS, (sat, acc, out, rows, T))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft ECC
+
+
+def _soft_ecc_inputs(image, ndim, tconn):
+    import cupy
+
+    nimg = math.prod(image.shape[:image.ndim - ndim])
+    N = math.prod(image.shape[image.ndim - ndim:])
+    x = _ecc_cupy._image_view(cupy.ascontiguousarray(image)).reshape(nimg, N)
+    cmap = _ecc_cupy.euler_contributions(image, ndim, tconn).reshape(nimg, N)
+    return x, cmap, nimg, N
+
+
+def soft_ecc_forward(image, t, lam, w, ndim, tconn):
+    """(nimg, T) curve in the dtype of ``t``; ``t`` host thresholds, ``lam`` the scale (same dtype)."""
+    import cupy
+
+    real = t.dtype
+    T = t.size
+    with image.device:
+        x, cmap, nimg, N = _soft_ecc_inputs(image, ndim, tconn)
+        acc = cupy.zeros((nimg, T), dtype=np.float64)
+        sat = cupy.zeros((nimg, T), dtype=np.int64)
+        if nimg and N:
+            sig = _soft_ecc_sig("forward", image.dtype, real)
+            shared, smem = _shared_plan(T, real, False, True)
+            bpi = _blocks_per_row(sig, nimg, N, T, smem)
+            launch(sig, nimg * bpi, THREADS,
+                   (x, cmap, device_table(t), acc, sat, N, bpi, T, lam, w, _cbool(shared)),
+                   shared_mem=smem)
+        return _finalize(sat, acc, real)
+
+
+def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs):
+    """(d_image in the dtype of t or None, d_t float64 (T,) or None, d_scale 0-d float64 or None)."""
+    import cupy
+
+    need_image, need_t, need_scale = needs
+    real = t.dtype
+    T = t.size
+    with image.device:
+        x, cmap, nimg, N = _soft_ecc_inputs(image, ndim, tconn)
+        g = cupy.ascontiguousarray(g.reshape(nimg, T).astype(real, copy=False))
+        d_image = cupy.empty((nimg, N) if need_image else (1,), dtype=real)
+        dt = cupy.zeros(T, dtype=np.float64)
+        dscale = cupy.zeros(1, dtype=np.float64)
+        if nimg and N:
+            sig = _soft_ecc_sig("backward", image.dtype, real)
+            shared, smem = _shared_plan(T, real, True, False)
+            bpi = _blocks_per_row(sig, nimg, N, T, smem)
+            launch(sig, nimg * bpi, THREADS,
+                   (x, cmap, device_table(t), g, d_image, dt, dscale, N, bpi, T, lam, w,
+                    _cbool(shared), _cbool(need_image), _cbool(need_t), _cbool(need_scale)),
+                   shared_mem=smem)
+        dt *= float(lam)
+    return (d_image.reshape(image.shape) if need_image else None,
+            dt if need_t else None,
+            dscale.reshape(()) if need_scale else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# ECT entries: the critical pixels of the masks
+
+
+class Entries(NamedTuple):
+    """Critical pixels of a group of directions, listed per segment.
+
+    Direction d (local to the group) of image b reads segment ``seg_of_dir[d] * B + b``,
+    entries ``seg[s] .. seg[s + 1] - 1`` of ``lin`` (pixel index in the image) and ``c``.
+    """
+    lin: object         # cupy int64
+    c: object           # cupy int8
+    seg: object         # cupy int64, n_segments * B + 1
+    seg_of_dir: object  # cupy int32, one per direction of the group
+    longest: int        # entries of the longest segment
+
+
+def _compact(c, B, N, nseg):
+    """Entries of c (nseg * B rows of N pixels, row-major): (lin, c, seg, longest)."""
+    import cupy
+
+    flat = cupy.flatnonzero(c)
+    row = flat // N
+    seg = cupy.searchsorted(row, cupy.arange(nseg * B + 1, dtype=flat.dtype))
+    seg_host = cupy.asnumpy(seg)
+    longest = int(np.max(np.diff(seg_host))) if seg_host.size > 1 else 0
+    return (flat - row * N).astype(np.int64), c.reshape(-1)[flat], seg.astype(np.int64), longest
+
+
+def _orthant_keys(spatial, positive):
+    """int32 key grid: sum over axes of the index, reversed along axes with v_a < 0."""
+    import cupy
+
+    ndim = len(spatial)
+    key = cupy.zeros(spatial, dtype=np.int32)
+    for a, n in enumerate(spatial):
+        i = cupy.arange(n, dtype=np.int32)
+        if not positive[a]:
+            i = (n - 1) - i
+        key = key + i.reshape((-1,) + (1,) * (ndim - 1 - a))
+    return key
+
+
+def entries_v(mask_b, dirs64):
+    """Entries of every direction, V construction: one contribution pass per orthant.
+
+    Same keys as the NumPy path (_ect._orthant_contributions): the corner matching sign(v) is the
+    strict key maximum of each cell, and non-mask pixels get a key above every mask key.
+    """
+    import cupy
+
+    B = mask_b.shape[0]
+    spatial = mask_b.shape[1:]
+    ndim, N = len(spatial), math.prod(spatial)
+    positive = dirs64 >= 0
+    codes = positive.astype(np.int64) @ (1 << np.arange(ndim, dtype=np.int64))
+    unique = np.unique(codes)
+    big = sum(n - 1 for n in spatial) + 1
+    maps = []
+    for code in unique:
+        key = _orthant_keys(spatial, positive[np.flatnonzero(codes == code)[0]])
+        keys = cupy.where(mask_b, key, np.int32(big))
+        c = _ecc_cupy.euler_contributions(keys, ndim, False)
+        c *= mask_b
+        maps.append(c.reshape(B, N))
+    lin, c, seg, longest = _compact(cupy.stack(maps), B, N, unique.size)
+    seg_of_dir = cupy.asarray(np.searchsorted(unique, codes).astype(np.int32))
+    return Entries(lin, c, seg, seg_of_dir, longest)
+
+
+def _heights(coords_dev, spatial, dirs):
+    """(D, *spatial) float64 heights, one rounding per operation, as _ect._height_sum."""
+    ndim = len(spatial)
+    h = None
+    for a in range(ndim):
+        x = coords_dev[a].reshape((1,) + (-1,) + (1,) * (ndim - 1 - a))
+        term = x * dirs[:, a].reshape((-1,) + (1,) * ndim)
+        h = term if h is None else h + term
+    return h
+
+
+def entries_t(mask_b, dirs_dev, coords_dev):
+    """Entries of the directions ``dirs_dev`` (a group), T construction: one pass per direction."""
+    import cupy
+
+    B = mask_b.shape[0]
+    spatial = mask_b.shape[1:]
+    ndim, N = len(spatial), math.prod(spatial)
+    D = dirs_dev.shape[0]
+    H = _heights(coords_dev, spatial, dirs_dev)                       # (D, *spatial)
+    vals = cupy.where(mask_b[None], H[:, None], np.inf).reshape((D * B,) + spatial)
+    del H
+    c = _ecc_cupy.euler_contributions(vals, ndim, True).reshape(D, B, N)
+    del vals
+    c *= mask_b.reshape(1, B, N)
+    lin, cc, seg, longest = _compact(c, B, N, D)
+    return Entries(lin, cc, seg, cupy.arange(D, dtype=np.int32), longest)
+
+
+def direction_groups(mask_b, D, tconn):
+    """Direction ranges processed together: all for V, bounded height images for T."""
+    if not tconn:
+        return [(0, D)]
+    per = math.prod(mask_b.shape)
+    step = max(1, T_PASS_ELEMENTS // max(per, 1))
+    return [(d0, min(D, d0 + step)) for d0 in range(0, D, step)]
+
+
+def group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn):
+    if tconn:
+        return entries_t(mask_b, dirs_dev[d0:d1], coords_dev)
+    return entries_v(mask_b, dirs64)
+
+
+# ---------------------------------------------------------------------------------------------
+# ECT kernels
+
+
+def _ect_plan(kind, ent, B, ndim, D, T, real):
+    """(signature, shared accumulators?, shared bytes, blocks per row)."""
+    sig = _ect_sig(kind, real, ndim)
+    shared, smem = _shared_plan(T, real, kind == "backward", kind == "forward")
+    chunks = _blocks_per_row(sig, B * D, ent.longest, T, smem) if ent.longest else 1
+    return sig, shared, smem, chunks
+
+
+def _grid_shape(spatial):
+    return tuple(spatial) + (1,) * (3 - len(spatial))
+
+
+def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=False):
+    """((B, D, T) result, entries): int64 ECT (soft False, t float64) or the soft ECT in t's
+    dtype, and (with ``keep``) the [(d0, d1, Entries)] of every direction group for the backward,
+    or None when they are too large to keep (more than KEEP_ENTRIES)."""
+    import cupy
+
+    B = mask_b.shape[0]
+    D, ndim = dirs64.shape
+    T = t.size
+    n = _grid_shape(mask_b.shape[1:])
+    real = t.dtype
+    dirs_dev = device_table(dirs64)
+    coords_dev = [device_table(c) for c in coords]
+    coords_cat = device_table(np.concatenate(coords))
+    t_dev = device_table(t)
+    lam = real.type(0) if lam is None else lam
+    out = cupy.empty((B, D, T), dtype=real if soft else np.int64)
+    kept, total = [], 0
+    for d0, d1 in direction_groups(mask_b, D, tconn):
+        Dg = d1 - d0
+        ent = group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn)
+        total += int(ent.lin.size)
+        if kept is not None:
+            kept = kept + [(d0, d1, ent)] if keep and total <= KEEP_ENTRIES else None
+        sat = cupy.zeros((B * Dg, T), dtype=np.int64)
+        acc = cupy.zeros((B * Dg, T) if soft else (1,), dtype=np.float64)
+        if ent.lin.size:
+            sig, shared, smem, chunks = _ect_plan("forward", ent, B, ndim, Dg, T, real)
+            launch(sig, B * Dg * chunks, THREADS,
+                   (ent.lin, ent.c, ent.seg, ent.seg_of_dir, coords_cat,
+                    cupy.ascontiguousarray(dirs_dev[d0:d1]), t_dev, acc, sat) + n
+                   + (B, Dg, chunks, T, lam, w, _cbool(soft), _cbool(shared)), shared_mem=smem)
+        if soft:
+            part = _finalize(sat, acc, real)
+        else:
+            launch(_ecc_cupy.CUMSUM, math.ceil(B * Dg / WARPS), THREADS, (sat, B * Dg, T))
+            part = sat
+        out[:, d0:d1] = part.reshape(B, Dg, T)
+    return out, kept
+
+
+def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
+    """(d_dirs (D, ndim), d_t (T,) without the factor lam, d_scale 0-d), float64 CuPy arrays."""
+    import cupy
+
+    need_dirs, need_t, need_scale = needs
+    B = mask_b.shape[0]
+    D, ndim = dirs64.shape
+    T = t.size
+    n = _grid_shape(mask_b.shape[1:])
+    real = t.dtype
+    dirs_dev = device_table(dirs64)
+    coords_dev = [device_table(c) for c in coords]
+    coords_cat = device_table(np.concatenate(coords))
+    t_dev = device_table(t)
+    g = g.reshape(B, D, T).astype(real, copy=False)
+    d_dirs = cupy.zeros((D, ndim), dtype=np.float64)
+    dt = cupy.zeros(T, dtype=np.float64)
+    dscale = cupy.zeros(1, dtype=np.float64)
+    groups = kept if kept is not None else [
+        (d0, d1, None) for d0, d1 in direction_groups(mask_b, D, tconn)]
+    for d0, d1, ent in groups:
+        Dg = d1 - d0
+        if ent is None:
+            ent = group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn)
+        if not ent.lin.size:
+            continue
+        g_part = cupy.ascontiguousarray(g[:, d0:d1]).reshape(B * Dg, T)
+        d_part = cupy.zeros((Dg, ndim), dtype=np.float64)
+        sig, shared, smem, chunks = _ect_plan("backward", ent, B, ndim, Dg, T, real)
+        launch(sig, B * Dg * chunks, THREADS,
+               (ent.lin, ent.c, ent.seg, ent.seg_of_dir, coords_cat,
+                cupy.ascontiguousarray(dirs_dev[d0:d1]), t_dev, g_part, d_part, dt, dscale) + n
+               + (B, Dg, chunks, T, lam, w, _cbool(shared), _cbool(need_dirs), _cbool(need_t),
+                  _cbool(need_scale)), shared_mem=smem)
+        d_dirs[d0:d1] += d_part
+    return d_dirs, dt, dscale.reshape(())

@@ -1,0 +1,261 @@
+"""GPU kernels of soft_ecc, ect and soft_ect (cuda_src/ecc_band.cuh) against the NumPy path.
+
+The NumPy path is the oracle: it is tested against finite differences, scikit-image and
+closed forms in test_soft_ecc.py / test_ect.py. Here every result of the kernels must equal
+it: exactly for the integer ECT, to the rounding of the computation dtype (relative to
+sum |c|, the scale of the terms) for the soft ops.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cutopo
+from cutopo import _ecc_numpy
+
+pytestmark = pytest.mark.gpu
+
+RTOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _poison_pool(nbytes=64 << 20):
+    """Fill and free device memory so that later cupy.empty arrays start out as NaN bits."""
+    cp = _cp()
+    junk = cp.full(nbytes // 8, np.nan)
+    del junk
+
+
+def _image(rng, shape, dtype=np.float32, levels=None, specials=False):
+    if levels:
+        img = rng.integers(0, levels, size=shape).astype(np.float64) / levels
+    else:
+        img = rng.random(shape)
+    img = img.astype(dtype)
+    if specials:
+        flat = img.reshape(-1)
+        idx = rng.choice(flat.size, size=3, replace=False)
+        flat[idx] = [np.nan, np.inf, -np.inf]
+    return img
+
+
+def _sum_abs_c(image, ndim, conn):
+    c = _ecc_numpy.euler_contributions(image, ndim, conn == ndim, False)
+    return np.abs(c.reshape(c.shape[:c.ndim - ndim] + (-1,))).sum(axis=-1)
+
+
+def _close(gpu, cpu, scale, dtype, what):
+    gpu = _cp().asnumpy(gpu).astype(np.float64)
+    cpu = np.asarray(cpu, dtype=np.float64)
+    assert gpu.shape == cpu.shape, what
+    assert np.all(np.isfinite(gpu)), f"{what}: non-finite values"
+    tol = RTOL[np.dtype(dtype)] * (np.asarray(scale, dtype=np.float64) + 1.0)
+    err = np.abs(gpu - cpu)
+    assert np.all(err <= tol), f"{what}: max error {err.max():.3g}, tolerance {np.min(tol):.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# soft_ecc
+
+
+@pytest.mark.parametrize("ndim,shape", [(2, (37, 53)), (2, (3, 64, 40)), (3, (11, 9, 13)),
+                                        (3, (2, 7, 16, 5))])
+@pytest.mark.parametrize("conn_is_ndim", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_soft_ecc_forward_and_vjp_match_numpy(rng, ndim, shape, conn_is_ndim, dtype):
+    cp = _cp()
+    conn = ndim if conn_is_ndim else 1
+    img = _image(rng, shape, dtype, levels=int(rng.integers(5, 40)), specials=True)
+    t = np.sort(rng.uniform(-0.1, 1.1, size=int(rng.integers(20, 90)))).astype(dtype)
+    scale = float(rng.uniform(5, 60))
+    kw = dict(ndim=ndim, connectivity=conn)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, scale, **kw)
+    _poison_pool()
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), scale, **kw)
+    assert isinstance(out_g, cp.ndarray) and out_g.dtype == out_c.dtype
+    S = _sum_abs_c(img, ndim, conn)[..., None]
+    _close(out_g, out_c, S, dtype, "forward")
+
+    g = rng.standard_normal(out_c.shape).astype(dtype)
+    d_c = pb_c(g)
+    _poison_pool()
+    d_g = pb_g(cp.asarray(g))
+    lam_g = scale * np.abs(g).sum()
+    _close(d_g[0], d_c[0], lam_g, dtype, "d_image")
+    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), dtype, "d_thresholds")
+    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), dtype, "d_scale")
+    # Pixels without a contribution get exactly zero (every element is written).
+    c = _ecc_numpy.euler_contributions(img, ndim, conn == ndim, False)
+    assert np.all(cp.asnumpy(d_g[0])[c == 0] == 0)
+
+
+@pytest.mark.parametrize("in_dtype", ["bool", "uint8", "uint16", "int16", "int32", "float16"])
+def test_soft_ecc_input_dtypes(rng, in_dtype):
+    cp = _cp()
+    if in_dtype == "bool":
+        img = rng.random((40, 33)) < 0.5
+    elif in_dtype == "float16":
+        img = rng.random((40, 33)).astype(np.float16)
+    else:
+        img = rng.integers(0, 100, size=(40, 33)).astype(in_dtype)
+    t = 12  # a count: linear_thresholds of the image
+    out_c = cutopo.soft_ecc(img, t, 3.0)
+    out_g = cutopo.soft_ecc(cp.asarray(img), t, 3.0)
+    _close(out_g, out_c, _sum_abs_c(img, 2, 1)[..., None], np.float32, in_dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_soft_ecc_many_thresholds_use_global_accumulators(rng, dtype):
+    """T large enough that the per-block accumulators leave shared memory."""
+    cp = _cp()
+    img = _image(rng, (2, 30, 31), dtype)
+    t = np.linspace(-0.2, 1.2, 5000).astype(dtype)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, 200.0, ndim=2)
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 200.0, ndim=2)
+    S = _sum_abs_c(img, 2, 1)[..., None]
+    _close(out_g, out_c, S, dtype, "forward")
+    g = rng.standard_normal(out_c.shape).astype(dtype)
+    d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
+    lam_g = 200.0 * np.abs(g).sum()
+    _close(d_g[0], d_c[0], lam_g, dtype, "d_image")
+    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), dtype, "d_thresholds")
+
+
+def test_soft_ecc_scale_extremes(rng):
+    """Tiny scale: every threshold inside the band; huge scale: bands empty, the exact ECC."""
+    cp = _cp()
+    img = _image(rng, (25, 26), np.float64, levels=10)
+    t = np.linspace(0.05, 0.95, 10)  # between the levels
+    for scale in (1e-3, 1e9):
+        out_c = cutopo.soft_ecc(img, t, scale)
+        out_g = cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), scale)
+        _close(out_g, out_c, _sum_abs_c(img, 2, 1)[..., None], np.float64, f"scale {scale}")
+    np.testing.assert_array_equal(cp.asnumpy(cutopo.soft_ecc(cp.asarray(img), t, 1e9)),
+                                  cutopo.ecc(img, t).astype(np.float64))
+
+
+def test_soft_ecc_host_thresholds_get_host_cotangent(rng):
+    cp = _cp()
+    img = cp.asarray(_image(rng, (16, 16), np.float32))
+    t = np.linspace(0, 1, 8).astype(np.float32)
+    out, pb = cutopo.vjp(cutopo.soft_ecc, img, t, cp.asarray(np.float32(9.0)))
+    d_img, d_t, d_scale = pb(cp.ones_like(out))
+    assert isinstance(d_img, cp.ndarray) and isinstance(d_t, np.ndarray)
+    assert isinstance(d_scale, cp.ndarray) and d_scale.shape == () and d_scale.dtype == np.float32
+
+
+def test_soft_ecc_rejects_bad_input_on_gpu(rng):
+    cp = _cp()
+    img = cp.asarray(_image(rng, (8, 8), np.float32))
+    with pytest.raises(ValueError, match="scale"):
+        cutopo.soft_ecc(img, 4, cp.asarray(-1.0))
+    with pytest.raises(ValueError, match="sorted"):
+        cutopo.soft_ecc(img, cp.asarray([0.5, 0.2]), 1.0)
+    with pytest.raises(NotImplementedError, match="periodic"):
+        cutopo.soft_ecc(img, 4, 1.0, boundary="periodic")
+    with pytest.raises(TypeError, match="thresholds is a CuPy array"):
+        cutopo.soft_ecc(cp.asnumpy(img), cp.asarray([0.5]), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# ect and soft_ect
+
+
+def _mask(rng, shape, p=0.55):
+    from scipy import ndimage
+
+    m = rng.random(shape) < p
+    return ndimage.binary_opening(m) | (rng.random(shape) < 0.05)
+
+
+def _directions(rng, D, ndim):
+    d = rng.standard_normal((D, ndim))
+    d[0] = 0.0
+    d[0, -1] = 1.0           # a zero component counts as +
+    if D > 1:
+        d[1] = -d[0]
+    return d
+
+
+@pytest.mark.parametrize("ndim,shape", [(2, (33, 47)), (2, (3, 20, 21)), (3, (9, 12, 10)),
+                                        (3, (2, 6, 5, 7))])
+@pytest.mark.parametrize("conn_is_ndim", [False, True])
+def test_ect_matches_numpy_exactly(rng, ndim, shape, conn_is_ndim):
+    cp = _cp()
+    conn = ndim if conn_is_ndim else 1
+    mask = _mask(rng, shape)
+    dirs = _directions(rng, 13, ndim)
+    for t in (np.sort(rng.uniform(-2, 2, 40)), 25):
+        want = cutopo.ect(mask, dirs, t, connectivity=conn)
+        got = cutopo.ect(cp.asarray(mask), cp.asarray(dirs), t, connectivity=conn)
+        assert isinstance(got, cp.ndarray) and got.dtype == np.int64
+        np.testing.assert_array_equal(cp.asnumpy(got), want)
+
+
+def test_ect_integer_mask_and_empty_mask(rng):
+    cp = _cp()
+    mask = (rng.random((2, 20, 20)) < 0.4).astype(np.int32) * 7
+    mask[1] = 0
+    dirs = _directions(rng, 5, 2)
+    want = cutopo.ect(mask, dirs, 9)
+    got = cutopo.ect(cp.asarray(mask), dirs, 9)
+    np.testing.assert_array_equal(cp.asnumpy(got), want)
+    assert np.all(want[1] == 0)
+
+
+@pytest.mark.parametrize("ndim,shape", [(2, (31, 40)), (3, (2, 8, 9, 7))])
+@pytest.mark.parametrize("conn_is_ndim", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("count", [False, True])
+def test_soft_ect_forward_and_vjp_match_numpy(rng, ndim, shape, conn_is_ndim, dtype, count):
+    cp = _cp()
+    conn = ndim if conn_is_ndim else 1
+    mask = _mask(rng, shape)
+    dirs = _directions(rng, 9, ndim).astype(dtype)
+    t = 30 if count else np.sort(rng.uniform(-1.8, 1.8, 30)).astype(dtype)
+    scale = dtype(rng.uniform(3, 40))
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ect, mask, dirs, t, scale, connectivity=conn)
+    t_g = t if count else cp.asarray(t)
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ect, cp.asarray(mask), cp.asarray(dirs), t_g,
+                             cp.asarray(scale), connectivity=conn)
+    assert isinstance(out_g, cp.ndarray) and out_g.dtype == out_c.dtype == dtype
+    S = float(mask.size) * 2 ** ndim  # bounds sum |c| per direction
+    _close(out_g, out_c, S, dtype, "forward")
+    g = rng.standard_normal(out_c.shape).astype(dtype)
+    d_c = pb_c(g)
+    d_g = pb_g(cp.asarray(g))
+    assert d_g[0] is None
+    big = float(scale) * np.abs(g).sum() * S
+    _close(d_g[1], d_c[1], big, dtype, "d_directions")
+    if not count:
+        _close(d_g[2], d_c[2], big, dtype, "d_thresholds")
+    _close(d_g[3], d_c[3], big, dtype, "d_scale")
+
+
+def test_soft_ect_many_thresholds_use_global_accumulators(rng):
+    cp = _cp()
+    mask = _mask(rng, (24, 25))
+    dirs = _directions(rng, 4, 2)
+    t = np.linspace(-1.5, 1.5, 5000)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ect, mask, dirs, t, 100.0)
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ect, cp.asarray(mask), cp.asarray(dirs), cp.asarray(t),
+                             100.0)
+    _close(out_g, out_c, 4.0 * mask.size, np.float64, "forward")
+    g = rng.standard_normal(out_c.shape)
+    d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
+    big = 100.0 * np.abs(g).sum() * 4.0 * mask.size
+    for i in (1, 2, 3):
+        _close(d_g[i], d_c[i], big, np.float64, f"cotangent {i}")
+
+
+def test_ect_mixed_devices_are_refused(rng):
+    cp = _cp()
+    with pytest.raises(TypeError, match="scale is a CuPy array but mask is not"):
+        cutopo.soft_ect(np.ones((4, 4), dtype=bool), [[1.0, 0.0]], [0.0], cp.asarray(2.0))
+    with pytest.raises(TypeError, match="directions is a CuPy array but mask is not"):
+        cutopo.ect(np.ones((4, 4), dtype=bool), cp.asarray([[1.0, 0.0]]), [0.0])
