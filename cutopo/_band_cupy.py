@@ -121,19 +121,20 @@ def _blocks_per_row(sig, rows, entries, T, smem):
 
 
 @functools.lru_cache(maxsize=64)
-def _device_table_cached(device_id, data: bytes, dtype):
+def _device_table_cached(device_id, data: bytes, dtype, shape):
     import cupy
 
-    return cupy.asarray(np.frombuffer(data, dtype=dtype))
+    return cupy.asarray(np.frombuffer(data, dtype=dtype).reshape(shape))
 
 
 def device_table(host):
     """A device copy of a small host array, memoized: a repeated call (a training loop, a CUDA
-    graph capture) then makes no host-to-device copy."""
+    graph capture) then makes no host-to-device copy. Read-only by convention: never write
+    into the result."""
     import cupy
 
     host = np.ascontiguousarray(host)
-    return _device_table_cached(cupy.cuda.Device().id, host.tobytes(), host.dtype)
+    return _device_table_cached(cupy.cuda.Device().id, host.tobytes(), host.dtype, host.shape)
 
 
 def _finalize(sat, acc, real_dtype):

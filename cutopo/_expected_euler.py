@@ -23,12 +23,13 @@ products directly per cell.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
 
 from . import _expected_euler_cupy
-from ._array import as_array, is_cupy_array
+from ._array import array_module, as_array, is_cupy_array
 from ._checks import check_connectivity, check_image
 from .vjp import register
 
@@ -50,33 +51,32 @@ def _validate(prob, ndim, connectivity):
     except ValueError as exc:
         raise ValueError(str(exc).replace("the image", "prob").replace("image", "prob")) from None
     tconn = check_connectivity(connectivity, ndim)
-    if prob.size:
-        if is_cupy_array(prob):
-            lo, hi, has_nan = _device_range(prob)
-        else:
-            lo, hi = prob.min(), prob.max()
-            has_nan = np.isnan(lo) or np.isnan(hi)
-        if has_nan:
+    if prob.size and not (is_cupy_array(prob) and _all_in_unit_interval(prob)):
+        xp = array_module(prob)
+        lo, hi = float(xp.min(prob)), float(xp.max(prob))
+        if bool(xp.isnan(prob).any()):  # min/max NaN propagation differs between backends
             raise ValueError("prob: contains NaN; probabilities must lie in [0, 1]")
         if lo < 0 or hi > 1:
-            raise ValueError(f"prob: values must lie in [0, 1], found range "
-                             f"[{float(lo)}, {float(hi)}]")
+            raise ValueError(f"prob: values must lie in [0, 1], found range [{lo}, {hi}]")
     cdtype = np.dtype(np.float64) if prob.dtype == np.float64 else np.dtype(np.float32)
     return prob, ndim, tconn, cdtype
 
 
-def _device_range(prob):
-    """(min, max, has NaN) of a non-empty CuPy array, fetched in one device-to-host copy.
-
-    NaN is looked for separately rather than trusted to propagate through min/max, which
-    depends on CuPy's reduction backend (CUB, cuTENSOR).
-    """
+@functools.lru_cache(maxsize=None)
+def _count_outside_kernel():
     import cupy
 
+    # One fused pass; NaN fails both comparisons, so it counts as outside.
+    return cupy.ReductionKernel("T x", "int64 n", "(x >= (T)0 && x <= (T)1) ? 0 : 1", "a + b",
+                                "n = a", "0", "cutopo_count_outside_unit_interval")
+
+
+def _all_in_unit_interval(prob) -> bool:
+    """True when every element of the CuPy array lies in [0, 1]: one reduction and one
+    device-to-host copy of its count (the error message's details are computed only on failure)."""
+    x = prob if prob.dtype != np.float16 else prob.astype(np.float32)
     with prob.device:
-        lo, hi, nan = cupy.stack([prob.min(), prob.max(),
-                                  cupy.isnan(prob).any().astype(prob.dtype)]).get()
-    return lo, hi, bool(nan)
+        return int(_count_outside_kernel()(x)) == 0
 
 
 # ----------------------------------------------------------------------------- cell geometry
