@@ -21,7 +21,10 @@ FAMILY = "ecc"
 THREADS = 256                   # band::THREADS
 WARPS = THREADS // 32
 SHARED_MAX = 48 * 1024          # per-block accumulators in shared memory up to this size
-MIN_ENTRIES_PER_BLOCK = 1024    # below this a block spends more on set-up and flush than on work
+# Work per block below which set-up and flush (T entries each) outweigh it: pixels of the soft
+# ECC (one 512-pixel map step per warp) and critical pixels of the ECT (one per lane).
+MIN_PIXELS_PER_BLOCK = 4096
+MIN_ENTRIES_PER_BLOCK = 1024
 # Height images (directions x images x pixels, float64) per T-construction pass of the ECT.
 T_PASS_ELEMENTS = 1 << 25
 # The soft ECT keeps its entries (critical pixels, 9 bytes each) for the backward up to this
@@ -113,10 +116,10 @@ def _shared_plan(T, real_dtype, with_g, with_sat):
     return (True, smem) if smem <= SHARED_MAX else (False, 0)
 
 
-def _blocks_per_row(sig, rows, entries, T, smem):
+def _blocks_per_row(sig, rows, work, T, smem, min_work):
     """Blocks per row: enough to fill the device, not so many that set-up and flush dominate."""
     target = 2 * resident_blocks(sig, THREADS, smem)
-    most = max(1, math.ceil(entries / max(MIN_ENTRIES_PER_BLOCK, 2 * T)))
+    most = max(1, math.ceil(work / max(min_work, 2 * T)))
     return int(max(1, min(math.ceil(target / max(rows, 1)), most)))
 
 
@@ -173,7 +176,7 @@ def soft_ecc_forward(image, t, lam, w, ndim, tconn):
         if nimg and N:
             sig = _soft_ecc_sig("forward", image.dtype, real)
             shared, smem = _shared_plan(T, real, False, True)
-            bpi = _blocks_per_row(sig, nimg, N, T, smem)
+            bpi = _blocks_per_row(sig, nimg, N, T, smem, MIN_PIXELS_PER_BLOCK)
             launch(sig, nimg * bpi, THREADS,
                    (x, cmap, device_table(t), acc, sat, N, bpi, T, lam, w, _cbool(shared)),
                    shared_mem=smem)
@@ -196,7 +199,7 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs):
         if nimg and N:
             sig = _soft_ecc_sig("backward", image.dtype, real)
             shared, smem = _shared_plan(T, real, True, False)
-            bpi = _blocks_per_row(sig, nimg, N, T, smem)
+            bpi = _blocks_per_row(sig, nimg, N, T, smem, MIN_PIXELS_PER_BLOCK)
             launch(sig, nimg * bpi, THREADS,
                    (x, cmap, device_table(t), g, d_image, dt, dscale, N, bpi, T, lam, w,
                     _cbool(shared), _cbool(need_image), _cbool(need_t), _cbool(need_scale)),
@@ -329,7 +332,9 @@ def _ect_plan(kind, ent, B, ndim, D, T, real):
     """(signature, shared accumulators?, shared bytes, blocks per row)."""
     sig = _ect_sig(kind, real, ndim)
     shared, smem = _shared_plan(T, real, kind == "backward", kind == "forward")
-    chunks = _blocks_per_row(sig, B * D, ent.longest, T, smem) if ent.longest else 1
+    chunks = 1
+    if ent.longest:
+        chunks = _blocks_per_row(sig, B * D, ent.longest, T, smem, MIN_ENTRIES_PER_BLOCK)
     return sig, shared, smem, chunks
 
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _band_cupy
-from ._array import is_cupy_array, to_numpy
+from ._array import as_array, is_cupy_array, to_numpy
 from ._checks import check_connectivity, check_scale, check_thresholds
 from ._ecc_numpy import contributions_from_keys, order_keys
 from ._soft_ecc import band_halfwidth
@@ -513,7 +513,7 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
     scale_value, scale64 = check_scale(scale)
     strong64 = scale64 or directions.dtype == np.float64
     if count is None:
-        strong64 = strong64 or np.asarray(thresholds).dtype == np.float64
+        strong64 = strong64 or as_array(thresholds, "thresholds").dtype == np.float64
     dtype = np.dtype(np.float64 if strong64 else np.float32)
     with np.errstate(over="ignore"):
         lam = dtype.type(scale_value)
