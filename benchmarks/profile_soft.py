@@ -63,12 +63,70 @@ def stages(cp, image, ndim):
     }
 
 
+def block_sweep(cp, image, ndim):
+    """Band forward time against blocks per image, and with an all-zero map (set-up + flush)."""
+    t = np.linspace(0, 1, T).astype(np.float32)
+    lam = np.float32(4.0 * (T - 1))
+    w = band_halfwidth(np.float32, lam)
+    x, cmap, nimg, N = _band_cupy._soft_ecc_inputs(image, ndim, False)
+    real = np.dtype(np.float32)
+    sig = _band_cupy._soft_ecc_sig("forward", image.dtype, real)
+    shared, smem = _band_cupy._shared_plan(T, real, False, True)
+    t_dev = _band_cupy.device_table(t)
+    acc = cp.zeros((nimg, T), dtype=np.float64)
+    sat = cp.zeros((nimg, T), dtype=np.int64)
+    empty = cp.zeros_like(cmap)
+    for bpi in (32, 64, 128, 256, 512, 1024, 2048):
+        times = [time_graph(cp, lambda m=m: launch(
+            sig, nimg * bpi, 256, (x, m, t_dev, acc, sat, N, bpi, T, lam, w, int(shared)),
+            shared_mem=smem), 30) for m in (cmap, empty)]
+        print(f"  blocks/image {bpi:5d}: {times[0]:.4f} ms (all-zero map {times[1]:.4f} ms)")
+
+
+def ect_stages(cp):
+    """The soft ECT forward of bench_soft.py, stage by stage (event-timed: they synchronise)."""
+    from bench_ecc import time_gpu
+    from bench_soft import SoftEct
+    from cutopo import _ect
+
+    case = SoftEct("soft_ect", 512, 256, 128)
+    (mask, directions, t, scale), _ = case.inputs(cp, 2.0, 1)
+    dirs64 = cp.asnumpy(directions).astype(np.float64)
+    mask_b = mask.reshape((1,) + mask.shape)
+    coords = _ect._axis_coordinates(mask.shape)
+    t_host = cp.asnumpy(t)
+    lam = np.float32(scale)
+    w = band_halfwidth(np.float32, lam)
+    steps = {
+        "entries (orthant passes + compaction)": lambda: _band_cupy.entries_v(mask_b, dirs64),
+        "forward (entries + kernels)": lambda: _band_cupy.ect_forward(
+            mask_b, dirs64, coords, t_host, False, True, lam, w),
+        "whole op": lambda: cutopo.soft_ect(mask, directions, t, scale),
+    }
+    for name, fn in steps.items():
+        print(f"  {name:40s} {time_gpu(cp, fn, 20):8.4f} ms")
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        steps["whole op"]()
+    cp.cuda.get_current_stream().synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
 def main():
     if not cutopo.gpu_available():
         print("# no GPU")
         return 0
     import cupy as cp
 
+    print("## soft_ect 2d 512^2 D=256 forward")
+    ect_stages(cp)
+    print("## soft_ecc 2d 1024^2 band forward")
+    block_sweep(cp, smooth_image(cp, (1024, 1024), 2, 2.0, 1), 2)
     for name, shape, ndim in CASES:
         image = smooth_image(cp, shape, ndim, 2.0, 1)
         c = cutopo.euler_contributions(image, ndim=ndim)
