@@ -144,10 +144,40 @@ struct Accum {
 // band accumulator (T double), difference array (T int). Offsets rounded to 16 bytes.
 __host__ __device__ inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
+// A warp's register accumulators for the 32 thresholds k0 .. k0 + 31 (lane j owns k0 + j),
+// with the lane's threshold (and cotangent) cached. Consecutive entries of a warp are nearby
+// pixels with nearby values, so their bands usually fall in one window: the sigmoid terms then
+// go into registers, and memory (shared atomics) is touched only when the window moves. Adding
+// every term with a shared atomic instead made lanes of different warps contend for the same
+// thresholds (CAS loops for doubles): ~2000 cycles per entry at 1024^2.
+template <typename Real>
+struct Window {
+    int k0 = -(1 << 30);  // no window yet: the first band always moves it
+    double acc = 0.0;     // sum of the lane's terms since the window was placed
+    Real t = 0, g = 0;    // t[k0 + lane] and g[k0 + lane] (0 past T)
+
+    // Adds the lane's sum to the accumulators of the row (distinct k per lane).
+    __device__ __forceinline__ void flush(const Accum& a) {
+        if (acc != 0.0) a.add(k0 + threadIdx.x % 32, acc);
+        acc = 0.0;
+    }
+    // Makes [lo, hi) (at most 32 long) part of the window, centring a new one on it if needed.
+    __device__ __forceinline__ void cover(int lo, int hi, const Real* tt, const Real* gg, int T,
+                                          const Accum& a) {
+        if (lo >= k0 && hi <= k0 + 32) return;  // warp-uniform: lo, hi are the same in every lane
+        flush(a);
+        k0 = max(0, lo - (32 - (hi - lo)) / 2);
+        const int k = k0 + threadIdx.x % 32;
+        t = k < T ? tt[k] : Real(0);
+        if (gg) g = k < T ? gg[k] : Real(0);
+    }
+};
+
 // Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
 template <typename Real>
 __device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Real* t, int T,
-                                             Real lam, double w, bool soft, const Accum& a) {
+                                             Real lam, double w, bool soft, const Accum& a,
+                                             Window<Real>& win) {
     const int lane = threadIdx.x % 32;
     int lo = T, hi = T;
     if (valid) {
@@ -167,20 +197,25 @@ __device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Re
         const int ci = __shfl_sync(FULL, c, src);
         const int loi = __shfl_sync(FULL, lo, src);
         const int hii = __shfl_sync(FULL, hi, src);
-        for (int k = loi + lane; k < hii; k += 32) {
-            // Distinct k per lane: the atomics of one warp never contend.
-            a.add(k, (double)sigmoid<Real>((t[k] - fi) * lam) * (double)ci);
+        if (hii - loi <= 32) {
+            win.cover(loi, hii, t, nullptr, T, a);
+            const int k = win.k0 + lane;
+            if (k >= loi && k < hii) win.acc += (double)sigmoid<Real>((win.t - fi) * lam) * (double)ci;
+        } else {  // a band wider than a window: straight to the accumulators, distinct k per lane
+            for (int k = loi + lane; k < hii; k += 32)
+                a.add(k, (double)sigmoid<Real>((t[k] - fi) * lam) * (double)ci);
         }
     }
 }
 
-// Backward of one warp's entries: threshold cotangents into a.acc (when need_t), the scale
-// cotangent into *dscale (per lane), and the sum over k of g_k c sigma'_k of the lane's own
-// entry returned (0 for an invalid entry).
+// Backward of one warp's entries: threshold cotangents (when need_t) through the window into
+// a, the scale cotangent into dscale (per lane), and, when need_sum, the sum over k of
+// g_k c sigma'_k of the lane's own entry returned (0 for an invalid entry).
 template <typename Real>
 __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const Real* t,
                                                 const Real* g, int T, Real lam, double w,
-                                                bool need_t, double& dscale, const Accum& a) {
+                                                bool need_t, bool need_sum, double& dscale,
+                                                const Accum& a, Window<Real>& win) {
     const int lane = threadIdx.x % 32;
     int lo = T, hi = T;
     if (valid) band_edges(f, w, t, T, lo, hi);
@@ -194,15 +229,28 @@ __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const
         const int loi = __shfl_sync(FULL, lo, src);
         const int hii = __shfl_sync(FULL, hi, src);
         double sum = 0.0;
-        for (int k = loi + lane; k < hii; k += 32) {
-            const Real diff = t[k] - fi;
-            const double v = (double)dsigmoid<Real>(diff * lam) * (double)ci * (double)g[k];
-            if (need_t) a.add(k, v);
-            sum += v;
-            dscale += v * (double)diff;
+        if (hii - loi <= 32) {
+            win.cover(loi, hii, t, g, T, a);
+            const int k = win.k0 + lane;
+            if (k >= loi && k < hii) {
+                const Real diff = win.t - fi;
+                sum = (double)dsigmoid<Real>(diff * lam) * (double)ci * (double)win.g;
+                if (need_t) win.acc += sum;
+                dscale += sum * (double)diff;
+            }
+        } else {
+            for (int k = loi + lane; k < hii; k += 32) {
+                const Real diff = t[k] - fi;
+                const double v = (double)dsigmoid<Real>(diff * lam) * (double)ci * (double)g[k];
+                if (need_t) a.add(k, v);
+                sum += v;
+                dscale += v * (double)diff;
+            }
         }
-        sum = warp_sum(sum);
-        if (lane == src) mine = sum;
+        if (need_sum) {
+            sum = warp_sum(sum);
+            if (lane == src) mine = sum;
+        }
     }
     return mine;
 }
@@ -341,6 +389,7 @@ soft_ecc_forward(const In* __restrict__ image, const signed char* __restrict__ c
     const signed char* cm = cmap + img * N;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int* queue = queues[warp];
+    Window<Real> win;
     for (i64 base = begin + (i64)warp * WARP_PIXELS; base < end; base += (i64)WARPS * WARP_PIXELS) {
         const int total = queue_critical(cm, base, end, queue);
         for (int r = 0; r < total; r += 32) {  // warp-uniform bounds: every lane takes part
@@ -350,10 +399,11 @@ soft_ecc_forward(const In* __restrict__ image, const signed char* __restrict__ c
                 unqueue(queue, r + lane, offset, c);
                 f = convert<Real>(x[base + offset]);
             }
-            forward_warp<Real>(c != 0 && !no_entry(f), f, c, s.t, T, lam, w, true, a);
+            forward_warp<Real>(c != 0 && !no_entry(f), f, c, s.t, T, lam, w, true, a, win);
         }
         __syncwarp();  // the queue is refilled next step
     }
+    win.flush(a);
     if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
 }
 
@@ -381,6 +431,7 @@ soft_ecc_backward(const In* __restrict__ image, const signed char* __restrict__ 
     Real* dx = d_image + img * N;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int* queue = queues[warp];
+    Window<Real> win;
     double dscale = 0.0;
     for (i64 base = begin + (i64)warp * WARP_PIXELS; base < end; base += (i64)WARPS * WARP_PIXELS) {
         if (need_image) {  // zeros first; the critical pixels are overwritten below
@@ -396,11 +447,12 @@ soft_ecc_backward(const In* __restrict__ image, const signed char* __restrict__ 
             }
             const bool valid = c != 0 && !no_entry(f);
             const double sum = backward_warp<Real>(valid, f, c, s.t, s.g, T, lam, w, need_t != 0,
-                                                   dscale, a);
+                                                   need_image != 0, dscale, a, win);
             if (need_image && valid) dx[base + offset] = (Real)(-(double)lam * sum);
         }
         __syncwarp();
     }
+    win.flush(a);
     if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
     if (need_scale) block_add(dscale, dscale_g, scratch);
 }
@@ -462,6 +514,7 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
     const i64 sid = (i64)seg_of_dir[d] * B + b;
     const i64 s0 = seg[sid], n = seg[sid + 1] - s0;
     const i64 begin = s0 + n * chunk / chunks_per_row, end = s0 + n * (chunk + 1) / chunks_per_row;
+    Window<Real> win;
     for (i64 base = begin + (threadIdx.x & ~31); base < end; base += THREADS) {
         const i64 e = base + threadIdx.x % 32;
         int c = 0;
@@ -472,8 +525,9 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
             position<NDIM>(ent_lin[e], coords, n0, n1, n2, x);
             f = (Real)height<NDIM>(x, v);
         }
-        forward_warp<Real>(c != 0, f, c, s.t, T, lam, w, soft != 0, a);
+        forward_warp<Real>(c != 0, f, c, s.t, T, lam, w, soft != 0, a, win);
     }
+    win.flush(a);
     if (shared) flush(soft ? s.acc : nullptr, s.sat, acc_row, sat_row, T);
 }
 
@@ -500,6 +554,7 @@ ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ en
     const i64 sid = (i64)seg_of_dir[d] * B + b;
     const i64 s0 = seg[sid], n = seg[sid + 1] - s0;
     const i64 begin = s0 + n * chunk / chunks_per_row, end = s0 + n * (chunk + 1) / chunks_per_row;
+    Window<Real> win;
     double dscale = 0.0;
     double dv[NDIM];
 #pragma unroll
@@ -515,12 +570,13 @@ ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ en
             f = (Real)height<NDIM>(x, v);
         }
         const double sum = backward_warp<Real>(c != 0, f, c, s.t, s.g, T, lam, w, need_t != 0,
-                                               dscale, a);
+                                               need_dirs != 0, dscale, a, win);
         if (need_dirs && sum != 0.0) {
 #pragma unroll
             for (int k = 0; k < NDIM; ++k) dv[k] += sum * x[k];
         }
     }
+    win.flush(a);
     if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
     if (need_scale) block_add(dscale, dscale_g, scratch);
     if (need_dirs) {
