@@ -31,16 +31,20 @@ constexpr unsigned FULL = 0xffffffffu;
 __device__ __forceinline__ float exp_neg_abs(float u) { return expf(-fabsf(u)); }
 __device__ __forceinline__ double exp_neg_abs(double u) { return ::exp(-::fabs(u)); }
 
+// 1 / x correctly rounded, as the division 1 / x is, without the division's slow-path checks.
+__device__ __forceinline__ float reciprocal(float x) { return __frcp_rn(x); }
+__device__ __forceinline__ double reciprocal(double x) { return __drcp_rn(x); }
+
 template <typename Real>
 __device__ __forceinline__ Real sigmoid(Real u) {
     const Real e = exp_neg_abs(u);
-    const Real r = Real(1) / (Real(1) + e);
+    const Real r = reciprocal(Real(1) + e);
     return u >= Real(0) ? r : e * r;
 }
 template <typename Real>
 __device__ __forceinline__ Real dsigmoid(Real u) {
     const Real e = exp_neg_abs(u);
-    const Real r = Real(1) / (Real(1) + e);
+    const Real r = reciprocal(Real(1) + e);
     return e * r * r;
 }
 
@@ -308,19 +312,21 @@ __device__ __forceinline__ void flush(const double* acc, const int* sat, double*
 // Soft ECC: entries are the pixels of each image with a non-zero contribution (cmap).
 //
 // Most pixels of a real image have c = 0 (95-98% of smooth 2D/3D images), so a warp first
-// reads the map for 512 pixels (16 per lane, one 16-byte load when aligned), compacts the
-// critical ones into a per-warp queue in shared memory (ballot-free: a shuffle scan of the
-// per-lane counts), and only then runs the band work, 32 queued pixels at a time. Stepping one
-// pixel per lane instead left the kernel latency-bound on the map loads (measured 35 us at
-// 1024^2, now a few).
+// reads the map for 128 pixels (4 per lane, one 4-byte load when aligned), compacts the
+// critical ones into a per-warp queue in shared memory (a shuffle scan of the per-lane counts),
+// and only then runs the band work, 32 queued pixels at a time: one pixel per lane would leave
+// most lanes idle in the band loops. Steps are kept short so that there are many warps: each
+// queued pixel is a chain of dependent instructions (shuffles, sigmoid, accumulate), and Nsight
+// Compute showed the kernel bound by that latency with ~4 warps per scheduler (512-pixel steps,
+// 33 us at 1024^2).
 //
 // Grid: blocks_per_image blocks per image, each a contiguous range of its pixels.
 
-constexpr int LANE_PIXELS = 16;                 // map bytes per lane and step
+constexpr int LANE_PIXELS = 4;                  // map bytes per lane and step
 constexpr int WARP_PIXELS = 32 * LANE_PIXELS;   // pixels per warp and step
 
-// The range of pixels of block `chunk` of an image: boundaries on multiples of 16 pixels, so
-// that (for N a multiple of 16) every lane's map load is one aligned 16-byte load.
+// The range of pixels of block `chunk` of an image: boundaries on multiples of LANE_PIXELS, so
+// that (for N a multiple of it) every lane's map load is one aligned word.
 __device__ __forceinline__ void block_range(i64 N, int chunk, int blocks_per_image, i64& begin,
                                             i64& end) {
     begin = chunk == 0 ? 0 : ((N * chunk / blocks_per_image) & ~(i64)(LANE_PIXELS - 1));
@@ -335,11 +341,10 @@ __device__ __forceinline__ int queue_critical(const signed char* cm, i64 base, i
     const int lane = threadIdx.x % 32;
     const i64 p0 = base + lane * LANE_PIXELS;
     signed char c[LANE_PIXELS];
-    if (p0 + LANE_PIXELS <= end && (reinterpret_cast<size_t>(cm + p0) & 15) == 0) {
-        const uint4 v = *reinterpret_cast<const uint4*>(cm + p0);
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+    if (p0 + LANE_PIXELS <= end && (reinterpret_cast<size_t>(cm + p0) & (LANE_PIXELS - 1)) == 0) {
+        const unsigned v = *reinterpret_cast<const unsigned*>(cm + p0);
 #pragma unroll
-        for (int j = 0; j < LANE_PIXELS; ++j) c[j] = (signed char)(w[j / 4] >> (8 * (j % 4)));
+        for (int j = 0; j < LANE_PIXELS; ++j) c[j] = (signed char)(v >> (8 * j));
     } else {
 #pragma unroll
         for (int j = 0; j < LANE_PIXELS; ++j) c[j] = p0 + j < end ? cm[p0 + j] : 0;

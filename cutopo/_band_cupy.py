@@ -22,8 +22,8 @@ THREADS = 256                   # band::THREADS
 WARPS = THREADS // 32
 SHARED_MAX = 48 * 1024          # per-block accumulators in shared memory up to this size
 # Work per block below which set-up and flush (T entries each) outweigh it: pixels of the soft
-# ECC (one 512-pixel map step per warp) and critical pixels of the ECT (one per lane).
-MIN_PIXELS_PER_BLOCK = 4096
+# ECC (one 128-pixel map step per warp) and critical pixels of the ECT (one per lane).
+MIN_PIXELS_PER_BLOCK = 1024
 MIN_ENTRIES_PER_BLOCK = 1024
 # Height images (directions x images x pixels, float64) per T-construction pass of the ECT.
 T_PASS_ELEMENTS = 1 << 25
@@ -239,22 +239,28 @@ def _compact(c, B, N, nseg):
     return (flat - row * N).astype(np.int64), c.reshape(-1)[flat], seg.astype(np.int64), longest
 
 
-def _orthant_keys(spatial, positive):
-    """int32 key grid: sum over axes of the index, reversed along axes with v_a < 0."""
+@functools.lru_cache(maxsize=16)
+def _orthant_key_stack(device_id, spatial, codes):
+    """(len(codes), *spatial) int32 keys, one grid per orthant code (bit a: v_a >= 0): the sum
+    over axes of the index, reversed along the axes with v_a < 0. Memoized; read-only."""
     import cupy
 
     ndim = len(spatial)
-    key = cupy.zeros(spatial, dtype=np.int32)
-    for a, n in enumerate(spatial):
-        i = cupy.arange(n, dtype=np.int32)
-        if not positive[a]:
-            i = (n - 1) - i
-        key = key + i.reshape((-1,) + (1,) * (ndim - 1 - a))
-    return key
+    grids = []
+    for code in codes:
+        key = np.zeros(spatial, dtype=np.int32)
+        for a, n in enumerate(spatial):
+            i = np.arange(n, dtype=np.int32)
+            if not (code >> a) & 1:
+                i = (n - 1) - i
+            key = key + i.reshape((-1,) + (1,) * (ndim - 1 - a))
+        grids.append(key)
+    return cupy.asarray(np.stack(grids))
 
 
 def entries_v(mask_b, dirs64):
-    """Entries of every direction, V construction: one contribution pass per orthant.
+    """Entries of every direction, V construction: one contribution pass per orthant, all
+    orthants batched into one launch.
 
     Same keys as the NumPy path (_ect._orthant_contributions): the corner matching sign(v) is the
     strict key maximum of each cell, and non-mask pixels get a key above every mask key.
@@ -262,22 +268,18 @@ def entries_v(mask_b, dirs64):
     import cupy
 
     B = mask_b.shape[0]
-    spatial = mask_b.shape[1:]
+    spatial = tuple(mask_b.shape[1:])
     ndim, N = len(spatial), math.prod(spatial)
-    positive = dirs64 >= 0
-    codes = positive.astype(np.int64) @ (1 << np.arange(ndim, dtype=np.int64))
+    codes = (dirs64 >= 0).astype(np.int64) @ (1 << np.arange(ndim, dtype=np.int64))
     unique = np.unique(codes)
-    big = sum(n - 1 for n in spatial) + 1
-    maps = []
-    for code in unique:
-        key = _orthant_keys(spatial, positive[np.flatnonzero(codes == code)[0]])
-        keys = cupy.where(mask_b, key, np.int32(big))
-        c = _ecc_cupy.euler_contributions(keys, ndim, False)
-        c *= mask_b
-        maps.append(c.reshape(B, N))
-    lin, c, seg, longest = _compact(cupy.stack(maps), B, N, unique.size)
-    seg_of_dir = cupy.asarray(np.searchsorted(unique, codes).astype(np.int32))
-    return Entries(lin, c, seg, seg_of_dir, longest)
+    big = np.int32(sum(n - 1 for n in spatial) + 1)
+    keys = _orthant_key_stack(cupy.cuda.Device().id, spatial, tuple(int(u) for u in unique))
+    stacked = cupy.where(mask_b[None], keys[:, None], big).reshape((unique.size * B,) + spatial)
+    c = _ecc_cupy.euler_contributions(stacked, ndim, False).reshape(unique.size, B, N)
+    c *= mask_b.reshape(1, B, N)
+    lin, cc, seg, longest = _compact(c, B, N, unique.size)
+    seg_of_dir = device_table(np.searchsorted(unique, codes).astype(np.int32))
+    return Entries(lin, cc, seg, seg_of_dir, longest)
 
 
 def _heights(coords_dev, spatial, dirs):
