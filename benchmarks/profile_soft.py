@@ -32,35 +32,50 @@ def stages(cp, image, ndim):
     t = np.linspace(0, 1, T).astype(np.float32)
     lam = np.float32(4.0 * (T - 1))
     w = band_halfwidth(np.float32, lam)
-    x, cmap, nimg, N = _band_cupy._soft_ecc_inputs(image, ndim, False)
+    x, cmap, plan = _band_cupy._soft_ecc_inputs(image, ndim, False, T, np.float32)
+    nimg, N = plan.nimg, plan.N
     acc = cp.zeros((nimg, T), dtype=np.float64)
     sat = cp.zeros((nimg, T), dtype=np.int64)
+    out = cp.empty((nimg, T), dtype=np.float32)
     g = cp.asarray(np.random.default_rng(0).standard_normal((nimg, T)).astype(np.float32))
-    real = np.dtype(np.float32)
-    fsig = _band_cupy._soft_ecc_sig("forward", image.dtype, real)
-    shared, smem = _band_cupy._shared_plan(T, real, False, True)
-    bpi = _band_cupy._blocks_per_row(fsig, nimg, N, T, smem, _band_cupy.MIN_PIXELS_PER_BLOCK)
     t_dev = _band_cupy.device_table(t)
-    bsig = _band_cupy._soft_ecc_sig("backward", image.dtype, real)
-    bshared, bsmem = _band_cupy._shared_plan(T, real, True, False)
-    bbpi = _band_cupy._blocks_per_row(bsig, nimg, N, T, bsmem,
-                                       _band_cupy.MIN_PIXELS_PER_BLOCK)
     d_image = cp.empty((nimg, N), dtype=np.float32)
     dt = cp.zeros(T, dtype=np.float64)
     ds = cp.zeros(1, dtype=np.float64)
+    backward = plan.backward((True, True, True))
     return {
         "contributions": lambda: _ecc_cupy.euler_contributions(image, ndim, False),
-        f"band forward ({nimg * bpi} blocks)": lambda: launch(
-            fsig, nimg * bpi, 256, (x, cmap, t_dev, acc, sat, N, bpi, T, lam, w, int(shared)),
-            shared_mem=smem),
-        "finalize": lambda: _band_cupy._finalize(sat, acc, real),
-        f"band backward ({nimg * bbpi} blocks)": lambda: launch(
-            bsig, nimg * bbpi, 256, (x, cmap, t_dev, g, d_image, dt, ds, N, bbpi, T, lam, w,
-                                     int(bshared), 1, 1, 1), shared_mem=bsmem),
+        f"band forward ({plan.forward.grid} blocks)": lambda: plan.forward(
+            x, cmap, t_dev, acc, sat, lam, w),
+        "finalize": lambda: plan.finalize(sat, acc, out),
+        f"band backward ({backward.grid} blocks)": lambda: backward(
+            x, cmap, t_dev, g, d_image, dt, ds, lam, w),
         "forward (all kernels)": lambda: _band_cupy.soft_ecc_forward(image, t, lam, w, ndim, False),
         "VJP (all kernels)": lambda: _band_cupy.soft_ecc_backward(image, t, lam, w, ndim, False, g,
                                                                   (True, True, True)),
     }
+
+
+def host_profile(cp, image, ndim):
+    """Where the host time of one soft_ecc forward + VJP call goes (cProfile, 20 calls)."""
+    import cProfile
+    import pstats
+
+    t = cp.asarray(np.linspace(0, 1, T).astype(np.float32))
+    scale = 4.0 * (T - 1)
+
+    def call():
+        out, pullback = cutopo.vjp(cutopo.soft_ecc, image, t, scale, ndim=ndim)
+        pullback(cp.ones_like(out))
+
+    call()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        call()
+    cp.cuda.get_current_stream().synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
 def block_sweep(cp, image, ndim):
@@ -68,9 +83,10 @@ def block_sweep(cp, image, ndim):
     t = np.linspace(0, 1, T).astype(np.float32)
     lam = np.float32(4.0 * (T - 1))
     w = band_halfwidth(np.float32, lam)
-    x, cmap, nimg, N = _band_cupy._soft_ecc_inputs(image, ndim, False)
+    x, cmap, plan = _band_cupy._soft_ecc_inputs(image, ndim, False, T, np.float32)
+    nimg, N = plan.nimg, plan.N
     real = np.dtype(np.float32)
-    sig = _band_cupy._soft_ecc_sig("forward", image.dtype, real)
+    sig = _band_cupy._soft_ecc_sig("forward", image.dtype, real, _band_cupy._lane_pixels(nimg * N))
     shared, smem = _band_cupy._shared_plan(T, real, False, True)
     t_dev = _band_cupy.device_table(t)
     acc = cp.zeros((nimg, T), dtype=np.float64)
@@ -126,7 +142,10 @@ def main():
     print("## soft_ect 2d 512^2 D=256 forward")
     ect_stages(cp)
     print("## soft_ecc 2d 1024^2 band forward")
-    block_sweep(cp, smooth_image(cp, (1024, 1024), 2, 2.0, 1), 2)
+    image = smooth_image(cp, (1024, 1024), 2, 2.0, 1)
+    block_sweep(cp, image, 2)
+    print("## soft_ecc 2d 1024^2 forward + VJP: host profile")
+    host_profile(cp, image, 2)
     for name, shape, ndim in CASES:
         image = smooth_image(cp, shape, ndim, 2.0, 1)
         c = cutopo.euler_contributions(image, ndim=ndim)

@@ -312,46 +312,58 @@ __device__ __forceinline__ void flush(const double* acc, const int* sat, double*
 // Soft ECC: entries are the pixels of each image with a non-zero contribution (cmap).
 //
 // Most pixels of a real image have c = 0 (95-98% of smooth 2D/3D images), so a warp first
-// reads the map for 128 pixels (4 per lane, one 4-byte load when aligned), compacts the
+// reads the map for 32 * LP pixels (LP per lane, one LP-byte load when aligned), compacts the
 // critical ones into a per-warp queue in shared memory (a shuffle scan of the per-lane counts),
 // and only then runs the band work, 32 queued pixels at a time: one pixel per lane would leave
-// most lanes idle in the band loops. Steps are kept short so that there are many warps: each
-// queued pixel is a chain of dependent instructions (shuffles, sigmoid, accumulate), and Nsight
-// Compute showed the kernel bound by that latency with ~4 warps per scheduler (512-pixel steps,
-// 33 us at 1024^2).
+// most lanes idle in the band loops. Each queued pixel is a chain of dependent instructions
+// (shuffles, sigmoid, accumulate), and Nsight Compute showed the kernel bound by that latency
+// with ~4 warps per scheduler at 1024^2 with LP = 16: small images take LP = 4 (four times the
+// warps, 33 -> 23 us at 1024^2), large ones LP = 16 (fewer steps per critical pixel: 97 us at
+// 256^3, 158 us with LP = 4); the host picks (cutopo/_band_cupy.py).
 //
 // Grid: blocks_per_image blocks per image, each a contiguous range of its pixels.
 
-constexpr int LANE_PIXELS = 4;                  // map bytes per lane and step
-constexpr int WARP_PIXELS = 32 * LANE_PIXELS;   // pixels per warp and step
-
-// The range of pixels of block `chunk` of an image: boundaries on multiples of LANE_PIXELS, so
-// that (for N a multiple of it) every lane's map load is one aligned word.
+// The range of pixels of block `chunk` of an image: boundaries on multiples of 16 pixels, so
+// that (for N a multiple of LP) every lane's map load is one aligned load.
 __device__ __forceinline__ void block_range(i64 N, int chunk, int blocks_per_image, i64& begin,
                                             i64& end) {
-    begin = chunk == 0 ? 0 : ((N * chunk / blocks_per_image) & ~(i64)(LANE_PIXELS - 1));
-    end = chunk == blocks_per_image - 1 ? N
-                                        : ((N * (chunk + 1) / blocks_per_image) & ~(i64)(LANE_PIXELS - 1));
+    begin = chunk == 0 ? 0 : ((N * chunk / blocks_per_image) & ~(i64)15);
+    end = chunk == blocks_per_image - 1 ? N : ((N * (chunk + 1) / blocks_per_image) & ~(i64)15);
 }
 
-// Reads the map of pixels [base, base + WARP_PIXELS) (clipped at end) and queues the
+template <int LP> struct MapWord;
+template <> struct MapWord<4> {
+    typedef unsigned type;
+    static __device__ __forceinline__ unsigned byte_of(type v, int j) { return v >> (8 * j); }
+};
+template <> struct MapWord<16> {
+    typedef uint4 type;
+    static __device__ __forceinline__ unsigned byte_of(type v, int j) {
+        const unsigned w = j < 4 ? v.x : j < 8 ? v.y : j < 12 ? v.z : v.w;
+        return w >> (8 * (j % 4));
+    }
+};
+
+// Reads the map of pixels [base, base + 32 LP) (clipped at end) and queues the
 // critical ones as (offset from base) << 8 | (c & 0xff), in pixel order. Returns their count
 // (the same in every lane).
+template <int LP>
 __device__ __forceinline__ int queue_critical(const signed char* cm, i64 base, i64 end, int* queue) {
     const int lane = threadIdx.x % 32;
-    const i64 p0 = base + lane * LANE_PIXELS;
-    signed char c[LANE_PIXELS];
-    if (p0 + LANE_PIXELS <= end && (reinterpret_cast<size_t>(cm + p0) & (LANE_PIXELS - 1)) == 0) {
-        const unsigned v = *reinterpret_cast<const unsigned*>(cm + p0);
+    const i64 p0 = base + lane * LP;
+    signed char c[LP];
+    typedef typename MapWord<LP>::type Word;
+    if (p0 + LP <= end && (reinterpret_cast<size_t>(cm + p0) & (LP - 1)) == 0) {
+        const Word v = *reinterpret_cast<const Word*>(cm + p0);
 #pragma unroll
-        for (int j = 0; j < LANE_PIXELS; ++j) c[j] = (signed char)(v >> (8 * j));
+        for (int j = 0; j < LP; ++j) c[j] = (signed char)MapWord<LP>::byte_of(v, j);
     } else {
 #pragma unroll
-        for (int j = 0; j < LANE_PIXELS; ++j) c[j] = p0 + j < end ? cm[p0 + j] : 0;
+        for (int j = 0; j < LP; ++j) c[j] = p0 + j < end ? cm[p0 + j] : 0;
     }
     int count = 0;
 #pragma unroll
-    for (int j = 0; j < LANE_PIXELS; ++j) count += c[j] != 0;
+    for (int j = 0; j < LP; ++j) count += c[j] != 0;
     int incl = count;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -360,8 +372,8 @@ __device__ __forceinline__ int queue_critical(const signed char* cm, i64 base, i
     }
     int slot = incl - count;
 #pragma unroll
-    for (int j = 0; j < LANE_PIXELS; ++j)
-        if (c[j] != 0) queue[slot++] = ((lane * LANE_PIXELS + j) << 8) | (c[j] & 0xff);
+    for (int j = 0; j < LP; ++j)
+        if (c[j] != 0) queue[slot++] = ((lane * LP + j) << 8) | (c[j] & 0xff);
     __syncwarp();
     return __shfl_sync(FULL, incl, 31);
 }
@@ -374,14 +386,14 @@ __device__ __forceinline__ void unqueue(const int* queue, int e, int& offset, in
 }
 
 // acc_g (rows, T) float64 and sat_g (rows, T) int64 must be zeroed.
-template <typename In, typename Real>
+template <typename In, typename Real, int LP>
 __global__ void __launch_bounds__(THREADS)
 soft_ecc_forward(const In* __restrict__ image, const signed char* __restrict__ cmap,
                  const Real* __restrict__ thresholds, double* __restrict__ acc_g,
                  long long* __restrict__ sat_g, i64 N, int blocks_per_image, int T, Real lam,
                  double w, int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ int queues[WARPS][WARP_PIXELS];
+    __shared__ int queues[WARPS][32 * LP];
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
@@ -395,8 +407,8 @@ soft_ecc_forward(const In* __restrict__ image, const signed char* __restrict__ c
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int* queue = queues[warp];
     Window<Real> win;
-    for (i64 base = begin + (i64)warp * WARP_PIXELS; base < end; base += (i64)WARPS * WARP_PIXELS) {
-        const int total = queue_critical(cm, base, end, queue);
+    for (i64 base = begin + (i64)warp * 32 * LP; base < end; base += (i64)WARPS * 32 * LP) {
+        const int total = queue_critical<LP>(cm, base, end, queue);
         for (int r = 0; r < total; r += 32) {  // warp-uniform bounds: every lane takes part
             int offset = 0, c = 0;
             Real f = 0;
@@ -415,7 +427,7 @@ soft_ecc_forward(const In* __restrict__ image, const signed char* __restrict__ c
 // d_image (rows, N) receives -lambda sum_k g_k c sigma'_k for every pixel (0 where c = 0 or
 // f is not finite); dt_g (T) the threshold cotangent without the factor lambda; dscale_g the
 // scale cotangent. dt_g and dscale_g must be zeroed.
-template <typename In, typename Real>
+template <typename In, typename Real, int LP>
 __global__ void __launch_bounds__(THREADS)
 soft_ecc_backward(const In* __restrict__ image, const signed char* __restrict__ cmap,
                   const Real* __restrict__ thresholds, const Real* __restrict__ g,
@@ -423,7 +435,7 @@ soft_ecc_backward(const In* __restrict__ image, const signed char* __restrict__ 
                   i64 N, int blocks_per_image, int T, Real lam, double w, int shared,
                   int need_image, int need_t, int need_scale) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ int queues[WARPS][WARP_PIXELS];
+    __shared__ int queues[WARPS][32 * LP];
     __shared__ double scratch[WARPS];
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
@@ -438,11 +450,11 @@ soft_ecc_backward(const In* __restrict__ image, const signed char* __restrict__ 
     int* queue = queues[warp];
     Window<Real> win;
     double dscale = 0.0;
-    for (i64 base = begin + (i64)warp * WARP_PIXELS; base < end; base += (i64)WARPS * WARP_PIXELS) {
+    for (i64 base = begin + (i64)warp * 32 * LP; base < end; base += (i64)WARPS * 32 * LP) {
         if (need_image) {  // zeros first; the critical pixels are overwritten below
-            for (int j = lane; j < WARP_PIXELS && base + j < end; j += 32) dx[base + j] = Real(0);
+            for (int j = lane; j < 32 * LP && base + j < end; j += 32) dx[base + j] = Real(0);
         }
-        const int total = queue_critical(cm, base, end, queue);  // ends with __syncwarp
+        const int total = queue_critical<LP>(cm, base, end, queue);  // ends with __syncwarp
         for (int r = 0; r < total; r += 32) {
             int offset = 0, c = 0;
             Real f = 0;

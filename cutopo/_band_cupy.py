@@ -15,15 +15,19 @@ import numpy as np
 
 from . import _ecc_cupy
 from ._cuda.compile import register_instances
-from ._cuda.launch import Signature, launch, resident_blocks
+from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
 
 FAMILY = "ecc"
 THREADS = 256                   # band::THREADS
 WARPS = THREADS // 32
 SHARED_MAX = 48 * 1024          # per-block accumulators in shared memory up to this size
-# Work per block below which set-up and flush (T entries each) outweigh it: pixels of the soft
-# ECC (one 128-pixel map step per warp) and critical pixels of the ECT (one per lane).
-MIN_PIXELS_PER_BLOCK = 1024
+# Map bytes per lane and step of the soft ECC kernels (ecc_band.cuh): 4 gives four times the
+# warps (small inputs are latency-bound on the band loop), 16 fewer steps per critical pixel
+# (better once the device is full). Inputs of at least LARGE_PIXELS pixels take 16.
+LANE_PIXELS = (4, 16)
+LARGE_PIXELS = 1 << 21
+# Critical pixels per block of the ECT kernels (one per lane) below which the block's set-up and
+# flush (T entries each) outweigh its work; the soft ECC uses one map step per warp.
 MIN_ENTRIES_PER_BLOCK = 1024
 # Height images (directions x images x pixels, float64) per T-construction pass of the ECT.
 T_PASS_ELEMENTS = 1 << 25
@@ -42,15 +46,15 @@ def _cbool(x: bool) -> int:
 # Instances and signatures
 
 
-def _soft_ecc_name(kind, in_ctype, real):
-    return f"cutopo::ecc::band::soft_ecc_{kind}<{in_ctype}, {real}>"
+def _soft_ecc_name(kind, in_ctype, real, lp):
+    return f"cutopo::ecc::band::soft_ecc_{kind}<{in_ctype}, {real}, {lp}>"
 
 
-def _soft_ecc_sig(kind, in_dtype, real_dtype):
+def _soft_ecc_sig(kind, in_dtype, real_dtype, lp):
     in_ctype = _ecc_cupy._INPUT_CTYPE[in_dtype]
     view = _ecc_cupy._INPUT_VIEW.get(in_dtype, in_dtype)
     r = real_dtype.name
-    name = _soft_ecc_name(kind, in_ctype, _REAL[real_dtype])
+    name = _soft_ecc_name(kind, in_ctype, _REAL[real_dtype], lp)
     if kind == "forward":
         params = (f"ptr:{view}", "ptr:int8", f"ptr:{r}", "ptr:float64", "ptr:int64",
                   "int64", "int32", "int32", r, "float64", "int32")
@@ -88,7 +92,8 @@ def _instances():
             if in_dtype == np.float64 and real == np.float32:
                 continue  # float64 images always compute in float64
             for kind in ("forward", "backward"):
-                yield _soft_ecc_sig(kind, in_dtype, real).name
+                for lp in LANE_PIXELS:
+                    yield _soft_ecc_sig(kind, in_dtype, real, lp).name
     for real in (np.dtype(np.float32), np.dtype(np.float64)):
         yield _finalize_sig(real).name
         for ndim in (2, 3):
@@ -153,34 +158,73 @@ def _finalize(sat, acc, real_dtype):
 # Soft ECC
 
 
-def _soft_ecc_inputs(image, ndim, tconn):
+def _lane_pixels(pixels):
+    return LANE_PIXELS[1] if pixels >= LARGE_PIXELS else LANE_PIXELS[0]
+
+
+class SoftEccPlan:
+    """The launches of the soft ECC for one geometry, planned once (see :func:`soft_ecc_plan`):
+    a repeated call (a training loop) then only allocates its outputs and launches."""
+
+    def __init__(self, in_dtype, nimg, N, T, real):
+        self.nimg, self.N, self.T, self.real = nimg, N, T, real
+        lp = _lane_pixels(nimg * N)
+        sig = _soft_ecc_sig("forward", in_dtype, real, lp)
+        shared, smem = _shared_plan(T, real, False, True)
+        bpi = _blocks_per_row(sig, nimg, N, T, smem, THREADS * lp)
+        # (x, cmap, t, acc, sat, ..., lam, w, ...): arrays, the scale and the band per call.
+        self.forward = PreparedLaunch(sig, nimg * bpi, THREADS,
+                                      (None, None, None, None, None, N, bpi, T, None, None,
+                                       _cbool(shared)), shared_mem=smem)
+        self.finalize = PreparedLaunch(_finalize_sig(real), math.ceil(nimg / WARPS), THREADS,
+                                       (None, None, None, nimg, T))
+        self._bsig = _soft_ecc_sig("backward", in_dtype, real, lp)
+        self._bshared, self._bsmem = _shared_plan(T, real, True, False)
+        self._bbpi = _blocks_per_row(self._bsig, nimg, N, T, self._bsmem, THREADS * lp)
+        self._backward = {}
+
+    def backward(self, needs) -> PreparedLaunch:
+        """The backward launch computing the cotangents ``needs`` (image, thresholds, scale)."""
+        launch_ = self._backward.get(needs)
+        if launch_ is None:
+            launch_ = PreparedLaunch(
+                self._bsig, self.nimg * self._bbpi, THREADS,
+                (None,) * 7 + (self.N, self._bbpi, self.T, None, None, _cbool(self._bshared))
+                + tuple(_cbool(n) for n in needs), shared_mem=self._bsmem)
+            self._backward[needs] = launch_
+        return launch_
+
+
+@functools.lru_cache(maxsize=64)
+def _soft_ecc_plan(device_id, in_dtype, nimg, N, T, real):
+    return SoftEccPlan(in_dtype, nimg, N, T, real)
+
+
+def _soft_ecc_inputs(image, ndim, tconn, T, real):
+    """(x as (nimg, N), its contribution map, the plan)."""
     import cupy
 
     nimg = math.prod(image.shape[:image.ndim - ndim])
     N = math.prod(image.shape[image.ndim - ndim:])
     x = _ecc_cupy._image_view(cupy.ascontiguousarray(image)).reshape(nimg, N)
     cmap = _ecc_cupy.euler_contributions(image, ndim, tconn).reshape(nimg, N)
-    return x, cmap, nimg, N
+    plan = _soft_ecc_plan(cupy.cuda.Device().id, image.dtype, nimg, N, T, np.dtype(real))
+    return x, cmap, plan
 
 
 def soft_ecc_forward(image, t, lam, w, ndim, tconn):
     """(nimg, T) curve in the dtype of ``t``; ``t`` host thresholds, ``lam`` the scale (same dtype)."""
     import cupy
 
-    real = t.dtype
-    T = t.size
+    real, T = t.dtype, t.size
     with image.device:
-        x, cmap, nimg, N = _soft_ecc_inputs(image, ndim, tconn)
-        acc = cupy.zeros((nimg, T), dtype=np.float64)
-        sat = cupy.zeros((nimg, T), dtype=np.int64)
-        if nimg and N:
-            sig = _soft_ecc_sig("forward", image.dtype, real)
-            shared, smem = _shared_plan(T, real, False, True)
-            bpi = _blocks_per_row(sig, nimg, N, T, smem, MIN_PIXELS_PER_BLOCK)
-            launch(sig, nimg * bpi, THREADS,
-                   (x, cmap, device_table(t), acc, sat, N, bpi, T, lam, w, _cbool(shared)),
-                   shared_mem=smem)
-        return _finalize(sat, acc, real)
+        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real)
+        acc = cupy.zeros((plan.nimg, T), dtype=np.float64)
+        sat = cupy.zeros((plan.nimg, T), dtype=np.int64)
+        plan.forward(x, cmap, device_table(t), acc, sat, lam, w)
+        out = cupy.empty((plan.nimg, T), dtype=real)
+        plan.finalize(sat, acc, out)
+    return out
 
 
 def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs):
@@ -188,22 +232,15 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs):
     import cupy
 
     need_image, need_t, need_scale = needs
-    real = t.dtype
-    T = t.size
+    real, T = t.dtype, t.size
     with image.device:
-        x, cmap, nimg, N = _soft_ecc_inputs(image, ndim, tconn)
-        g = cupy.ascontiguousarray(g.reshape(nimg, T).astype(real, copy=False))
-        d_image = cupy.empty((nimg, N) if need_image else (1,), dtype=real)
+        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real)
+        g = cupy.ascontiguousarray(g.reshape(plan.nimg, T).astype(real, copy=False))
+        d_image = cupy.empty((plan.nimg, plan.N) if need_image else (1,), dtype=real)
         dt = cupy.zeros(T, dtype=np.float64)
         dscale = cupy.zeros(1, dtype=np.float64)
-        if nimg and N:
-            sig = _soft_ecc_sig("backward", image.dtype, real)
-            shared, smem = _shared_plan(T, real, True, False)
-            bpi = _blocks_per_row(sig, nimg, N, T, smem, MIN_PIXELS_PER_BLOCK)
-            launch(sig, nimg * bpi, THREADS,
-                   (x, cmap, device_table(t), g, d_image, dt, dscale, N, bpi, T, lam, w,
-                    _cbool(shared), _cbool(need_image), _cbool(need_t), _cbool(need_scale)),
-                   shared_mem=smem)
+        plan.backward(tuple(bool(n) for n in needs))(x, cmap, device_table(t), g, d_image, dt,
+                                                     dscale, lam, w)
         dt *= float(lam)
     return (d_image.reshape(image.shape) if need_image else None,
             dt if need_t else None,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ._cuda.compile import register_instances
-from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
+from ._cuda.launch import PreparedLaunch, Signature, resident_blocks
 
 FAMILY = "ecc"
 THREADS = 256                # ecc::THREADS
@@ -191,19 +191,28 @@ def ecc(image, thresholds, ndim, tconn):
     return out.reshape(batch + (T,))
 
 
+@functools.lru_cache(maxsize=64)
+def _contributions_launch(device_id, dtype, nimg, spatial, ndim, tconn) -> PreparedLaunch:
+    """The contribution-map launch for one geometry, planned once (called with (x, out))."""
+    view = _INPUT_VIEW.get(dtype, dtype)
+    sig = Signature(FAMILY, contributions_instance(_INPUT_CTYPE[dtype], ndim, tconn),
+                    (f"ptr:{view}", "ptr:int8", "int64", "int64", "int64", "int32", "int32"))
+    (nz, ny, nx), zchunk, per_image = _plan(sig, nimg, spatial, ndim, 0, TILE_X["unsigned int"])
+    return PreparedLaunch(sig, nimg * per_image, THREADS,
+                          (None, None, nz, ny, nx, zchunk, per_image))
+
+
 def euler_contributions(image, ndim, tconn):
     import cupy
 
     batch = image.shape[:-ndim]
-    spatial = image.shape[-ndim:]
+    spatial = tuple(image.shape[-ndim:])
     nimg = math.prod(batch)
     with image.device:
         out = cupy.empty(image.shape, dtype=np.int8)
         if nimg == 0:
             return out
         x = _image_view(cupy.ascontiguousarray(image)).reshape((nimg,) + spatial)
-        sig = Signature(FAMILY, contributions_instance(_INPUT_CTYPE[image.dtype], ndim, tconn),
-                        (f"ptr:{x.dtype}", "ptr:int8", "int64", "int64", "int64", "int32", "int32"))
-        (nz, ny, nx), zchunk, per_image = _plan(sig, nimg, spatial, ndim, 0, TILE_X["unsigned int"])
-        launch(sig, nimg * per_image, THREADS, (x, out, nz, ny, nx, zchunk, per_image))
+        _contributions_launch(cupy.cuda.Device().id, image.dtype, nimg, spatial, ndim, tconn)(
+            x, out)
     return out

@@ -7,6 +7,8 @@ sum |c|, the scale of the terms) for the soft ops.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -259,3 +261,25 @@ def test_ect_mixed_devices_are_refused(rng):
         cutopo.soft_ect(np.ones((4, 4), dtype=bool), [[1.0, 0.0]], [0.0], cp.asarray(2.0))
     with pytest.raises(TypeError, match="directions is a CuPy array but mask is not"):
         cutopo.ect(np.ones((4, 4), dtype=bool), cp.asarray([[1.0, 0.0]]), [0.0])
+
+
+@pytest.mark.parametrize("shape", [(2, 1024, 1100), (3, 701, 1001)])
+def test_soft_ecc_large_inputs_take_the_wide_map_steps(rng, shape):
+    """At least _band_cupy.LARGE_PIXELS pixels: 16 map bytes per lane (aligned and not)."""
+    from cutopo import _band_cupy
+
+    cp = _cp()
+    assert math.prod(shape) >= _band_cupy.LARGE_PIXELS
+    img = _image(rng, shape, np.float32, levels=200, specials=True)
+    t = np.linspace(0.0, 1.0, 64).astype(np.float32)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, 300.0, ndim=2)
+    _poison_pool(256 << 20)
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), t, 300.0, ndim=2)
+    S = _sum_abs_c(img, 2, 1)[..., None]
+    _close(out_g, out_c, S, np.float32, "forward")
+    g = rng.standard_normal(out_c.shape).astype(np.float32)
+    d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
+    lam_g = 300.0 * np.abs(g).sum()
+    _close(d_g[0], d_c[0], lam_g, np.float32, "d_image")
+    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), np.float32, "d_thresholds")
+    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), np.float32, "d_scale")

@@ -112,11 +112,11 @@ def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: in
 
 
 class PreparedLaunch:
-    """A launch whose geometry and scalar arguments are fixed: per call only the arrays change.
+    """A launch whose geometry and most arguments are fixed: per call only a few change.
 
-    ``args`` holds every argument, with ``None`` where an array is passed at call time; the
-    scalars are converted once here and the arrays are checked at every call, like
-    :func:`launch` does.
+    ``args`` holds every argument, with ``None`` where one is passed at call time (typically
+    the arrays, and scalars such as a learnable scale); the fixed ones are converted once here,
+    the call-time ones are checked and converted at every call, like :func:`launch` does.
     """
 
     def __init__(self, sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: int = 0,
@@ -125,16 +125,14 @@ class PreparedLaunch:
             raise LaunchError(f"{sig.name}: {len(args)} arguments given, signature has {len(sig.params)}")
         self.sig, self.grid, self.block, self.shared_mem = sig, int(grid), int(block), int(shared_mem)
         self.slots = [i for i, a in enumerate(args) if a is None]
-        if any(not sig.params[i].startswith("ptr:") for i in self.slots):
-            raise LaunchError(f"{sig.name}: only array arguments may be left for call time")
         self.args = [a if a is None else _convert(a, k, i, sig) for i, (a, k) in enumerate(zip(args, sig.params))]
         self.kernel = _checked_kernel(sig, self.grid, self.shared_mem, options) if self.grid > 0 else None
 
-    def __call__(self, *arrays) -> None:
-        if len(arrays) != len(self.slots):
-            raise LaunchError(f"{self.sig.name}: {len(arrays)} arrays given, {len(self.slots)} expected")
+    def __call__(self, *values) -> None:
+        if len(values) != len(self.slots):
+            raise LaunchError(f"{self.sig.name}: {len(values)} arguments given, {len(self.slots)} expected")
         args = list(self.args)
-        for i, a in zip(self.slots, arrays):
+        for i, a in zip(self.slots, values):
             args[i] = _convert(a, self.sig.params[i], i, self.sig)
         if self.kernel is None:
             return
