@@ -397,7 +397,7 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
     coords_cat = device_table(np.concatenate(coords))
     t_dev = device_table(t)
     lam = real.type(0) if lam is None else lam
-    out = cupy.empty((B, D, T), dtype=real if soft else np.int64)
+    out = None
     kept, total = [], 0
     for d0, d1 in direction_groups(mask_b, D, tconn):
         Dg = d1 - d0
@@ -418,6 +418,10 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
         else:
             launch(_ecc_cupy.CUMSUM, math.ceil(B * Dg / WARPS), THREADS, (sat, B * Dg, T))
             part = sat
+        if Dg == D:  # one group: no copy
+            return part.reshape(B, D, T), kept
+        if out is None:
+            out = cupy.empty((B, D, T), dtype=part.dtype)
         out[:, d0:d1] = part.reshape(B, Dg, T)
     return out, kept
 

@@ -142,7 +142,14 @@ class PreparedLaunch:
 
 def resident_blocks(sig: Signature, block: int, shared_mem: int = 0,
                     options: tuple[str, ...] = ()) -> int:
-    """How many blocks of this kernel the whole device runs at once."""
+    """How many blocks of this kernel the whole device runs at once (memoized per device)."""
+    import cupy
+
+    return _resident_blocks(cupy.cuda.Device().id, sig, int(block), int(shared_mem), tuple(options))
+
+
+@functools.lru_cache(maxsize=1024)
+def _resident_blocks(device_id, sig, block, shared_mem, options):
     import cupy
 
     kernel = get_function(sig.family, sig.name, options)
