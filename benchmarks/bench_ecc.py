@@ -61,15 +61,30 @@ def time_gpu(cp, fn, reps, warmup=2):
     return float(np.median(times))
 
 
-def time_graph(cp, fn, reps):
-    """Median milliseconds of one replay of a CUDA graph capturing ``fn()`` (no Python overhead)."""
+def time_graph_or_none(cp, fn, reps):
+    """(median ms of a CUDA-graph replay of ``fn()``, None) or (None, why capture failed).
+
+    An op that synchronises with the host (or launches on another stream) invalidates the
+    capture; the capture is then closed so the stream stays usable, and the caller can fall back
+    to event timing of whole calls.
+    """
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         fn()  # warm: compile, and leave the pool a free block of each size fn allocates
         stream.synchronize()
+        error = None
         stream.begin_capture()
-        fn()
-        graph = stream.end_capture()
+        try:
+            fn()
+        except Exception as exc:
+            error = exc
+        try:
+            graph = stream.end_capture()  # raises when the capture was invalidated
+        except Exception as exc:
+            error = error or exc
+        if error is not None:
+            stream.synchronize()
+            return None, f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}"
         graph.launch(stream)
         stream.synchronize()
         times = []
@@ -80,7 +95,15 @@ def time_graph(cp, fn, reps):
             stop.record(stream)
             stop.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
+    return float(np.median(times)), None
+
+
+def time_graph(cp, fn, reps):
+    """Median milliseconds of one replay of a CUDA graph capturing ``fn()`` (no Python overhead)."""
+    ms, why = time_graph_or_none(cp, fn, reps)
+    if why is not None:
+        raise RuntimeError(f"CUDA graph capture failed: {why}")
+    return ms
 
 
 def copy_bandwidth(cp):

@@ -71,7 +71,7 @@ import cutopo
 # bench_ecc.py sits next to this file; its timing and copy-bandwidth helpers keep the two tables
 # measured the same way.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ecc import copy_bandwidth, time_gpu  # noqa: E402
+from bench_ecc import copy_bandwidth, time_gpu, time_graph_or_none  # noqa: E402
 
 CHUNK_ENTRIES = 1 << 26  # dense (pixel x threshold) entries per baseline chunk: ~256 MB per float32 temporary
 RATIO_TARGET = 50.0       # issue: >= 50x the straightforward version (forward+VJP of its soft cases)
@@ -403,43 +403,6 @@ def cases(quick):
 
 # ---------------------------------------------------------------------------------------------
 # Timing
-
-
-def time_graph_or_none(cp, fn, reps):
-    """(median ms of a CUDA-graph replay of ``fn()``, None) or (None, why capture failed).
-
-    Same method as bench_ecc.time_graph, but an op that synchronises with the host (or launches
-    on another stream) invalidates the capture; the capture is then closed so the stream stays
-    usable and the caller falls back to event timing of whole calls.
-    """
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()  # warm: compile, and leave the pool a free block of each size fn allocates
-        stream.synchronize()
-        error = None
-        stream.begin_capture()
-        try:
-            fn()
-        except Exception as exc:
-            error = exc
-        try:
-            graph = stream.end_capture()  # raises when the capture was invalidated
-        except Exception as exc:
-            error = error or exc
-        if error is not None:
-            stream.synchronize()
-            return None, f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}"
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times)), None
 
 
 def _as_list(x):

@@ -28,14 +28,20 @@ CASES = [("2d 1024^2", (1024, 1024), 2), ("2d 64x256^2", (64, 256, 256), 2),
 T = 256
 
 
-def stages(cp, image, ndim):
+def _setup(cp, image, ndim):
+    """Thresholds, scale, band, kernel inputs, plan and zeroed accumulators of bench_soft's case."""
     t = np.linspace(0, 1, T).astype(np.float32)
     lam = np.float32(4.0 * (T - 1))
     w = band_halfwidth(np.float32, lam)
     x, cmap, plan = _band_cupy._soft_ecc_inputs(image, ndim, False, T, np.float32)
+    acc = cp.zeros((plan.nimg, T), dtype=np.float64)
+    sat = cp.zeros((plan.nimg, T), dtype=np.int64)
+    return t, lam, w, x, cmap, plan, acc, sat
+
+
+def stages(cp, image, ndim):
+    t, lam, w, x, cmap, plan, acc, sat = _setup(cp, image, ndim)
     nimg, N = plan.nimg, plan.N
-    acc = cp.zeros((nimg, T), dtype=np.float64)
-    sat = cp.zeros((nimg, T), dtype=np.int64)
     out = cp.empty((nimg, T), dtype=np.float32)
     g = cp.asarray(np.random.default_rng(0).standard_normal((nimg, T)).astype(np.float32))
     t_dev = _band_cupy.device_table(t)
@@ -80,17 +86,12 @@ def host_profile(cp, image, ndim):
 
 def block_sweep(cp, image, ndim):
     """Band forward time against blocks per image, and with an all-zero map (set-up + flush)."""
-    t = np.linspace(0, 1, T).astype(np.float32)
-    lam = np.float32(4.0 * (T - 1))
-    w = band_halfwidth(np.float32, lam)
-    x, cmap, plan = _band_cupy._soft_ecc_inputs(image, ndim, False, T, np.float32)
+    t, lam, w, x, cmap, plan, acc, sat = _setup(cp, image, ndim)
     nimg, N = plan.nimg, plan.N
     real = np.dtype(np.float32)
     sig = _band_cupy._soft_ecc_sig("forward", image.dtype, real, _band_cupy._lane_pixels(nimg * N))
     shared, smem = _band_cupy._shared_plan(T, real, False, True)
     t_dev = _band_cupy.device_table(t)
-    acc = cp.zeros((nimg, T), dtype=np.float64)
-    sat = cp.zeros((nimg, T), dtype=np.int64)
     empty = cp.zeros_like(cmap)
     for bpi in (32, 64, 128, 256, 512, 1024, 2048):
         times = [time_graph(cp, lambda m=m: launch(

@@ -592,13 +592,13 @@ ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* _
     }
 }
 
-// In-place inclusive prefix sum of each row of hist (rows, T); one warp per row.
-__global__ void __launch_bounds__(THREADS) ecc_cumsum(long long* __restrict__ hist, i64 rows, int T) {
-    constexpr int PER = 8;  // consecutive elements per lane
+// Inclusive prefix sum of the row h[0 .. T) by one warp (8 consecutive entries per lane, a
+// shuffle scan across lanes), handing every (k, sum up to k) to store. Each lane stores only
+// the entries it loaded, so h may be written in place.
+template <typename Store>
+__device__ __forceinline__ void warp_row_prefix_sum(const long long* h, int T, Store store) {
+    constexpr int PER = 8;
     const int lane = threadIdx.x % 32;
-    const i64 row = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
-    if (row >= rows) return;  // whole warps leave together: no block barrier below
-    long long* h = hist + row * T;
     long long carry = 0;
     for (int base = 0; base < T; base += 32 * PER) {
         long long v[PER];
@@ -619,10 +619,18 @@ __global__ void __launch_bounds__(THREADS) ecc_cumsum(long long* __restrict__ hi
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             const int k = base + lane * PER + i;
-            if (k < T) h[k] = v[i] + before;
+            if (k < T) store(k, v[i] + before);
         }
         carry += __shfl_sync(0xffffffffu, incl, 31);
     }
+}
+
+// In-place inclusive prefix sum of each row of hist (rows, T); one warp per row.
+__global__ void __launch_bounds__(THREADS) ecc_cumsum(long long* __restrict__ hist, i64 rows, int T) {
+    const i64 row = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
+    if (row >= rows) return;  // whole warps leave together: no block barrier below
+    long long* h = hist + row * T;
+    warp_row_prefix_sum(h, T, [h](int k, long long sum) { h[k] = sum; });
 }
 
 template <typename In, typename K>

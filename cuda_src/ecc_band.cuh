@@ -15,6 +15,9 @@
 //
 // Entry sources: the pixels of an image with their contribution map (soft ECC), or the
 // critical pixels of a mask with their heights <x_p, v_d> in direction d (ECT).
+//
+// Included at the end of ecc.cu (the ECC family's one source), whose warp_row_prefix_sum the
+// final prefix sum uses.
 #pragma once
 #include "common.cuh"
 
@@ -177,6 +180,19 @@ struct Window {
     }
 };
 
+// Runs body(src, f, c, lo, hi) in the whole warp for each lane src whose entry has a non-empty
+// band, one entry after the other: the lanes then cover that band's thresholds together.
+template <typename Real, typename Body>
+__device__ __forceinline__ void for_each_band(bool banded, Real f, int c, int lo, int hi, Body body) {
+    unsigned todo = __ballot_sync(FULL, banded);
+    while (todo) {
+        const int src = __ffs(todo) - 1;
+        todo &= todo - 1;
+        body(src, __shfl_sync(FULL, f, src), __shfl_sync(FULL, c, src),
+             __shfl_sync(FULL, lo, src), __shfl_sync(FULL, hi, src));
+    }
+}
+
 // Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
 template <typename Real>
 __device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Real* t, int T,
@@ -193,14 +209,7 @@ __device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Re
         }
         if (hi < T) a.add_sat(hi, c);
     }
-    unsigned todo = __ballot_sync(FULL, valid && lo < hi);
-    while (todo) {
-        const int src = __ffs(todo) - 1;
-        todo &= todo - 1;
-        const Real fi = __shfl_sync(FULL, f, src);
-        const int ci = __shfl_sync(FULL, c, src);
-        const int loi = __shfl_sync(FULL, lo, src);
-        const int hii = __shfl_sync(FULL, hi, src);
+    for_each_band(valid && lo < hi, f, c, lo, hi, [&](int, Real fi, int ci, int loi, int hii) {
         if (hii - loi <= 32) {
             win.cover(loi, hii, t, nullptr, T, a);
             const int k = win.k0 + lane;
@@ -209,7 +218,7 @@ __device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Re
             for (int k = loi + lane; k < hii; k += 32)
                 a.add(k, (double)sigmoid<Real>((t[k] - fi) * lam) * (double)ci);
         }
-    }
+    });
 }
 
 // Backward of one warp's entries: threshold cotangents (when need_t) through the window into
@@ -224,14 +233,7 @@ __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const
     int lo = T, hi = T;
     if (valid) band_edges(f, w, t, T, lo, hi);
     double mine = 0.0;
-    unsigned todo = __ballot_sync(FULL, valid && lo < hi);
-    while (todo) {
-        const int src = __ffs(todo) - 1;
-        todo &= todo - 1;
-        const Real fi = __shfl_sync(FULL, f, src);
-        const int ci = __shfl_sync(FULL, c, src);
-        const int loi = __shfl_sync(FULL, lo, src);
-        const int hii = __shfl_sync(FULL, hi, src);
+    for_each_band(valid && lo < hi, f, c, lo, hi, [&](int src, Real fi, int ci, int loi, int hii) {
         double sum = 0.0;
         if (hii - loi <= 32) {
             win.cover(loi, hii, t, g, T, a);
@@ -255,7 +257,7 @@ __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const
             sum = warp_sum(sum);
             if (lane == src) mine = sum;
         }
-    }
+    });
     return mine;
 }
 
@@ -508,6 +510,29 @@ __device__ __forceinline__ double height(const double (&x)[NDIM], const double (
     return h;
 }
 
+// What a block of the ECT kernels works on: output row (b, d), the direction, and its range of
+// entries (chunk `chunk` of the segment of (orthant or direction of d, image b)).
+template <int NDIM>
+struct EctBlock {
+    i64 row, begin, end;
+    int d;
+    double v[NDIM];
+
+    __device__ __forceinline__ EctBlock(const i64* seg, const int* seg_of_dir, const double* dirs,
+                                        int B, int D, int chunks_per_row) {
+        row = blockIdx.x / chunks_per_row;
+        const int chunk = blockIdx.x % chunks_per_row;
+        const int b = (int)(row / D);
+        d = (int)(row % D);
+#pragma unroll
+        for (int a = 0; a < NDIM; ++a) v[a] = dirs[(i64)d * NDIM + a];
+        const i64 sid = (i64)seg_of_dir[d] * B + b;
+        const i64 s0 = seg[sid], n = seg[sid + 1] - s0;
+        begin = s0 + n * chunk / chunks_per_row;
+        end = s0 + n * (chunk + 1) / chunks_per_row;
+    }
+};
+
 // Forward of the exact (soft = 0: Real is double, only the difference array) or soft ECT.
 template <typename Real, int NDIM>
 __global__ void __launch_bounds__(THREADS)
@@ -518,29 +543,21 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
             long long* __restrict__ sat_g, i64 n0, i64 n1, i64 n2, int B, int D,
             int chunks_per_row, int T, Real lam, double w, int soft, int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const i64 row = blockIdx.x / chunks_per_row;
-    const int chunk = blockIdx.x % chunks_per_row;
-    const int b = (int)(row / D), d = (int)(row % D);
-    double v[NDIM];
-#pragma unroll
-    for (int a = 0; a < NDIM; ++a) v[a] = dirs[(i64)d * NDIM + a];
+    const EctBlock<NDIM> blk(seg, seg_of_dir, dirs, B, D, chunks_per_row);
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
-    double* acc_row = soft ? acc_g + row * T : nullptr;
-    long long* sat_row = sat_g + row * T;
+    double* acc_row = soft ? acc_g + blk.row * T : nullptr;
+    long long* sat_row = sat_g + blk.row * T;
     const Accum a{s.acc, acc_row, s.sat, sat_row};
-    const i64 sid = (i64)seg_of_dir[d] * B + b;
-    const i64 s0 = seg[sid], n = seg[sid + 1] - s0;
-    const i64 begin = s0 + n * chunk / chunks_per_row, end = s0 + n * (chunk + 1) / chunks_per_row;
     Window<Real> win;
-    for (i64 base = begin + (threadIdx.x & ~31); base < end; base += THREADS) {
+    for (i64 base = blk.begin + (threadIdx.x & ~31); base < blk.end; base += THREADS) {
         const i64 e = base + threadIdx.x % 32;
         int c = 0;
         Real f = 0;
-        if (e < end) {
+        if (e < blk.end) {
             c = ent_c[e];
             double x[NDIM];
             position<NDIM>(ent_lin[e], coords, n0, n1, n2, x);
-            f = (Real)height<NDIM>(x, v);
+            f = (Real)height<NDIM>(x, blk.v);
         }
         forward_warp<Real>(c != 0, f, c, s.t, T, lam, w, soft != 0, a, win);
     }
@@ -560,31 +577,23 @@ ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ en
              int shared, int need_dirs, int need_t, int need_scale) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ double scratch[WARPS];
-    const i64 row = blockIdx.x / chunks_per_row;
-    const int chunk = blockIdx.x % chunks_per_row;
-    const int b = (int)(row / D), d = (int)(row % D);
-    double v[NDIM];
-#pragma unroll
-    for (int a = 0; a < NDIM; ++a) v[a] = dirs[(i64)d * NDIM + a];
-    const Smem<Real> s = setup<Real>(smem, thresholds, g + row * T, T, shared, false);
+    const EctBlock<NDIM> blk(seg, seg_of_dir, dirs, B, D, chunks_per_row);
+    const Smem<Real> s = setup<Real>(smem, thresholds, g + blk.row * T, T, shared, false);
     const Accum a{s.acc, dt_g, nullptr, nullptr};
-    const i64 sid = (i64)seg_of_dir[d] * B + b;
-    const i64 s0 = seg[sid], n = seg[sid + 1] - s0;
-    const i64 begin = s0 + n * chunk / chunks_per_row, end = s0 + n * (chunk + 1) / chunks_per_row;
     Window<Real> win;
     double dscale = 0.0;
     double dv[NDIM];
 #pragma unroll
     for (int k = 0; k < NDIM; ++k) dv[k] = 0.0;
-    for (i64 base = begin + (threadIdx.x & ~31); base < end; base += THREADS) {
+    for (i64 base = blk.begin + (threadIdx.x & ~31); base < blk.end; base += THREADS) {
         const i64 e = base + threadIdx.x % 32;
         int c = 0;
         Real f = 0;
         double x[NDIM] = {};
-        if (e < end) {
+        if (e < blk.end) {
             c = ent_c[e];
             position<NDIM>(ent_lin[e], coords, n0, n1, n2, x);
-            f = (Real)height<NDIM>(x, v);
+            f = (Real)height<NDIM>(x, blk.v);
         }
         const double sum = backward_warp<Real>(c != 0, f, c, s.t, s.g, T, lam, w, need_t != 0,
                                                need_dirs != 0, dscale, a, win);
@@ -598,7 +607,8 @@ ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ en
     if (need_scale) block_add(dscale, dscale_g, scratch);
     if (need_dirs) {
 #pragma unroll
-        for (int k = 0; k < NDIM; ++k) block_add(-(double)lam * dv[k], d_dirs + (i64)d * NDIM + k, scratch);
+        for (int k = 0; k < NDIM; ++k)
+            block_add(-(double)lam * dv[k], d_dirs + (i64)blk.d * NDIM + k, scratch);
     }
 }
 
@@ -609,35 +619,12 @@ template <typename Real>
 __global__ void __launch_bounds__(THREADS)
 soft_finalize(const long long* __restrict__ sat, const double* __restrict__ acc,
               Real* __restrict__ out, i64 rows, int T) {
-    constexpr int PER = 8;  // consecutive thresholds per lane
-    const int lane = threadIdx.x % 32;
     const i64 row = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
     if (row >= rows) return;  // whole warps leave together: no block barrier below
-    const long long* h = sat + row * T;
-    long long carry = 0;
-    for (int base = 0; base < T; base += 32 * PER) {
-        long long v[PER];
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int k = base + lane * PER + i;
-            v[i] = k < T ? h[k] : 0;
-        }
-#pragma unroll
-        for (int i = 1; i < PER; ++i) v[i] += v[i - 1];
-        long long incl = v[PER - 1];
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const long long n = __shfl_up_sync(FULL, incl, d);
-            if (lane >= d) incl += n;
-        }
-        const long long before = incl - v[PER - 1] + carry;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const int k = base + lane * PER + i;
-            if (k < T) out[row * T + k] = (Real)((double)(v[i] + before) + acc[row * T + k]);
-        }
-        carry += __shfl_sync(FULL, incl, 31);
-    }
+    Real* o = out + row * T;
+    const double* a = acc + row * T;
+    warp_row_prefix_sum(sat + row * T, T,
+                        [o, a](int k, long long sum) { o[k] = (Real)((double)sum + a[k]); });
 }
 
 }  // namespace band

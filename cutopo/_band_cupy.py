@@ -377,8 +377,25 @@ def _ect_plan(kind, ent, B, ndim, D, T, real):
     return sig, shared, smem, chunks
 
 
-def _grid_shape(spatial):
-    return tuple(spatial) + (1,) * (3 - len(spatial))
+class _EctGeometry(NamedTuple):
+    B: int
+    D: int
+    ndim: int
+    T: int
+    n: tuple            # grid shape padded to 3 axes (n0, n1, n2)
+    real: np.dtype      # computation dtype (the thresholds')
+    dirs: object        # device float64 (D, ndim)
+    coords: list        # device float64 positions per axis
+    coords_cat: object  # the same, concatenated (what the kernels read)
+    t: object           # device thresholds
+
+
+def _ect_geometry(mask_b, dirs64, coords, t) -> _EctGeometry:
+    D, ndim = dirs64.shape
+    spatial = tuple(mask_b.shape[1:])
+    return _EctGeometry(mask_b.shape[0], D, ndim, t.size, spatial + (1,) * (3 - len(spatial)),
+                        t.dtype, device_table(dirs64), [device_table(c) for c in coords],
+                        device_table(np.concatenate(coords)), device_table(t))
 
 
 def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=False):
@@ -387,21 +404,14 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
     or None when they are too large to keep (more than KEEP_ENTRIES)."""
     import cupy
 
-    B = mask_b.shape[0]
-    D, ndim = dirs64.shape
-    T = t.size
-    n = _grid_shape(mask_b.shape[1:])
-    real = t.dtype
-    dirs_dev = device_table(dirs64)
-    coords_dev = [device_table(c) for c in coords]
-    coords_cat = device_table(np.concatenate(coords))
-    t_dev = device_table(t)
+    geo = _ect_geometry(mask_b, dirs64, coords, t)
+    B, D, ndim, T, n, real = geo.B, geo.D, geo.ndim, geo.T, geo.n, geo.real
     lam = real.type(0) if lam is None else lam
     out = None
     kept, total = [], 0
     for d0, d1 in direction_groups(mask_b, D, tconn):
         Dg = d1 - d0
-        ent = group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn)
+        ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn)
         total += int(ent.lin.size)
         if kept is not None:
             kept = kept + [(d0, d1, ent)] if keep and total <= KEEP_ENTRIES else None
@@ -410,8 +420,8 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
         if ent.lin.size:
             sig, shared, smem, chunks = _ect_plan("forward", ent, B, ndim, Dg, T, real)
             launch(sig, B * Dg * chunks, THREADS,
-                   (ent.lin, ent.c, ent.seg, ent.seg_of_dir, coords_cat,
-                    cupy.ascontiguousarray(dirs_dev[d0:d1]), t_dev, acc, sat) + n
+                   (ent.lin, ent.c, ent.seg, ent.seg_of_dir, geo.coords_cat,
+                    cupy.ascontiguousarray(geo.dirs[d0:d1]), geo.t, acc, sat) + n
                    + (B, Dg, chunks, T, lam, w, _cbool(soft), _cbool(shared)), shared_mem=smem)
         if soft:
             part = _finalize(sat, acc, real)
@@ -431,15 +441,8 @@ def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
     import cupy
 
     need_dirs, need_t, need_scale = needs
-    B = mask_b.shape[0]
-    D, ndim = dirs64.shape
-    T = t.size
-    n = _grid_shape(mask_b.shape[1:])
-    real = t.dtype
-    dirs_dev = device_table(dirs64)
-    coords_dev = [device_table(c) for c in coords]
-    coords_cat = device_table(np.concatenate(coords))
-    t_dev = device_table(t)
+    geo = _ect_geometry(mask_b, dirs64, coords, t)
+    B, D, ndim, T, n, real = geo.B, geo.D, geo.ndim, geo.T, geo.n, geo.real
     g = g.reshape(B, D, T).astype(real, copy=False)
     d_dirs = cupy.zeros((D, ndim), dtype=np.float64)
     dt = cupy.zeros(T, dtype=np.float64)
@@ -449,15 +452,15 @@ def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
     for d0, d1, ent in groups:
         Dg = d1 - d0
         if ent is None:
-            ent = group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn)
+            ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn)
         if not ent.lin.size:
             continue
         g_part = cupy.ascontiguousarray(g[:, d0:d1]).reshape(B * Dg, T)
         d_part = cupy.zeros((Dg, ndim), dtype=np.float64)
         sig, shared, smem, chunks = _ect_plan("backward", ent, B, ndim, Dg, T, real)
         launch(sig, B * Dg * chunks, THREADS,
-               (ent.lin, ent.c, ent.seg, ent.seg_of_dir, coords_cat,
-                cupy.ascontiguousarray(dirs_dev[d0:d1]), t_dev, g_part, d_part, dt, dscale) + n
+               (ent.lin, ent.c, ent.seg, ent.seg_of_dir, geo.coords_cat,
+                cupy.ascontiguousarray(geo.dirs[d0:d1]), geo.t, g_part, d_part, dt, dscale) + n
                + (B, Dg, chunks, T, lam, w, _cbool(shared), _cbool(need_dirs), _cbool(need_t),
                   _cbool(need_scale)), shared_mem=smem)
         d_dirs[d0:d1] += d_part
