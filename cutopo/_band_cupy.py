@@ -261,19 +261,18 @@ class Entries(NamedTuple):
     c: object           # cupy int8
     seg: object         # cupy int64, n_segments * B + 1
     seg_of_dir: object  # cupy int32, one per direction of the group
-    longest: int        # entries of the longest segment
+    per_segment: int    # mean entries per segment, rounded up (sizes the grid; no host copy)
 
 
 def _compact(c, B, N, nseg):
-    """Entries of c (nseg * B rows of N pixels, row-major): (lin, c, seg, longest)."""
+    """Entries of c (nseg * B rows of N pixels, row-major): (lin, c, seg, per_segment)."""
     import cupy
 
     flat = cupy.flatnonzero(c)
     row = flat // N
     seg = cupy.searchsorted(row, cupy.arange(nseg * B + 1, dtype=flat.dtype))
-    seg_host = cupy.asnumpy(seg)
-    longest = int(np.max(np.diff(seg_host))) if seg_host.size > 1 else 0
-    return (flat - row * N).astype(np.int64), c.reshape(-1)[flat], seg.astype(np.int64), longest
+    per_segment = -(-flat.size // (nseg * B)) if nseg * B else 0
+    return (flat - row * N).astype(np.int64), c.reshape(-1)[flat], seg.astype(np.int64), per_segment
 
 
 @functools.lru_cache(maxsize=16)
@@ -314,9 +313,9 @@ def entries_v(mask_b, dirs64):
     stacked = cupy.where(mask_b[None], keys[:, None], big).reshape((unique.size * B,) + spatial)
     c = _ecc_cupy.euler_contributions(stacked, ndim, False).reshape(unique.size, B, N)
     c *= mask_b.reshape(1, B, N)
-    lin, cc, seg, longest = _compact(c, B, N, unique.size)
+    lin, cc, seg, per_segment = _compact(c, B, N, unique.size)
     seg_of_dir = device_table(np.searchsorted(unique, codes).astype(np.int32))
-    return Entries(lin, cc, seg, seg_of_dir, longest)
+    return Entries(lin, cc, seg, seg_of_dir, per_segment)
 
 
 def _heights(coords_dev, spatial, dirs):
@@ -344,8 +343,8 @@ def entries_t(mask_b, dirs_dev, coords_dev):
     c = _ecc_cupy.euler_contributions(vals, ndim, True).reshape(D, B, N)
     del vals
     c *= mask_b.reshape(1, B, N)
-    lin, cc, seg, longest = _compact(c, B, N, D)
-    return Entries(lin, cc, seg, cupy.arange(D, dtype=np.int32), longest)
+    lin, cc, seg, per_segment = _compact(c, B, N, D)
+    return Entries(lin, cc, seg, cupy.arange(D, dtype=np.int32), per_segment)
 
 
 def direction_groups(mask_b, D, tconn):
@@ -372,8 +371,8 @@ def _ect_plan(kind, ent, B, ndim, D, T, real):
     sig = _ect_sig(kind, real, ndim)
     shared, smem = _shared_plan(T, real, kind == "backward", kind == "forward")
     chunks = 1
-    if ent.longest:
-        chunks = _blocks_per_row(sig, B * D, ent.longest, T, smem, MIN_ENTRIES_PER_BLOCK)
+    if ent.per_segment:
+        chunks = _blocks_per_row(sig, B * D, ent.per_segment, T, smem, MIN_ENTRIES_PER_BLOCK)
     return sig, shared, smem, chunks
 
 
