@@ -616,9 +616,20 @@ def _soft_backward_cupy(res: _Residuals, g, needs, chain):
             d_scale if need_scale else None)
 
 
+def _soft_meta(mask, directions, thresholds, scale, *, connectivity=1):
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    count = _is_count(thresholds)
+    D, ndim = directions.shape
+    T = int(thresholds) if count else thresholds.shape[0]
+    wide = (directions.dtype == np.float64 or getattr(scale, "dtype", None) == np.float64
+            or (not count and thresholds.dtype == np.float64))
+    return (tuple(mask.shape[:mask.ndim - ndim]) + (D, T),
+            np.dtype(np.float64 if wide else np.float32))
+
+
 @register(name="soft_ect", forward=_soft_forward, backward=_soft_backward,
           arg_names=("mask", "directions", "thresholds", "scale"),
-          differentiable=("directions", "thresholds", "scale"))
+          differentiable=("directions", "thresholds", "scale"), meta=_soft_meta)
 def soft_ect(mask, directions, thresholds, scale, *, connectivity=1):
     r"""Soft Euler characteristic transform: the ECT with every step relaxed to a sigmoid.
 

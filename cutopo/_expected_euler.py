@@ -210,10 +210,17 @@ def _backward(residuals, cotangent, needs):
     return (g.astype(prob.dtype, copy=False),)
 
 
+def _meta(prob, *, ndim=None, connectivity=1):
+    """Output (shape, dtype) from the argument's shape and dtype (see cutopo.vjp.OpSpec)."""
+    spatial = prob.ndim if ndim is None else ndim
+    wide = prob.dtype == np.float64
+    return tuple(prob.shape[:prob.ndim - spatial]), np.dtype(np.float64 if wide else np.float32)
+
+
 # ----------------------------------------------------------------------------- public op
 
 @register(name="expected_euler", forward=_forward, backward=_backward,
-          arg_names=("prob",), differentiable=("prob",))
+          arg_names=("prob",), differentiable=("prob",), meta=_meta)
 def expected_euler(prob, *, ndim=None, connectivity=1):
     """Exact expected Euler characteristic of a random binary image with independent pixels.
 

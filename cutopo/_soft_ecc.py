@@ -259,13 +259,25 @@ def _backward(cfg: _Config, g, needs):
     return d_image, d_t, (np.asarray(d_scale) if need_scale else None)
 
 
+def _meta(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    spatial = image.ndim if ndim is None else ndim
+    batch = tuple(image.shape[:image.ndim - spatial])
+    count = isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
+    T = int(thresholds) if count else thresholds.shape[0]
+    # as _prepare: float64 when image, array thresholds or a NumPy scale is float64
+    wide = (image.dtype == np.float64 or (not count and thresholds.dtype == np.float64)
+            or getattr(scale, "dtype", None) == np.float64)
+    return batch + (T,), np.dtype(np.float64 if wide else np.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public op
 
 
 @register(name="soft_ecc", forward=_forward, backward=_backward,
           arg_names=("image", "thresholds", "scale"),
-          differentiable=("image", "thresholds", "scale"))
+          differentiable=("image", "thresholds", "scale"), meta=_meta)
 def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
     r"""Soft Euler characteristic curve: the ECC with every step relaxed to a sigmoid.
 

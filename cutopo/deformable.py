@@ -445,13 +445,26 @@ def _backward(cfg: _Config, g, needs):
     return d_feat, None, None, d_loc, d_wt
 
 
+def _meta(features, spatial_shapes, level_start_index, sampling_locations, weights, *,
+          boundary="sparse4d", deterministic=False, level_layout="channels_first"):
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec):
+    (bs, A, C) with C from the (first level of the) features, dtype as _prepare promotes."""
+    first = features[0] if isinstance(features, (list, tuple)) else features
+    if isinstance(features, (list, tuple)):
+        C = first.shape[2] if level_layout == "channels_first" else first.shape[4]
+    else:
+        C = first.shape[2]
+    bs, A = sampling_locations.shape[:2]
+    return (bs, A, C), _promote([first.dtype, sampling_locations.dtype, weights.dtype])
+
+
 # ---------------------------------------------------------------------------------------------
 # Public op
 
 
 @register(name="deformable_aggregation", forward=_forward, backward=_backward,
           arg_names=("features", "spatial_shapes", "level_start_index", "sampling_locations", "weights"),
-          differentiable=("features", "sampling_locations", "weights"))
+          differentiable=("features", "sampling_locations", "weights"), meta=_meta)
 def deformable_aggregation(features, spatial_shapes, level_start_index, sampling_locations, weights,
                            *, boundary="sparse4d", deterministic=False, level_layout="channels_first"):
     r"""Multi-camera, multi-scale deformable aggregation (the Sparse4D operator).

@@ -39,6 +39,13 @@ class OpSpec:
     ``forward(*args, **kwargs) -> (out, residuals)``;
     ``backward(residuals, cotangent, needs) -> tuple`` with one entry per positional argument
     (``needs[i]`` False: entry i is ignored and may be None).
+
+    ``meta(*args, **kwargs) -> (shape, dtype)`` (optional) is the output's shape rule: array
+    arguments arrive as objects with ``shape``, ``ndim`` and a NumPy ``dtype`` only (no data),
+    the others as given. The framework adapters use it to declare the output before the op runs
+    (``torch.compile``, ``jax.jit``): without one, :mod:`cutopo.torch` runs the op outside
+    compiled graphs and :mod:`cutopo.jax` refuses it. ``function`` is the public op, filled in
+    by :func:`register`.
     """
 
     name: str
@@ -46,21 +53,27 @@ class OpSpec:
     backward: Callable[[Any, Any, tuple[bool, ...]], tuple]
     arg_names: tuple[str, ...]
     differentiable: frozenset[str]
+    meta: Callable[..., tuple[tuple[int, ...], np.dtype]] | None = None
+    function: Callable | None = None
 
 
 REGISTRY: dict[str, OpSpec] = {}
 
 
-def register(*, name: str, forward, backward, arg_names, differentiable):
-    """Decorator: attach an :class:`OpSpec` to a public op and record it in :data:`REGISTRY`."""
+def register(*, name: str, forward, backward, arg_names, differentiable, meta=None):
+    """Decorator: attach an :class:`OpSpec` to a public op and record it in :data:`REGISTRY`.
+
+    ``meta`` is the optional shape/dtype rule of :class:`OpSpec`.
+    """
     unknown = set(differentiable) - set(arg_names)
     if unknown:
         raise ValueError(f"{name}: differentiable arguments {sorted(unknown)} are not positional arguments")
-    spec = OpSpec(name, forward, backward, tuple(arg_names), frozenset(differentiable))
+    spec = OpSpec(name, forward, backward, tuple(arg_names), frozenset(differentiable), meta)
 
     def attach(fn):
-        fn.__cutopo_op__ = spec
-        REGISTRY[name] = spec
+        full = dataclasses.replace(spec, function=fn)
+        fn.__cutopo_op__ = full
+        REGISTRY[name] = full
         return fn
 
     return attach

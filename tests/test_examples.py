@@ -14,8 +14,14 @@ def _load(name):
     return module
 
 
-@pytest.mark.parametrize("name, figure", [("soft_ecc_match", "soft_ecc_match.png")])
-def test_example_writes_its_figure(tmp_path, name, figure, capsys):
+@pytest.mark.parametrize("name, figure, needs", [
+    ("soft_ecc_match", "soft_ecc_match.png", None),
+    ("torch_topology_loss", "torch_topology_loss.png", "torch"),
+    ("jax_topology_loss", "jax_topology_loss.png", "jax"),
+])
+def test_example_writes_its_figure(tmp_path, name, figure, needs, capsys):
+    if needs:
+        pytest.importorskip(needs, reason=f"{name} needs {needs} (pip install 'cutopo[{needs}]')")
     assert _load(name).main(str(tmp_path)) == 0
     assert (tmp_path / figure).stat().st_size > 10_000
     assert "wrote" in capsys.readouterr().out

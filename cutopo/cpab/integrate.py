@@ -246,8 +246,20 @@ def _integrate_backward(residuals, cotangent, needs):
     return grad_points, grad_theta, None
 
 
+def _integrate_meta(points, theta, tess, *, n_steps=50, checkpoint_every=4):
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    Bp = points.shape[0] if points.ndim == 3 else 1
+    Bt = theta.shape[0] if theta.ndim == 2 else 1
+    shape = tuple(points.shape[-2:])
+    if points.ndim == 3 or theta.ndim == 2:
+        shape = (Bt if Bp == 1 else Bp,) + shape
+    dtype = np.result_type(points.dtype, theta.dtype, np.float32)
+    return shape, (dtype if dtype in (np.float32, np.float64) else np.dtype(np.float64))
+
+
 @register(name="cpab_integrate", forward=_integrate_forward, backward=_integrate_backward,
-          arg_names=("points", "theta", "tess"), differentiable=("points", "theta"))
+          arg_names=("points", "theta", "tess"), differentiable=("points", "theta"),
+          meta=_integrate_meta)
 def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     """The CPAB transformation phi_theta(points): the flow of the CPA velocity field for unit time.
 

@@ -1,0 +1,283 @@
+"""What the framework adapters (:mod:`cutopo.torch`, :mod:`cutopo.jax`) share.
+
+This module imports neither framework. It lists the public ops that the adapters wrap (every op
+of :data:`cutopo.vjp.REGISTRY`, plus the few non-differentiable ones below), with their shape
+rules and how each batches over leading axes, and it turns static (non-array) arguments into
+hashable keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import importlib
+import inspect
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+__all__ = ["ArraySpec", "AdaptedOp", "adapted_ops", "freeze"]
+
+
+class ArraySpec(NamedTuple):
+    """Shape and NumPy dtype of an array argument, without data (what an op's ``meta`` sees)."""
+
+    shape: tuple
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+# ----------------------------------------------------------------------------- shape rules
+# The non-differentiable public ops have no OpSpec; their shape rules live here.
+
+def _is_count(thresholds) -> bool:
+    return isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
+
+
+def _ecc_meta(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
+    spatial = image.ndim if ndim is None else ndim
+    T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
+    return tuple(image.shape[:image.ndim - spatial]) + (T,), np.dtype(np.int64)
+
+
+def _contributions_meta(image, *, ndim=None, connectivity=1, boundary="box"):
+    return tuple(image.shape), np.dtype(np.int8)
+
+
+def _ect_meta(mask, directions, thresholds, *, connectivity=1):
+    D, ndim = directions.shape
+    T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
+    return tuple(mask.shape[:mask.ndim - ndim]) + (D, T), np.dtype(np.int64)
+
+
+# ----------------------------------------------------------------------------- batching rules
+# ``native_batch(args, kwargs) -> (name, kwargs) or None``: when the op can take extra leading
+# axes on argument ``name`` as a batch (the output then gains the same leading axes, every other
+# argument being shared), the argument and the keyword arguments to use for such a call; None
+# when it cannot (the adapter then loops). ``args`` maps argument names to values (ArraySpec for
+# arrays), at their unbatched shapes.
+
+def _leading(name, count_arg=None):
+    def rule(args, kwargs):
+        if count_arg is not None and _is_count(args[count_arg]):
+            return None  # a count means thresholds from the min and max of the whole batch
+        if "ndim" in kwargs and kwargs["ndim"] is None:
+            # ndim=None reads the spatial rank off the array; extra axes would change it
+            kwargs = dict(kwargs, ndim=args[name].ndim)
+        return name, kwargs
+    return rule
+
+
+_NATIVE_BATCH = {
+    "ecc": _leading("image", "thresholds"),
+    "euler_contributions": _leading("image"),
+    "ect": _leading("mask"),
+    "soft_ecc": _leading("image", "thresholds"),
+    "soft_ect": _leading("mask"),
+    "expected_euler": _leading("prob"),
+}
+
+# Public ops without a VJP: (module, name, positional argument names, shape rule).
+_NON_DIFFERENTIABLE = (
+    ("cutopo", "ecc", ("image", "thresholds"), _ecc_meta),
+    ("cutopo", "euler_contributions", ("image",), _contributions_meta),
+    ("cutopo", "ect", ("mask", "directions", "thresholds"), _ect_meta),
+)
+
+# Subpackages whose registered ops get a sub-namespace in the adapters (cutopo.torch.cpab).
+_FAMILIES = ("cpab",)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedOp:
+    """One public op as the adapters see it.
+
+    ``name`` is unique (the registry name, e.g. ``"cpab_integrate"``); ``family`` and
+    ``public_name`` say where the adapter exposes it (``cpab``, ``integrate``; family None means
+    at the top level under ``name``).
+    """
+
+    name: str
+    family: str | None
+    public_name: str
+    function: Callable
+    arg_names: tuple[str, ...]
+    differentiable: frozenset
+    meta: Callable | None
+    native_batch: Callable | None
+    keyword_defaults: dict
+
+    @property
+    def qualified_name(self) -> str:
+        """``cutopo.<family>.<public_name>`` or ``cutopo.<name>``."""
+        return f"cutopo.{self.family}.{self.public_name}" if self.family else f"cutopo.{self.name}"
+
+
+def _keyword_defaults(function, arg_names) -> dict:
+    params = inspect.signature(function).parameters
+    positional = [p.name for p in params.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if tuple(positional) != tuple(arg_names):
+        raise AssertionError(f"internal: {function.__name__} has positional arguments {positional}, "
+                             f"the registry says {arg_names}")
+    defaults = {}
+    for p in params.values():
+        if p.kind == p.KEYWORD_ONLY:
+            if p.default is p.empty:
+                raise AssertionError(f"internal: {function.__name__}: keyword {p.name} has no default")
+            defaults[p.name] = p.default
+    return defaults
+
+
+def _locate(spec):
+    """(family, public name) of a registered op: ``cutopo.<family>.<function name>`` for the ops
+    of a family, else the registry name at the top level (the function's name for cutopo's own
+    ops)."""
+    module = getattr(spec.function, "__module__", "") or ""
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[0] == "cutopo" and parts[1] in _FAMILIES:
+        return parts[1], spec.function.__name__
+    return None, spec.name
+
+
+def adapted_ops() -> tuple[AdaptedOp, ...]:
+    """Every public op the adapters wrap: the registry (after loading the op families) and the
+    non-differentiable ops. Not cached: ops registered later appear on the next call."""
+    from .vjp import REGISTRY
+
+    for family in _FAMILIES:  # the families load lazily; their ops register on import
+        importlib.import_module(f"cutopo.{family}")
+    ops = []
+    for spec in list(REGISTRY.values()):
+        if spec.function is None:
+            continue
+        family, public = _locate(spec)
+        try:
+            defaults = _keyword_defaults(spec.function, spec.arg_names)
+        except AssertionError as exc:  # one malformed registration must not break the adapters
+            warnings.warn(f"cutopo adapters: leaving out {spec.name}: {exc}", RuntimeWarning,
+                          stacklevel=2)
+            continue
+        ops.append(AdaptedOp(spec.name, family, public, spec.function, spec.arg_names,
+                             spec.differentiable, spec.meta, _NATIVE_BATCH.get(spec.name),
+                             defaults))
+    for module, name, arg_names, meta in _NON_DIFFERENTIABLE:
+        function = getattr(importlib.import_module(module), name)
+        ops.append(AdaptedOp(name, None, name, function, arg_names, frozenset(), meta,
+                             _NATIVE_BATCH.get(name), _keyword_defaults(function, arg_names)))
+    return tuple(ops)
+
+
+def bind(op: AdaptedOp, args, kwargs):
+    """(positional values in ``op.arg_names`` order, keyword values with defaults filled in).
+
+    Plain Python rather than ``inspect.Signature.bind`` so that ``torch.compile`` traces it.
+    """
+    if len(args) > len(op.arg_names):
+        raise TypeError(f"{op.qualified_name} takes {len(op.arg_names)} positional arguments "
+                        f"({', '.join(op.arg_names)}), got {len(args)}")
+    kwargs = dict(kwargs)
+    values = list(args)
+    for name in op.arg_names[len(args):]:
+        if name not in kwargs:
+            raise TypeError(f"{op.qualified_name} missing argument {name!r}")
+        values.append(kwargs.pop(name))
+    static = dict(op.keyword_defaults)
+    for key, value in kwargs.items():
+        if key not in static:
+            if key in op.arg_names:
+                raise TypeError(f"{op.qualified_name} got multiple values for argument {key!r}")
+            raise TypeError(f"{op.qualified_name} got an unexpected keyword argument {key!r}")
+        static[key] = value
+    return values, static
+
+
+# ----------------------------------------------------------------------------- static keys
+
+_KEEP: dict[int, Any] = {}  # objects keyed by id(): kept alive so that their id is never reused
+
+
+def freeze(value):
+    """A hashable key that tells static argument values apart exactly.
+
+    Python scalars are keyed with their type (``1``, ``1.0`` and ``True`` differ, as they do to
+    the ops: a Python float scale is weakly typed, a NumPy float64 is not), NumPy scalars with
+    their dtype, tuples element-wise; any other object (a Tessellation) by identity, and then
+    kept alive for the life of the process.
+    """
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, np.generic):
+        return ("numpy", value.dtype.str, value.item())
+    if isinstance(value, tuple):
+        return ("tuple",) + tuple(freeze(v) for v in value)
+    _KEEP.setdefault(id(value), value)
+    return ("object", id(value))
+
+
+# ----------------------------------------------------------------------------- namespaces
+
+class Namespace:
+    """Fills an adapter module with one function per op, mirroring cutopo's layout.
+
+    ``cutopo.<op>`` becomes ``<module>.<op>`` and ``cutopo.<family>.<op>`` becomes
+    ``<module>.<family>.<op>`` (a sub-module, also importable as ``<module>.<family>``). Ops
+    registered after the module was built (their modules imported later) are adapted on first
+    access, through the modules' ``__getattr__``.
+
+    Parameters
+    ----------
+    module_name : str
+        The adapter module (``"cutopo.torch"``), already in ``sys.modules``.
+    adapt : callable
+        ``adapt(op: AdaptedOp) -> function``, the framework's generic adapter.
+    framework : str
+        For the sub-modules' docstrings (``"PyTorch"``).
+    """
+
+    def __init__(self, module_name: str, adapt: Callable, framework: str):
+        self.module = sys.modules[module_name]
+        self.adapt = adapt
+        self.framework = framework
+        self.families: dict = {}
+        self.built: set = set()
+
+    def build(self) -> None:
+        for op in adapted_ops():
+            self._install(op)
+
+    def _install(self, op: AdaptedOp):
+        function = self.adapt(op)
+        self.built.add(op.name)
+        if op.family is None:
+            setattr(self.module, op.name, function)
+            self.module.__all__.append(op.name)
+            return function
+        family = self.families.get(op.family)
+        if family is None:
+            name = f"{self.module.__name__}.{op.family}"
+            family = types.ModuleType(name, f"{self.framework} versions of the ops of "
+                                            f":mod:`cutopo.{op.family}` (see :mod:`{self.module.__name__}`).")
+            family.__all__ = []
+            family.__getattr__ = lambda attr, f=op.family: self.late(attr, f)
+            self.families[op.family] = family
+            sys.modules[name] = family  # so that ``import cutopo.torch.cpab`` works
+            setattr(self.module, op.family, family)
+            self.module.__all__.append(op.family)
+        setattr(family, op.public_name, function)
+        family.__all__.append(op.public_name)
+        return function
+
+    def late(self, attr: str, family: str | None = None):
+        """The module ``__getattr__``: adapt an op registered since the module was built."""
+        if not attr.startswith("__"):
+            for op in adapted_ops():
+                where = op.public_name if family else op.name
+                if op.family == family and where == attr and op.name not in self.built:
+                    return self._install(op)
+        owner = self.module.__name__ + (f".{family}" if family else "")
+        raise AttributeError(f"module {owner!r} has no attribute {attr!r}")

@@ -1,0 +1,100 @@
+"""Calls of every public op, shared by the PyTorch and JAX adapter tests.
+
+Each case is an op path (``"soft_ecc"``, ``"cpab.integrate"``), NumPy positional arguments
+(arrays and plain values) and keyword arguments. The adapters must reproduce the NumPy op
+exactly on them, and their gradients must equal :func:`cutopo.vjp`'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+import cutopo
+from cutopo.cpab import Tessellation
+
+# Every public op the adapters wrap, by path (cutopo.<path>).
+OP_PATHS = ("soft_ecc", "soft_ect", "expected_euler", "cpab.integrate", "ecc",
+            "euler_contributions", "ect")
+
+
+@dataclasses.dataclass
+class Case:
+    path: str
+    args: tuple
+    kwargs: dict
+    id: str
+
+    @property
+    def function(self):
+        return resolve(cutopo, self.path)
+
+    @property
+    def differentiable(self) -> bool:
+        return hasattr(self.function, "__cutopo_op__")
+
+    def grad_positions(self):
+        """Positions of the arguments that the op differentiates: float arrays, and NumPy float
+        scalars (the adapter tests pass those as 0-d arrays, which the ops treat alike)."""
+        spec = getattr(self.function, "__cutopo_op__", None)
+        if spec is None:
+            return []
+        return [i for i, (name, a) in enumerate(zip(spec.arg_names, self.args))
+                if name in spec.differentiable and isinstance(a, (np.ndarray, np.floating))
+                and np.asarray(a).dtype.kind == "f"]
+
+
+def resolve(module, path):
+    return functools.reduce(getattr, path.split("."), module)
+
+
+def cases(float64=True):
+    """The cases; ``float64=False`` keeps only those whose arrays and results are float32/int
+    (for JAX without x64)."""
+    rng = np.random.default_rng(20240607)  # fixed: the cases must not sit on ties (see below)
+    image = rng.random((10, 11))
+    images32 = rng.random((2, 9, 8)).astype(np.float32)
+    volume = rng.random((5, 6, 4))
+    mask = rng.random((9, 10)) > 0.4
+    masks = rng.random((2, 7, 7)) > 0.5
+    # Generic directions: no two pixel heights tie, so the contribution maps are locally constant.
+    dirs = np.array([[0.83, 0.31], [-0.42, 0.77], [0.15, -0.91]])
+    tess = Tessellation((3, 3))
+    theta = tess.sample(1, length_scale=0.3, rng=1)[0]
+    points = rng.uniform(0.05, 0.95, (6, 2))
+    tess1 = Tessellation((4,), zero_boundary=None)
+    out = [
+        Case("soft_ecc", (image, np.linspace(0.05, 0.95, 9), 20.0), {}, "soft_ecc-2d-f64"),
+        Case("soft_ecc", (images32, 6, 15.0), {"ndim": 2}, "soft_ecc-batch-count-f32"),
+        Case("soft_ecc", (images32, np.linspace(0.1, 0.9, 5).astype(np.float32),
+                          np.float32(12.0)), {"ndim": 2, "connectivity": 2}, "soft_ecc-batch-T-f32"),
+        Case("soft_ecc", (volume, np.linspace(0.0, 1.0, 7), np.float64(9.0)), {"connectivity": 3},
+             "soft_ecc-3d-T-f64"),
+        Case("soft_ect", (mask, dirs, np.linspace(-1.2, 1.2, 8), 6.0), {}, "soft_ect-f64"),
+        Case("soft_ect", (masks, dirs.astype(np.float32), 7, 5.0), {"connectivity": 2},
+             "soft_ect-batch-count-f32"),
+        Case("expected_euler", (image,), {}, "expected_euler-f64"),
+        Case("expected_euler", (images32,), {"ndim": 2, "connectivity": 2}, "expected_euler-batch-f32"),
+        Case("cpab.integrate", (points, theta, tess), {"n_steps": 12}, "cpab-2d-f64"),
+        Case("cpab.integrate", (rng.uniform(0.05, 0.95, (2, 5, 1)).astype(np.float32),
+                                np.array([0.3, -0.2, 0.4, 0.1, 0.2], dtype=np.float32), tess1),
+             {"n_steps": 8, "checkpoint_every": 3}, "cpab-1d-batch-f32"),
+        Case("ecc", ((image * 255).astype(np.uint8), 5), {}, "ecc-uint8-count"),
+        Case("ecc", (images32, np.linspace(0, 1, 6).astype(np.float32)), {"ndim": 2, "connectivity": 2},
+             "ecc-batch-f32"),
+        Case("euler_contributions", (image,), {"connectivity": 2}, "contributions"),
+        Case("ect", (mask, dirs.astype(np.float32), np.linspace(-1, 1, 5).astype(np.float32)), {},
+             "ect"),
+        Case("ect", (masks, dirs.astype(np.float32), 4), {"connectivity": 2}, "ect-batch-count"),
+    ]
+    if float64:
+        return out
+    return [c for c in out if not _wide(c)]
+
+
+def _wide(case) -> bool:
+    """Whether the case involves float64 (arrays, NumPy scalars or the result)."""
+    if any(getattr(a, "dtype", None) == np.float64 for a in case.args):
+        return True
+    return np.asarray(case.function(*case.args, **case.kwargs)).dtype == np.float64

@@ -1,0 +1,481 @@
+"""The JAX adapter, cutopo.jax, on the CPU (GPU variants are marked ``gpu``).
+
+Values must equal the NumPy ops exactly, and gradients cutopo.vjp's, eagerly and under jax.jit,
+jax.grad and jax.vmap. Most tests run in x64 mode (float64 cases need it): the module turns it
+on for its own tests and restores the previous setting afterwards, because it is a global flag.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="JAX is not installed (pip install 'cutopo[jax]')")
+import jax.numpy as jnp  # noqa: E402
+
+import cutopo  # noqa: E402
+import cutopo.jax as cj  # noqa: E402
+from adapter_cases import OP_PATHS, cases, resolve  # noqa: E402
+from cutopo.cpab import Tessellation  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    """x64 on for each test (a global flag: restored afterwards, for the other test modules)."""
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture
+def no_x64():
+    jax.config.update("jax_enable_x64", False)
+    yield
+
+
+CASES = cases()
+
+
+def to_jax(a):
+    """NumPy arrays (and NumPy float scalars) become JAX arrays; other values stay as they are."""
+    if isinstance(a, (np.ndarray, np.floating)):
+        return jnp.asarray(np.asarray(a))
+    return a
+
+
+def call(case, transform=None):
+    """The adapter's op on the case's arguments; ``transform`` wraps the function of the
+    dynamic (array) arguments, e.g. jax.jit."""
+    fn = resolve(cj, case.path)
+    dyn = [i for i, a in enumerate(case.args) if isinstance(a, np.ndarray)]
+
+    def of_arrays(*arrays):
+        args = list(case.args)
+        for i, a in zip(dyn, arrays):
+            args[i] = a
+        return fn(*args, **case.kwargs)
+
+    f = transform(of_arrays) if transform else of_arrays
+    return f(*[jnp.asarray(case.args[i]) for i in dyn])
+
+
+# ---------------------------------------------------------------------------------------------
+# The namespace
+
+
+def test_every_public_op_is_there_with_its_signature():
+    for path in OP_PATHS:
+        fn = resolve(cj, path)
+        assert inspect.signature(fn) == inspect.signature(resolve(cutopo, path)), path
+        assert fn.__doc__ and "Returns" in fn.__doc__
+    assert set(cj.__all__) >= {p.split(".")[0] for p in OP_PATHS}
+    from cutopo.vjp import REGISTRY  # every registered op (also ones added later) is adapted
+
+    for spec in REGISTRY.values():
+        if not spec.function.__module__.startswith("cutopo."):
+            continue  # toy ops of other tests
+        family = spec.function.__module__.split(".")[1]
+        where = getattr(cj, family) if family in ("cpab",) else cj
+        assert callable(getattr(where, spec.function.__name__)), spec.name
+    import cutopo.jax.cpab as cjc
+
+    assert cjc.integrate is cj.cpab.integrate
+
+
+
+def test_docstring_examples_of_the_cpab_namespace():
+    """pytest's doctest collection does not reach cj.cpab.integrate: run its examples here."""
+    import doctest
+
+    fn = cj.cpab.integrate
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(fn, fn.__name__, globs={}):
+        runner.run(test)
+    assert runner.tries > 0 and runner.failures == 0
+
+def test_import_without_jax_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)
+    monkeypatch.delitem(sys.modules, "cutopo.jax")
+    with pytest.raises(ImportError, match=r"pip install 'cutopo\[jax\]'"):
+        importlib.import_module("cutopo.jax")
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_values_equal_the_numpy_op(case, jit):
+    expected = case.function(*case.args, **case.kwargs)
+    out = call(case, jax.jit if jit else None)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("case", cases(float64=False), ids=lambda c: c.id)
+def test_without_x64_float32_values_and_int32_curves(case, no_x64):
+    expected = case.function(*case.args, **case.kwargs)
+    out = call(case, jax.jit)
+    assert out.shape == expected.shape
+    assert out.dtype == (np.int32 if expected.dtype == np.int64 else expected.dtype)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_float64_without_x64_is_a_clear_error(no_x64):
+    image = np.random.default_rng(0).random((6, 6))
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        cj.soft_ecc(image, jnp.linspace(0, 1, 4), 3.0)                 # a NumPy float64 array
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        cj.soft_ecc(jnp.asarray(image, jnp.float32), 4, np.float64(3.0))  # float64 result
+    out = cj.soft_ecc(jnp.asarray(image, jnp.float32), [0.2, 0.5], 3.0)  # lists: JAX's rules
+    assert out.dtype == jnp.float32
+
+
+def test_static_and_keyword_arguments():
+    rng = np.random.default_rng(1)
+    image = rng.random((2, 7, 7)).astype(np.float32)
+    t = np.linspace(0.1, 0.9, 4).astype(np.float32)
+    for args, kwargs in [((image, 5, 9.0), {"ndim": 2}),
+                         ((image, t, 9.0), {"ndim": 2, "connectivity": 2}),
+                         ((image,), {"thresholds": t, "scale": np.float32(2.0), "ndim": 2})]:
+        expected = cutopo.soft_ecc(*args, **kwargs)
+        jargs = [to_jax(a) for a in args]
+        jkw = {k: to_jax(v) for k, v in kwargs.items()}
+        out = cj.soft_ecc(*jargs, **jkw)
+        assert out.dtype == expected.dtype
+        np.testing.assert_array_equal(np.asarray(out), expected)
+    f = jax.jit(cj.soft_ecc, static_argnames=("ndim",))
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(image), jnp.asarray(t), 9.0, ndim=2)),
+                                  cutopo.soft_ecc(image, t, np.float32(9.0), ndim=2))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cj.soft_ecc(jnp.asarray(image), 5, 9.0, nd=2)
+    with pytest.raises(TypeError, match="Python values"):  # a traced count cannot set a shape
+        jax.jit(lambda x, n: cj.soft_ecc(x, n, 1.0, ndim=2))(jnp.asarray(image), 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients
+
+
+def _vjp_reference(case, cotangent):
+    args = [np.asarray(a) if isinstance(a, np.floating) else a for a in case.args]
+    _, pullback = cutopo.vjp(case.function, *args, **case.kwargs)
+    return pullback(cotangent)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.differentiable], ids=lambda c: c.id)
+def test_gradients_equal_cutopo_vjp(case, jit, rng):
+    positions = case.grad_positions()
+    fn = resolve(cj, case.path)
+    expected_out = case.function(*case.args, **case.kwargs)
+    cotangent = np.asarray(rng.standard_normal(expected_out.shape)).astype(expected_out.dtype)
+
+    def loss(*diff):
+        args = [to_jax(a) for a in case.args]
+        for i, a in zip(positions, diff):
+            args[i] = a
+        return jnp.sum(fn(*args, **case.kwargs) * cotangent)
+
+    grad = jax.grad(loss, argnums=tuple(range(len(positions))))
+    if jit:
+        grad = jax.jit(grad)
+    grads = grad(*[to_jax(case.args[i]) for i in positions])
+    expected = _vjp_reference(case, cotangent)
+    for i, g in zip(positions, grads):
+        assert g.dtype == np.asarray(case.args[i]).dtype and g.shape == np.shape(case.args[i])
+        np.testing.assert_allclose(np.asarray(g), expected[i], rtol=1e-12, atol=0)
+
+
+def test_only_the_differentiated_arguments_are_computed(monkeypatch):
+    seen = []
+    real = cj._vjp
+
+    def spy(op, *args, wrt=None, **kwargs):
+        seen.append(tuple(wrt))
+        return real(op, *args, wrt=wrt, **kwargs)
+
+    monkeypatch.setattr(cj, "_vjp", spy)
+    image = jnp.asarray(np.random.default_rng(2).random((8, 8)))
+    t = jnp.linspace(0, 1, 5)
+    scale = jnp.float64(10.0)
+    f = lambda x, y, s: jnp.sum(cj.soft_ecc(x, y, s))  # noqa: E731
+    jax.grad(f, argnums=1)(image, t, scale)
+    assert seen[-1] == (1,)
+    jax.jit(jax.grad(f, argnums=(0, 2)))(image, t, scale)
+    assert seen[-1] == (0, 2)
+
+
+def test_weakly_typed_scale_does_not_widen_and_gets_a_gradient():
+    image = jnp.asarray(np.random.default_rng(3).random((8, 8)), jnp.float32)
+    t = jnp.linspace(0, 1, 5, dtype=jnp.float32)
+    f = lambda s: jnp.sum(cj.soft_ecc(image, t, s))  # noqa: E731
+    assert jax.jit(lambda s: cj.soft_ecc(image, t, s))(7.0).dtype == jnp.float32
+    g = jax.grad(f)(7.0)
+    _, pullback = cutopo.vjp(cutopo.soft_ecc, np.asarray(image), np.asarray(t), 7.0)
+    np.testing.assert_allclose(float(g), float(pullback(np.ones(5, np.float32))[2]), rtol=1e-6)
+
+
+def test_non_differentiable_arguments_and_ops_get_zeros():
+    mask = jnp.asarray(np.random.default_rng(4).random((8, 8)) > 0.5)
+    dirs = jnp.array([[0.8, 0.3], [0.2, -0.9]])
+    g = jax.grad(lambda d: jnp.sum(cj.soft_ect(mask, d, 6, 4.0)))(dirs)
+    assert g.shape == (2, 2) and bool(jnp.all(jnp.isfinite(g)))
+    image = jnp.asarray(np.random.default_rng(5).random((6, 6)))
+    # an integer curve in a loss contributes nothing (and does not break differentiation)
+    f = lambda x: jnp.sum(cj.soft_ecc(x, 4, 3.0)) + jnp.sum(cj.ecc(x, 4)) * 0.0  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.grad(f)(image)),
+                               np.asarray(jax.grad(lambda x: jnp.sum(cj.soft_ecc(x, 4, 3.0)))(image)))
+
+
+def test_grad_in_float64_matches_finite_differences():
+    """jax.grad of the adapter against central differences of the NumPy op (x64)."""
+    rng = np.random.default_rng(6)
+    image = rng.random((6, 5))
+    t = np.linspace(0.05, 0.95, 6)
+    direction = rng.standard_normal(image.shape)
+    f = lambda x: jnp.sum(cj.soft_ecc(x, jnp.asarray(t), 6.0) ** 2)  # noqa: E731
+    g = np.asarray(jax.grad(f)(jnp.asarray(image)))
+    eps = 1e-6
+    fd = (np.sum(cutopo.soft_ecc(image + eps * direction, t, 6.0) ** 2)
+          - np.sum(cutopo.soft_ecc(image - eps * direction, t, 6.0) ** 2)) / (2 * eps)
+    np.testing.assert_allclose(np.sum(g * direction), fd, rtol=1e-6)
+
+
+def _toy_forward(x, w, a, *, power=2):
+    return a * np.sum(x ** power * w, axis=-1), (x, w, a, power)
+
+
+def _toy_backward(res, g, needs):
+    x, w, a, power = res
+    dx = a * power * x ** (power - 1) * w * g[..., None] if needs[0] else None
+    da = np.sum(g * np.sum(x ** power * w, axis=-1)) if needs[2] else None
+    return dx, None, da
+
+
+def _toy_meta(x, w, a, *, power=2):
+    return tuple(x.shape[:-1]), np.result_type(x.dtype, w.dtype)
+
+
+def test_a_newly_registered_op_is_adapted_generically():
+    """A toy op registered after cutopo.jax was imported is adapted on first access; with a
+    shape rule it works under jit, grad and vmap (looping: it has no native batching rule)."""
+    from cutopo.vjp import REGISTRY, register
+
+    @register(name="toy_jax_adapter", forward=_toy_forward, backward=_toy_backward,
+              arg_names=("x", "w", "a"), differentiable=("x", "a"), meta=_toy_meta)
+    def toy(x, w, a, *, power=2):
+        return _toy_forward(x, w, a, power=power)[0]
+
+    try:
+        fn = cj.toy_jax_adapter
+        rng = np.random.default_rng(13)
+        x, w = rng.random((3, 4)), rng.random((3, 4))
+        loss = lambda x, w, a: jnp.sum(fn(x, w, a, power=3) ** 2)  # noqa: E731
+        gx, gw, ga = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jnp.asarray(x), jnp.asarray(w),
+                                                               jnp.float64(1.5))
+        out = 1.5 * np.sum(x ** 3 * w, axis=-1)
+        np.testing.assert_allclose(np.asarray(gx), 2 * out[:, None] * 4.5 * x ** 2 * w, rtol=1e-12)
+        assert not np.any(np.asarray(gw))  # not differentiated by the op: zero
+        np.testing.assert_allclose(float(ga), np.sum(2 * out * out / 1.5), rtol=1e-12)
+        v = jax.vmap(lambda x: fn(x, jnp.asarray(w), 2.0))(jnp.asarray(np.stack([x, 2 * x])))
+        np.testing.assert_allclose(np.asarray(v[1]), 4 * toy(x, w, 2.0), rtol=1e-12)
+    finally:
+        REGISTRY.pop("toy_jax_adapter", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap
+
+
+def _spy_forward(monkeypatch):
+    shapes = []
+    real = cj._Runner.forward
+
+    def spy(self, *arrays):
+        shapes.append([a.shape for a in arrays])
+        return real(self, *arrays)
+
+    monkeypatch.setattr(cj._Runner, "forward", spy)
+    return shapes
+
+
+def test_vmap_over_images_is_one_native_call(monkeypatch):
+    shapes = _spy_forward(monkeypatch)
+    rng = np.random.default_rng(7)
+    batch = rng.random((2, 3, 9, 9))
+    t = jnp.linspace(0.1, 0.9, 6)
+    f = jax.jit(jax.vmap(jax.vmap(lambda x: cj.soft_ecc(x, t, 15.0))))
+    out = f(jnp.asarray(batch))
+    assert len(shapes) == 1 and shapes[0][0] == (2, 3, 9, 9)  # one call, the whole batch
+    np.testing.assert_array_equal(np.asarray(out),
+                                  cutopo.soft_ecc(batch, np.asarray(t), 15.0, ndim=2))
+    probs = rng.random((4, 5, 5))
+    e = jax.vmap(cj.expected_euler)(jnp.asarray(probs))
+    np.testing.assert_array_equal(np.asarray(e), cutopo.expected_euler(probs, ndim=2))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.path != "cpab.integrate"
+                                  and isinstance(c.args[0], np.ndarray)], ids=lambda c: c.id)
+def test_vmap_over_the_first_argument_equals_a_loop(case):
+    """Batch the first argument (image, mask, prob) with jax.vmap: each result must equal the
+    op on that item (a count's thresholds are per item: the adapter loops then)."""
+    first = case.args[0]
+    stack = np.stack([first, first[::-1].copy()])
+    fn = resolve(cj, case.path)
+    out = jax.vmap(lambda x: fn(x, *[to_jax(a) for a in case.args[1:]], **case.kwargs))(
+        jnp.asarray(stack))
+    for k in range(2):
+        expected = case.function(stack[k], *case.args[1:], **case.kwargs)
+        np.testing.assert_array_equal(np.asarray(out[k]), expected)
+
+
+def test_vmap_over_shared_arguments_loops(monkeypatch):
+    shapes = _spy_forward(monkeypatch)
+    rng = np.random.default_rng(8)
+    image = rng.random((8, 8))
+    ts = np.sort(rng.random((3, 5)), axis=1)
+    scales = np.array([3.0, 5.0, 9.0])
+    out = jax.jit(jax.vmap(lambda t, s: cj.soft_ecc(jnp.asarray(image), t, s)))(
+        jnp.asarray(ts), jnp.asarray(scales))
+    assert len(shapes) == 1 and shapes[0][0] == (1, 8, 8)
+    for k in range(3):
+        np.testing.assert_array_equal(np.asarray(out[k]),
+                                      cutopo.soft_ecc(image, ts[k], np.float64(scales[k])))
+
+
+@pytest.mark.parametrize("argnum", [0, 1, 2])
+def test_vmap_of_grad_gives_per_example_gradients(argnum):
+    rng = np.random.default_rng(9)
+    images = rng.random((3, 7, 7))
+    t = np.linspace(0.1, 0.9, 5)
+    scale = np.float64(8.0)
+
+    def loss(x, y, s):
+        return jnp.sum(cj.soft_ecc(x, y, s) ** 2)
+
+    g = jax.jit(jax.vmap(jax.grad(loss, argnums=argnum), in_axes=(0, None, None)))(
+        jnp.asarray(images), jnp.asarray(t), jnp.asarray(scale))
+    for k in range(3):
+        out, pullback = cutopo.vjp(cutopo.soft_ecc, images[k], t, scale)
+        np.testing.assert_allclose(np.asarray(g[k]), pullback(2 * out)[argnum], rtol=1e-12)
+
+
+def test_vmap_grad_of_cpab_and_soft_ect():
+    tess = Tessellation((2, 2))
+    thetas = tess.sample(3, length_scale=0.4, rng=3)
+    points = np.random.default_rng(10).uniform(0.1, 0.9, (4, 2))
+    f = lambda th: jnp.sum(cj.cpab.integrate(jnp.asarray(points), th, tess, n_steps=6) ** 2)  # noqa
+    g = jax.vmap(jax.grad(f))(jnp.asarray(thetas))
+    for k in range(3):
+        out, pullback = cutopo.vjp(cutopo.cpab.integrate, points, thetas[k], tess, n_steps=6)
+        np.testing.assert_allclose(np.asarray(g[k]), pullback(2 * out)[1], rtol=1e-12)
+    mask = np.random.default_rng(11).random((7, 7)) > 0.5
+    dirs = np.array([[[0.8, 0.3]], [[0.2, -0.9]]])
+    h = jax.vmap(jax.grad(lambda d: jnp.sum(cj.soft_ect(jnp.asarray(mask), d, 5, 3.0))))(
+        jnp.asarray(dirs))
+    for k in range(2):
+        out, pullback = cutopo.vjp(cutopo.soft_ect, mask, dirs[k], 5, 3.0)
+        np.testing.assert_allclose(np.asarray(h[k]), pullback(np.ones_like(out))[1], rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# The buffer_callback path (the GPU design) with NumPy views on the CPU
+
+
+@pytest.mark.skipif(cj._buffer_callback is None, reason="jax.experimental.buffer_callback missing")
+def test_buffer_callback_path_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(cj, "_CPU_CALLBACK", "buffer")
+    rng = np.random.default_rng(12)
+    images = rng.random((2, 8, 8))
+    t = np.linspace(0.1, 0.9, 5)
+
+    def loss(x, y):
+        return jnp.sum(cj.soft_ecc(x, y, 9.0) ** 2)
+
+    g = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(
+        jnp.asarray(images), jnp.asarray(t))
+    for k in range(2):
+        out, pullback = cutopo.vjp(cutopo.soft_ecc, images[k], t, 9.0)
+        ref = pullback(2 * out)
+        np.testing.assert_allclose(np.asarray(g[0][k]), ref[0], rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(g[1][k]), ref[1], rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (skipped without one, and without a CUDA build of JAX)
+
+
+def _jax_gpu():
+    try:
+        return jax.default_backend() == "gpu"
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _jax_gpu(), reason="JAX has no GPU backend")
+@pytest.mark.parametrize("case", [c for c in CASES if c.path != "cpab.integrate"], ids=lambda c: c.id)
+def test_gpu_values_and_gradients_match_the_numpy_path(case):
+    expected = case.function(*case.args, **case.kwargs)
+    out = call(case, jax.jit)
+    assert out.devices().pop().platform == "gpu" and out.dtype == expected.dtype
+    if expected.dtype.kind == "f":
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-4)
+    else:
+        np.testing.assert_array_equal(np.asarray(out), expected)
+    positions = case.grad_positions()
+    if positions:
+        fn = resolve(cj, case.path)
+
+        def loss(*diff):
+            args = [to_jax(a) for a in case.args]
+            for i, a in zip(positions, diff):
+                args[i] = a
+            return jnp.sum(fn(*args, **case.kwargs))
+
+        grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(positions)))))(
+            *[to_jax(case.args[i]) for i in positions])
+        expected_grads = _vjp_reference(case, np.ones_like(expected))
+        for i, g in zip(positions, grads):
+            np.testing.assert_allclose(np.asarray(g), expected_grads[i], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _jax_gpu(), reason="JAX has no GPU backend")
+def test_gpu_buffers_reach_cupy_without_copies(monkeypatch):
+    import cupy
+
+    pointers = []
+    real = cj._Runner.forward
+
+    def spy(self, *arrays):
+        assert all(isinstance(a, cupy.ndarray) for a in arrays)
+        pointers.append(arrays[0].data.ptr)
+        return real(self, *arrays)
+
+    monkeypatch.setattr(cj._Runner, "forward", spy)
+    x = jax.device_put(jnp.ones((64, 64), jnp.float32))
+    out = cj.expected_euler(x)
+    out.block_until_ready()
+    assert pointers and pointers[0] == x.unsafe_buffer_pointer()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _jax_gpu(), reason="JAX has no GPU backend")
+def test_gpu_runs_on_xlas_stream_in_a_subprocess():
+    """The JAX + CuPy process must exit cleanly (a crash at exit was once seen)."""
+    import subprocess
+
+    code = ("import jax, jax.numpy as jnp, cutopo.jax as cj\n"
+            "x = jax.random.uniform(jax.random.PRNGKey(0), (4, 128, 128))\n"
+            "t = jnp.linspace(0, 1, 32)\n"
+            "g = jax.jit(jax.grad(lambda x: cj.soft_ecc(x, t, 20.0, ndim=2).sum()))(x)\n"
+            "assert bool(jnp.isfinite(g).all())\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,424 @@
+"""The PyTorch adapter, cutopo.torch, on the CPU (GPU variants are marked ``gpu``).
+
+Values must equal the NumPy ops exactly, gradients must equal cutopo.vjp's, and
+torch.autograd.gradcheck must pass in float64; torch.compile must trace the ops without graph
+breaks.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'cutopo[torch]')")
+
+import cutopo  # noqa: E402
+import cutopo.torch as ct  # noqa: E402
+from adapter_cases import OP_PATHS, cases, resolve  # noqa: E402
+from cutopo.cpab import Tessellation  # noqa: E402
+
+CASES = cases()
+
+
+def to_torch(a, requires_grad=False):
+    """NumPy arrays and NumPy float scalars become tensors; other values stay as they are."""
+    if isinstance(a, (np.ndarray, np.floating)):
+        t = torch.from_numpy(np.array(a))
+        return t.requires_grad_() if requires_grad else t
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# The namespace
+
+
+def test_every_public_op_is_there_with_its_signature():
+    for path in OP_PATHS:
+        fn = resolve(ct, path)
+        assert inspect.signature(fn) == inspect.signature(resolve(cutopo, path)), path
+        assert fn.__doc__ and "Returns" in fn.__doc__
+    assert set(ct.__all__) >= {p.split(".")[0] for p in OP_PATHS}
+    from cutopo.vjp import REGISTRY  # every registered op (also ones added later) is adapted
+
+    for spec in REGISTRY.values():
+        if not spec.function.__module__.startswith("cutopo."):
+            continue  # toy ops of other tests
+        family = spec.function.__module__.split(".")[1]
+        where = getattr(ct, family) if family in ("cpab",) else ct
+        assert callable(getattr(where, spec.function.__name__)), spec.name
+    import cutopo.torch.cpab as ctc  # the sub-namespace is importable too
+
+    assert ctc.integrate is ct.cpab.integrate
+
+
+def test_importing_cutopo_imports_neither_torch_nor_jax():
+    code = ("import sys, numpy, cutopo, cutopo.cpab; cutopo.soft_ecc(numpy.ones((3, 3)), 2, 1.0); "
+            "assert 'torch' not in sys.modules and 'jax' not in sys.modules, "
+            "[m for m in sys.modules if m in ('torch', 'jax')]")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+
+def test_docstring_examples_of_the_cpab_namespace():
+    """pytest's doctest collection does not reach ct.cpab.integrate: run its examples here."""
+    import doctest
+
+    fn = ct.cpab.integrate
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(fn, fn.__name__, globs={}):
+        runner.run(test)
+    assert runner.tries > 0 and runner.failures == 0
+
+def test_import_without_torch_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes "import torch" raise ImportError
+    monkeypatch.delitem(sys.modules, "cutopo.torch")  # monkeypatch restores the loaded module
+    with pytest.raises(ImportError, match=r"pip install 'cutopo\[torch\]'"):
+        importlib.import_module("cutopo.torch")
+
+
+# ---------------------------------------------------------------------------------------------
+# Values and gradients against the NumPy path
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_values_equal_the_numpy_op(case):
+    expected = case.function(*case.args, **case.kwargs)
+    out = resolve(ct, case.path)(*[to_torch(a) for a in case.args], **case.kwargs)
+    assert isinstance(out, torch.Tensor)
+    assert out.numpy().dtype == expected.dtype and out.shape == expected.shape
+    np.testing.assert_array_equal(out.numpy(), expected)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.differentiable], ids=lambda c: c.id)
+def test_gradients_equal_cutopo_vjp(case, rng):
+    positions = case.grad_positions()
+    args = [to_torch(a, requires_grad=i in positions) for i, a in enumerate(case.args)]
+    out = resolve(ct, case.path)(*args, **case.kwargs)
+    cotangent = np.asarray(rng.standard_normal(out.shape)).astype(out.detach().numpy().dtype)
+    grads = torch.autograd.grad(out, [args[i] for i in positions], torch.from_numpy(cotangent))
+    numpy_args = [np.asarray(a) if isinstance(a, np.floating) else a for a in case.args]
+    _, pullback = cutopo.vjp(case.function, *numpy_args, **case.kwargs)
+    expected = pullback(cotangent)
+    for i, g in zip(positions, grads):
+        assert g.dtype == args[i].dtype and g.shape == args[i].shape
+        np.testing.assert_array_equal(g.numpy(), expected[i])
+
+
+def test_only_the_needed_gradients_are_computed(monkeypatch):
+    """The backward asks cutopo.vjp only for the tensors that require grad (ctx.needs_input_grad)."""
+    seen = []
+    real = ct._vjp
+
+    def spy(op, *args, wrt=None, **kwargs):
+        seen.append(tuple(wrt))
+        return real(op, *args, wrt=wrt, **kwargs)
+
+    monkeypatch.setattr(ct, "_vjp", spy)
+    image = torch.rand(8, 8, dtype=torch.float64)
+    t = torch.linspace(0, 1, 5, dtype=torch.float64, requires_grad=True)
+    scale = torch.tensor(10.0, dtype=torch.float64)
+    ct.soft_ecc(image, t, scale).sum().backward()
+    assert seen[-1] == (1,)
+    image.requires_grad_()
+    scale.requires_grad_()
+    t.requires_grad_(False)
+    ct.soft_ecc(image, t, scale).sum().backward()
+    assert seen[-1] == (0, 2)
+
+
+def _toy_forward(x, w, a, *, power=2):
+    return a * np.sum(x ** power * w, axis=-1), (x, w, a, power)
+
+
+def _toy_backward(res, g, needs):
+    x, w, a, power = res
+    dx = a * power * x ** (power - 1) * w * g[..., None] if needs[0] else None
+    da = np.sum(g * np.sum(x ** power * w, axis=-1)) if needs[2] else None
+    return dx, None, da
+
+
+def test_a_newly_registered_op_is_adapted_generically():
+    """A toy op registered like the real ones, after cutopo.torch was imported: w is a float
+    argument the op does not differentiate (its gradient is None), and without a shape rule it
+    runs outside torch.compile's graph instead of failing."""
+    from cutopo.vjp import REGISTRY, register
+
+    @register(name="toy_torch_adapter", forward=_toy_forward, backward=_toy_backward,
+              arg_names=("x", "w", "a"), differentiable=("x", "a"))
+    def toy(x, w, a, *, power=2):
+        return _toy_forward(x, w, a, power=power)[0]
+
+    try:
+        fn = ct.toy_torch_adapter  # registered after cutopo.torch was built: adapted on access
+        assert fn.__name__ == "toy_torch_adapter" and "x, w, a" in fn.__doc__
+        x = torch.rand(3, 4, dtype=torch.float64, requires_grad=True)
+        w = torch.rand(3, 4, dtype=torch.float64, requires_grad=True)
+        a = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+        out = fn(x, w, a, power=3)
+        torch.testing.assert_close(out, 1.5 * (x ** 3 * w).sum(-1), rtol=1e-14, atol=0)
+        dx, dw, da = torch.autograd.grad(out.sum(), [x, w, a], allow_unused=True)
+        assert dw is None
+        torch.testing.assert_close(dx, 4.5 * x.detach() ** 2 * w.detach())
+        torch.testing.assert_close(da, (x.detach() ** 3 * w.detach()).sum())
+        compiled = torch.compile(lambda x: fn(x, w, 2.0).sum() * 2, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), 2 * fn(x, w, 2.0).sum())
+    finally:
+        REGISTRY.pop("toy_torch_adapter", None)
+
+
+def test_non_differentiable_arguments_get_no_gradient():
+    mask = torch.rand(8, 8) > 0.5  # bool: cannot require grad; the op does not differentiate it
+    dirs = torch.tensor([[0.8, 0.3], [0.2, -0.9]], dtype=torch.float64, requires_grad=True)
+    (d_dirs,) = torch.autograd.grad(ct.soft_ect(mask, dirs, 6, 4.0).sum(), [dirs])
+    assert d_dirs.shape == (2, 2)
+    # integer outputs of the non-differentiable ops carry no graph
+    image = torch.rand(6, 6, requires_grad=True)
+    assert not ct.ecc(image, 4).requires_grad
+    assert not ct.ect(mask, dirs, 4).requires_grad
+
+
+def test_static_arguments_pass_through():
+    rng = np.random.default_rng(3)
+    image = rng.random((2, 7, 7)).astype(np.float32)
+    ti = torch.from_numpy(image)
+    thresholds = np.linspace(0.1, 0.9, 4)                          # NumPy: converted, no grad
+    for args, kwargs in [((ti, 5, 9.0), {"ndim": 2}),                 # int count, Python float
+                         ((ti, thresholds, 9.0), {"ndim": 2, "connectivity": 2}),
+                         ((ti, list(thresholds), np.float64(9.0)), {"ndim": 2}),
+                         ((ti,), {"thresholds": 3, "scale": 2.0, "ndim": 2})]:
+        np_args = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
+        expected = cutopo.soft_ecc(*np_args, **kwargs)
+        out = ct.soft_ecc(*args, **kwargs)
+        assert out.numpy().dtype == expected.dtype
+        np.testing.assert_array_equal(out.numpy(), expected)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ct.soft_ecc(ti, 5, 9.0, nd=2)
+    with pytest.raises(TypeError, match="positional"):
+        ct.soft_ecc(ti, 5, 9.0, 2)
+
+
+def test_strided_and_expanded_tensors(rng):
+    base = torch.from_numpy(rng.random((12, 10)))
+    image = base.t()                                  # transposed: not contiguous
+    assert not image.is_contiguous()
+    t = torch.linspace(0, 1, 5, dtype=torch.float64).expand(2, 5)[0]
+    np.testing.assert_array_equal(ct.soft_ecc(image, t, 10.0).numpy(),
+                                  cutopo.soft_ecc(image.numpy().copy(), t.numpy().copy(), 10.0))
+    prob = torch.rand(1, 8, dtype=torch.float64).expand(6, 8)   # stride 0
+    leaf = prob.clone().requires_grad_()
+    out = ct.expected_euler(prob)
+    np.testing.assert_array_equal(out.numpy(), cutopo.expected_euler(prob.numpy().copy()))
+    (g,) = torch.autograd.grad(ct.expected_euler(leaf.t()), [leaf])
+    _, pullback = cutopo.vjp(cutopo.expected_euler, leaf.detach().numpy().T.copy())
+    np.testing.assert_array_equal(g.numpy(), pullback(np.ones(()))[0].T)
+
+
+def test_dtypes(rng):
+    image = rng.random((9, 9))
+    for dtype in (torch.float16, torch.uint8, torch.int16, torch.bool):
+        tensor = (torch.from_numpy(image) * (200 if dtype != torch.bool else 1)).to(dtype)
+        out = ct.soft_ecc(tensor, 4, 3.0)
+        expected = cutopo.soft_ecc(tensor.numpy(), 4, 3.0)
+        assert out.dtype == torch.float32
+        np.testing.assert_array_equal(out.numpy(), expected)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ct.soft_ecc(torch.from_numpy(image).bfloat16(), 4, 3.0)
+
+
+def test_outputs_do_not_alias_inputs(rng):
+    prob = torch.from_numpy(rng.random((3, 5, 5)))
+    out = ct.euler_contributions(prob, ndim=2)
+    assert out.data_ptr() != prob.data_ptr() and out.dtype == torch.int8
+
+
+def test_errors_of_the_op_come_through():
+    with pytest.raises(ValueError, match="sorted"):
+        ct.soft_ecc(torch.rand(5, 5), torch.tensor([0.5, 0.1]), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# gradcheck in float64. Fixed seeds: finite differences need points off the op's kinks (two
+# pixel values within eps of each other, a trajectory step starting on a cell face).
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_gradcheck_soft_ecc():
+    image = torch.rand(7, 6, dtype=torch.float64, generator=_gen(0)).requires_grad_()
+    t = torch.linspace(0.05, 0.95, 6, dtype=torch.float64).requires_grad_()
+    scale = torch.tensor(6.0, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, y, s: ct.soft_ecc(x, y, s), (image, t, scale))
+    batch = torch.rand(2, 5, 5, dtype=torch.float64, generator=_gen(1)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: ct.soft_ecc(x, t.detach(), 4.0, ndim=2,
+                                                          connectivity=2), (batch,))
+
+
+def test_gradcheck_soft_ect():
+    mask = torch.rand(7, 8, generator=_gen(2)) > 0.4
+    dirs = torch.tensor([[0.83, 0.31], [-0.42, 0.77]], dtype=torch.float64, requires_grad=True)
+    t = torch.linspace(-1.1, 1.1, 7, dtype=torch.float64).requires_grad_()
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda d, y, s: ct.soft_ect(mask, d, y, s), (dirs, t, scale))
+    # a threshold count: the thresholds move with the directions
+    assert torch.autograd.gradcheck(lambda d: ct.soft_ect(mask, d, 6, 3.0, connectivity=2), (dirs,))
+
+
+def test_gradcheck_expected_euler():
+    prob = torch.rand(2, 5, 6, dtype=torch.float64, generator=_gen(3)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda p: ct.expected_euler(p, ndim=2), (prob,))
+    vol = torch.rand(3, 4, 3, dtype=torch.float64, generator=_gen(4)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda p: ct.expected_euler(p, connectivity=3), (vol,))
+
+
+def test_gradcheck_cpab_integrate():
+    tess = Tessellation((2, 2))
+    theta = torch.from_numpy(tess.sample(1, length_scale=0.4, rng=5)[0]).requires_grad_()
+    points = (0.1 + 0.8 * torch.rand(4, 2, dtype=torch.float64, generator=_gen(5))).requires_grad_()
+    assert torch.autograd.gradcheck(lambda p, th: ct.cpab.integrate(p, th, tess, n_steps=8),
+                                    (points, theta))
+
+
+def test_opcheck():
+    image = torch.rand(6, 6, dtype=torch.float64, requires_grad=True)
+    t = torch.linspace(0, 1, 4, dtype=torch.float64, requires_grad=True)
+    key = ct._intern("soft_ecc", (0, 1, -1), ("ndim", "connectivity", "boundary"), None, None, 5.0,
+                     None, 1, "box")
+    torch.library.opcheck(torch.ops.cutopo.soft_ecc.default, ([image, t], key))
+    prob = torch.rand(2, 5, 5, requires_grad=True)
+    key = ct._intern("expected_euler", (0,), ("ndim", "connectivity"), None, 2, 1)
+    torch.library.opcheck(torch.ops.cutopo.expected_euler.default, ([prob], key))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def _compiler_available():
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.parametrize("backend", [
+    "eager", "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(not _compiler_available(),
+                                                      reason="inductor needs a C++ compiler")),
+])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    rng = np.random.default_rng(7)
+    image = torch.from_numpy(rng.random((10, 10)))
+    t = torch.linspace(0.1, 0.9, 6, dtype=torch.float64)
+    mask = torch.from_numpy(rng.random((8, 8)) > 0.5)
+    dirs = torch.tensor([[0.83, 0.31], [-0.42, 0.77]], dtype=torch.float64)
+    tess = Tessellation((2, 2))
+    theta = torch.from_numpy(tess.sample(1, length_scale=0.4, rng=2)[0])
+    points = torch.from_numpy(rng.uniform(0.1, 0.9, (5, 2)))
+
+    def loss(x, d, th, scale):
+        return (ct.soft_ecc(x, t, scale).square().sum()
+                + ct.expected_euler(x) * 0.5
+                + ct.soft_ect(mask, d, 5, 4.0).sum()
+                + ct.cpab.integrate(points, th, tess, n_steps=6).sum()
+                + ct.ecc(x, 4).sum() + ct.ect(mask, d, t).sum())  # integer terms: constants
+
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    for scale in (20.0, 25.0):  # a new Python scalar recompiles (a guarded constant)
+        inputs = [v.clone().requires_grad_() for v in (image, dirs, theta)]
+        eager = [v.clone().requires_grad_() for v in (image, dirs, theta)]
+        got = compiled(*inputs, scale)
+        want = loss(*eager, scale)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+        got.backward()
+        want.backward()
+        for a, b in zip(inputs, eager):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_compile_dynamic_shapes():
+    torch._dynamo.reset()
+    t = torch.linspace(0, 1, 5)
+    f = torch.compile(lambda x: ct.soft_ecc(x, t, 10.0, ndim=2).sum(), fullgraph=True,
+                      dynamic=True, backend="aot_eager")
+    for n in (6, 9):
+        x = torch.rand(2, n, n, requires_grad=True)
+        f(x).backward()
+        assert x.grad.shape == (2, n, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (skipped without one)
+
+
+def _cuda_ready():
+    return torch.cuda.is_available() and cutopo.gpu_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("case", [c for c in CASES if c.path != "cpab.integrate"], ids=lambda c: c.id)
+def test_cuda_values_and_gradients_match_the_cpu(case):
+    positions = case.grad_positions()
+    cpu = [to_torch(a, requires_grad=i in positions) for i, a in enumerate(case.args)]
+    gpu = [a.detach().cuda().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+           for a in cpu]
+    fn = resolve(ct, case.path)
+    out_cpu, out_gpu = fn(*cpu, **case.kwargs), fn(*gpu, **case.kwargs)
+    assert out_gpu.is_cuda and out_gpu.dtype == out_cpu.dtype and out_gpu.shape == out_cpu.shape
+    if out_cpu.dtype.is_floating_point:
+        torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=0, atol=0)
+    if positions:
+        g_cpu = torch.autograd.grad(out_cpu.sum(), [cpu[i] for i in positions])
+        g_gpu = torch.autograd.grad(out_gpu.sum(), [gpu[i] for i in positions])
+        for a, b in zip(g_gpu, g_cpu):
+            assert a.is_cuda
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_tensors_cross_without_copies():
+    import cupy
+
+    x = torch.rand(64, 64, device="cuda").t()  # strided: DLPack carries the strides
+    a = ct._to_array(x)
+    assert isinstance(a, cupy.ndarray) and a.data.ptr == x.data_ptr()
+    assert a.strides == tuple(s * x.element_size() for s in x.stride())
+    y = cupy.arange(10, dtype=cupy.float32)
+    back = ct._to_tensor(y, [])
+    assert back.is_cuda and back.data_ptr() == y.data.ptr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_cuda_runs_on_the_current_non_default_stream(monkeypatch):
+    import cupy
+
+    streams = []
+    real = ct._to_array
+
+    def spy(t):
+        streams.append(cupy.cuda.get_current_stream().ptr)
+        return real(t)
+
+    monkeypatch.setattr(ct, "_to_array", spy)
+    image = torch.rand(4, 256, 256, device="cuda", requires_grad=True)
+    t = torch.linspace(0, 1, 64, device="cuda")
+    reference = ct.soft_ecc(image.detach(), t, 30.0, ndim=2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        image2 = image * 1.0  # queued on the side stream just before the op reads it
+        out = ct.soft_ecc(image2, t, 30.0, ndim=2)
+        (g,) = torch.autograd.grad(out.sum(), [image])
+    side.synchronize()
+    assert side.cuda_stream in streams
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
+    assert g.shape == image.shape and torch.isfinite(g).all()
