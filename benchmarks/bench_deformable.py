@@ -45,9 +45,6 @@ says so and exits 0.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
 import sys
 
@@ -57,7 +54,10 @@ import cutopo
 from cutopo.deformable import deformable_aggregation
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ecc import copy_bandwidth, time_gpu, time_graph_or_none  # noqa: E402
+from _bench_common import (check_cell, device_and_bandwidth, fmt_ms, make_parser,  # noqa: E402
+                           max_rel_error, print_header, print_report, print_row, run_cases,
+                           target_dicts, time_status, write_json)
+from bench_ecc import time_gpu, time_graph_or_none  # noqa: E402
 
 F32 = np.float32
 MAPS = ((64, 176), (32, 88), (16, 44), (8, 22))
@@ -278,20 +278,6 @@ def time_torch(fn, reps, setup=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def rel_error(cp, ours, base):
-    if ours is None or base is None:
-        return math.inf
-    if tuple(ours.shape) != tuple(base.shape):
-        return math.inf
-    diff = float(cp.max(cp.abs(ours.astype(np.float64) - base.astype(np.float64))))
-    scale = float(cp.max(cp.abs(base.astype(np.float64))))
-    return diff / scale if scale > 0 else diff
-
-
-def _fmt(ms, digits=4):
-    return "-" if ms is None or ms != ms else f"{ms:.{digits}f}"
-
-
 def run_case(cp, case, args, bw, rows, notes, failures, have_torch):
     seed = sum(map(ord, case.name))
     op_args = case.inputs(cp, seed)
@@ -314,11 +300,11 @@ def run_case(cp, case, args, bw, rows, notes, failures, have_torch):
     if not args.no_baseline:
         b = args.baseline_reps
         base_out = cupy_forward(cp, *op_args)
-        checks["forward"].append((rel_error(cp, out, base_out), "out vs cupy"))
+        checks["forward"].append((max_rel_error(cp, out, base_out), "out vs cupy"))
         del base_out
         base_cots = cupy_vjp(cp, *op_args, g)
         for name, o, bc in zip(("d_features", "d_locations", "d_weights"), (cots[0], cots[3], cots[4]), base_cots):
-            checks["VJP"].append((rel_error(cp, o, bc), f"{name} vs cupy"))
+            checks["VJP"].append((max_rel_error(cp, o, bc), f"{name} vs cupy"))
         del base_cots
         base_ms = {"forward": time_gpu(cp, lambda: cupy_forward(cp, *op_args), b, warmup=1),
                    "VJP": time_gpu(cp, lambda: cupy_vjp(cp, *op_args, g), b, warmup=1)}
@@ -339,11 +325,11 @@ def run_case(cp, case, args, bw, rows, notes, failures, have_torch):
         ls, l_, w_ = leaves()
         t_out = torch_forward(ls, l_, w_)
         t_out.backward(tg)
-        checks["forward"].append((rel_error(cp, zout, cp.from_dlpack(t_out.detach())), "out vs torch (zeros)"))
+        checks["forward"].append((max_rel_error(cp, zout, cp.from_dlpack(t_out.detach())), "out vs torch (zeros)"))
         t_df = torch_levels_to_flat(cp, [x.grad for x in ls], shapes, starts, case.bs, feats.shape[1])
         for name, o, t in (("d_features", zc[0], t_df), ("d_locations", zc[3], cp.from_dlpack(l_.grad)),
                            ("d_weights", zc[4], cp.from_dlpack(w_.grad))):
-            checks["VJP"].append((rel_error(cp, o, t), f"{name} vs torch (zeros)"))
+            checks["VJP"].append((max_rel_error(cp, o, t), f"{name} vs torch (zeros)"))
         del t_out, ls, l_, w_, t_df, zout, zpb, zc
 
         def fwd_state():
@@ -368,22 +354,14 @@ def run_case(cp, case, args, bw, rows, notes, failures, have_torch):
         tms, bms = torch_ms.get(stage), base_ms.get(stage)
         ratio = (tms or bms) / call_ms if (tms or bms) else None
         parts = checks["forward"] + checks["VJP"] if stage == "forward+VJP" else checks[stage]
-        if parts:
-            e, which = max(parts, key=lambda p: math.inf if p[0] != p[0] else p[0])
-            bad = not (e <= args.tol)
-            chk = f"{'MISMATCH' if bad else 'ok'} {e:.1e}" + (f" ({which})" if bad else "")
-            if bad:
-                failures.append(f"{case.name} {stage}: MISMATCH {e:.2e} in {which}")
-        else:
-            chk = "n/a"
+        chk = check_cell(f"{case.name} {stage}", parts, args.tol, failures) if parts else "n/a"
         rows.append({"case": case.name, "stage": stage, "in_mb": in_mb, "call_ms": call_ms, "gpu_ms": gpu_ms,
                      "torch_ms": tms, "cupy_ms": bms, "ratio": ratio, "min_mb": nbytes[stage] / 1e6,
                      "gbs": gbs, "copy_bw_fraction": gbs / bw, "check": chk,
                      "reference_ms": REFERENCE_MS.get((case.name, stage))})
-        cells = (case.name, stage, f"{in_mb:.0f}", _fmt(call_ms), "no graph" if gpu_ms is None else _fmt(gpu_ms),
-                 _fmt(tms, 3), _fmt(bms, 2), f"{ratio:.1f}x" if ratio else "-", f"{nbytes[stage] / 1e6:.1f}",
-                 f"{gbs:.0f}", f"{gbs / bw:.1%}", chk)
-        print("| " + " | ".join(cells) + " |", flush=True)
+        print_row((case.name, stage, f"{in_mb:.0f}", fmt_ms(call_ms), "no graph" if gpu_ms is None else fmt_ms(gpu_ms),
+                   fmt_ms(tms, 3), fmt_ms(bms, 2), f"{ratio:.1f}x" if ratio else "-", f"{nbytes[stage] / 1e6:.1f}",
+                   f"{gbs:.0f}", f"{gbs / bw:.1%}", chk))
     for stage, parts in checks.items():
         for e, which in parts:
             notes.append(f"{case.name} {stage}: {which} max rel. difference {e:.2e}")
@@ -397,11 +375,10 @@ def target_rows(rows):
         if r is None:
             continue
         call, gpu = r["call_ms"], r["gpu_ms"]
-        status = "MET" if call <= limit else ("MISSED per call (MET on GPU time)" if gpu is not None and gpu <= limit
-                                               else f"MISSED ({(gpu or call) / limit:.1f}x)")
         ref = REFERENCE_MS.get((name, stage))
         ref_txt = f"; reference op {ref} ms ({ref / call:.1f}x slower)" if ref else ""
-        out.append((f"{name} {stage} <= {limit} ms", f"call {_fmt(call)} ms, GPU {_fmt(gpu)} ms{ref_txt}", status))
+        out.append((f"{name} {stage} <= {limit} ms", f"call {fmt_ms(call)} ms, GPU {fmt_ms(gpu)} ms{ref_txt}",
+                    time_status(call, gpu, limit)))
     return out
 
 
@@ -416,61 +393,31 @@ def run_gpu(args):
             have_torch = torch.cuda.is_available()
         except ImportError:
             pass
-    dev = cp.cuda.runtime.getDeviceProperties(0)
-    gpu_name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
-    bw = copy_bandwidth(cp)
-    cp.get_default_memory_pool().free_all_blocks()
+    gpu_name, bw = device_and_bandwidth(cp)
     print(f"# GPU: {gpu_name}; device-to-device copy bandwidth {bw:.0f} GB/s (read + write); "
           f"torch baseline: {'yes' if have_torch else 'no'}; deterministic={args.deterministic}")
     header = ("case", "stage", "in MB", "call ms", "GPU ms", "torch ms", "cupy ms", "ratio", "min MB", "GB/s",
               "of copy BW", "check")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print_header(header)
     rows, notes, failures = [], [], []
-    for case in cases(args.quick):
-        if args.only and not any(o in case.name for o in args.only.split(",")):
-            continue
-        try:
-            run_case(cp, case, args, bw, rows, notes, failures, have_torch)
-        except Exception as exc:
-            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            print(f"| {case.name} | - | failed: {msg} |" + " |" * 9, flush=True)
-            failures.append(f"{case.name}: {msg}")
-        cp.get_default_memory_pool().free_all_blocks()
-    if notes:
-        print("\n# Inputs, checks and timing notes")
-        for n in notes:
-            print(f"- {n}")
+    run_cases(cp, cases(args.quick), header,
+              lambda name: not args.only or any(o in name for o in args.only.split(",")),
+              lambda case: run_case(cp, case, args, bw, rows, notes, failures, have_torch), failures)
     targets = target_rows(rows)
-    print("\n# Targets (issue 5; H200)")
-    if targets:
-        print("| target | measured | status |\n|---|---|---|")
-        for t in targets:
-            print("| " + " | ".join(t) + " |")
-    else:
-        print("(no target case ran)")
-    if failures:
-        print("\n# Failures")
-        for f in failures:
-            print(f"- {f}")
+    print_report(notes, targets, failures, "Targets (issue 5; H200)", "(no target case ran)")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"gpu": gpu_name, "copy_bw_gbs": bw, "rows": rows, "notes": notes, "failures": failures,
-                       "targets": [dict(zip(("target", "measured", "status"), t)) for t in targets]}, fh, indent=1)
-        print(f"\n# results written to {args.json}")
+        write_json(args.json, {"gpu": gpu_name, "copy_bw_gbs": bw, "rows": rows, "notes": notes, "failures": failures,
+                               "targets": target_dicts(targets)})
     return 1 if failures else 0
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[3:]))
-    p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    p.add_argument("--only", help="run the cases whose name contains this (comma-separated alternatives, e.g. bs1,bs6)")
-    p.add_argument("--json", help="write the rows, notes and targets to this file")
-    p.add_argument("--reps", type=int, default=0, help="timed repetitions per stage (default 30)")
-    p.add_argument("--baseline-reps", type=int, default=3, help="timed repetitions of the CuPy baseline")
-    p.add_argument("--no-baseline", action="store_true", help="skip the straightforward CuPy version")
+    p = make_parser(__doc__, quick="small sizes (smoke test)",
+                    only="run the cases whose name contains this (comma-separated alternatives, e.g. bs1,bs6)",
+                    json_file="write the rows, notes and targets to this file",
+                    reps="timed repetitions per stage (default 30)",
+                    baseline_reps="timed repetitions of the CuPy baseline",
+                    no_baseline="skip the straightforward CuPy version")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch grid_sample baseline")
     p.add_argument("--deterministic", action="store_true", help="time deterministic=True (sorted feature cotangent)")
     p.add_argument("--tol", type=float, default=1e-4, help="largest accepted max rel. difference (default 1e-4)")

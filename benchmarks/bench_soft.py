@@ -57,9 +57,7 @@ says so and exits 0.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
 import os
 import sys
@@ -69,9 +67,12 @@ import numpy as np
 import cutopo
 
 # bench_ecc.py sits next to this file; its timing and copy-bandwidth helpers keep the two tables
-# measured the same way.
+# measured the same way. _bench_common.py holds what the op benchmarks share.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ecc import copy_bandwidth, time_gpu, time_graph_or_none  # noqa: E402
+from _bench_common import (check_cell, device_and_bandwidth, first_line, fmt_ms, make_parser,  # noqa: E402
+                           max_rel_error, print_header, print_report, print_row, run_cases,
+                           target_dicts, time_status, worst, write_json)
+from bench_ecc import time_gpu, time_graph_or_none  # noqa: E402
 
 CHUNK_ENTRIES = 1 << 26  # dense (pixel x threshold) entries per baseline chunk: ~256 MB per float32 temporary
 RATIO_TARGET = 50.0       # issue: >= 50x the straightforward version (forward+VJP of its soft cases)
@@ -409,26 +410,6 @@ def _as_list(x):
     return list(x) if isinstance(x, tuple) else [x]
 
 
-def max_rel_error(xp, ours, base, bound):
-    """max |ours - base| / max |bound|; inf for a shape mismatch or a missing array, NaN stays NaN."""
-    if base is None:
-        return 0.0
-    if ours is None or tuple(ours.shape) != tuple(base.shape):
-        return math.inf
-    diff = float(xp.max(xp.abs(ours.astype(np.float64) - base.astype(np.float64))))
-    scale = float(xp.max(xp.abs(bound.astype(np.float64))))
-    return diff / scale if scale > 0 else diff
-
-
-def _worst(errors):
-    """The (error, name) pair with the largest error, NaN counting as the largest."""
-    return max(errors, key=lambda p: math.inf if p[0] != p[0] else p[0], default=(0.0, "-"))
-
-
-def _fmt(ms, digits=4):
-    return "-" if ms is None or ms != ms else f"{ms:.{digits}f}"
-
-
 # ---------------------------------------------------------------------------------------------
 # One case
 
@@ -449,7 +430,7 @@ def run_case(cp, case, args, bw, rows, notes, failures):
         g = xp.asarray(np.random.default_rng(seed + 1).standard_normal(out.shape).astype(F32))
         cots = pullback(g)
     except Exception as exc:
-        ours_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        ours_error = first_line(exc, 120)
         failures.append(f"{case.name}: {ours_error}")
         out, g, cots = None, None, None
     if g is None:  # the cotangent the baseline needs: its own output's shape
@@ -489,7 +470,7 @@ def run_case(cp, case, args, bw, rows, notes, failures):
                 if bc is not None:  # an argument the baseline differentiates
                     errors.append((max_rel_error(xp, o, bc, ab), f"d_{name}"))
                     notes.append(f"{case.name}: {errors[-1][1]} max rel. difference {errors[-1][0]:.2e}")
-            check["VJP"] = _worst(errors)
+            check["VJP"] = worst(errors)
 
     for stage in ("forward", "VJP", "forward+VJP"):
         call_ms = gpu_ms = None
@@ -502,7 +483,7 @@ def run_case(cp, case, args, bw, rows, notes, failures):
                 kernels = case.device_stages(cp, op_args, kw, g)[stage]
                 gpu_ms, why2 = time_graph_or_none(cp, kernels, reps)
                 if why2 is None:
-                    graph_note = _fmt(gpu_ms) + " k"
+                    graph_note = fmt_ms(gpu_ms) + " k"
                     notes.append(f"{case.name} {stage}: the op itself cannot be captured ({why}); "
                                  "GPU ms (marked k) is a graph of its kernels called directly")
                 else:
@@ -520,21 +501,17 @@ def run_case(cp, case, args, bw, rows, notes, failures):
         elif args.no_baseline or any(p is None for p in parts):
             chk = "n/a"
         else:
-            e, which = _worst(parts)
-            bad = not (e <= args.tol)
-            chk = f"{'MISMATCH' if bad else 'ok'} {e:.1e}" + (f" ({which})" if bad else "")
-            if bad:
-                failures.append(f"{case.name} {stage}: MISMATCH {e:.2e} in {which}")
+            chk = check_cell(f"{case.name} {stage}", parts, args.tol, failures)
         row = {"case": case.name, "stage": stage, "in_mb": in_mb,
                "call_ms": call_ms, "gpu_ms": gpu_ms, "graph": gpu_ms is not None,
                "baseline_ms": bms, "ratio": ratio, "min_mb": nbytes[stage] / 1e6,
                "gbs": gbs, "copy_bw_fraction": gbs / bw if gbs else None, "check": chk}
         rows.append(row)
-        cells = (case.name, stage, f"{in_mb:.1f}", _fmt(call_ms),
-                 graph_note or _fmt(gpu_ms), _fmt(bms, 3), (f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x") if ratio else "-",
-                 f"{nbytes[stage] / 1e6:.2f}", f"{gbs:.0f}" if gbs else "-",
-                 f"{gbs / bw:.1%}" if gbs else "-", chk)
-        print("| " + " | ".join(cells) + " |", flush=True)
+        print_row((case.name, stage, f"{in_mb:.1f}", fmt_ms(call_ms),
+                   graph_note or fmt_ms(gpu_ms), fmt_ms(bms, 3),
+                   (f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x") if ratio else "-",
+                   f"{nbytes[stage] / 1e6:.2f}", f"{gbs:.0f}" if gbs else "-",
+                   f"{gbs / bw:.1%}" if gbs else "-", chk))
         if ours_error is not None and stage == "forward":
             notes.append(f"{case.name}: op raised {ours_error}")
 
@@ -556,13 +533,7 @@ def target_rows(rows):
             out.append((what, "-", "NOT MEASURED (op failed)"))
             continue
         call, gpu = r["call_ms"], r["gpu_ms"]
-        if call <= limit:
-            status = "MET"
-        elif gpu is not None and gpu <= limit:
-            status = "MISSED per call (MET on GPU time)"
-        else:
-            status = f"MISSED ({(gpu if gpu is not None else call) / limit:.1f}x)"
-        out.append((what, f"call {_fmt(call)} ms, GPU {_fmt(gpu)} ms", status))
+        out.append((what, f"call {fmt_ms(call)} ms, GPU {fmt_ms(gpu)} ms", time_status(call, gpu, limit)))
     for name in RATIO_TARGET_CASES:
         r = by.get((name, "forward+VJP"))
         if r is None:
@@ -585,63 +556,31 @@ def target_rows(rows):
 def run_gpu(args):
     import cupy as cp
 
-    dev = cp.cuda.runtime.getDeviceProperties(0)
-    gpu_name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
-    bw = copy_bandwidth(cp)
-    cp.get_default_memory_pool().free_all_blocks()
+    gpu_name, bw = device_and_bandwidth(cp)
     print(f"# GPU: {gpu_name}; device-to-device copy bandwidth {bw:.0f} GB/s (read + write)")
     header = ("case", "stage", "in MB", "call ms", "GPU ms", "baseline ms", "ratio", "min MB",
               "GB/s", "of copy BW", "check")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print_header(header)
     rows, notes, failures = [], [], []
-    for case in cases(args.quick):
-        if args.only and args.only not in case.name:
-            continue
-        try:
-            run_case(cp, case, args, bw, rows, notes, failures)
-        except Exception as exc:  # a baseline or input failure: report it, go on with the next case
-            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            print(f"| {case.name} | - | failed: {msg} |" + " |" * 8, flush=True)
-            failures.append(f"{case.name}: {msg}")
-        cp.get_default_memory_pool().free_all_blocks()
-
-    if notes:
-        print("\n# Inputs, checks and timing notes")
-        for n in notes:
-            print(f"- {n}")
+    run_cases(cp, cases(args.quick), header, lambda name: not args.only or args.only in name,
+              lambda case: run_case(cp, case, args, bw, rows, notes, failures), failures)
     targets = target_rows(rows)
-    print("\n# Targets (issue; H200)")
-    if targets:
-        print("| target | measured | status |\n|---|---|---|")
-        for t in targets:
-            print("| " + " | ".join(t) + " |")
-    else:
-        print("(no target case ran" + (": --quick sizes differ from the targets' sizes)" if args.quick else ")"))
-    if failures:
-        print("\n# Failures")
-        for f in failures:
-            print(f"- {f}")
+    print_report(notes, targets, failures, "Targets (issue; H200)",
+                 "(no target case ran" + (": --quick sizes differ from the targets' sizes)" if args.quick else ")"))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"gpu": gpu_name, "copy_bw_gbs": bw, "sigma": args.sigma, "tol": args.tol,
-                       "quick": args.quick, "rows": rows, "notes": notes,
-                       "targets": [dict(zip(("target", "measured", "status"), t)) for t in targets],
-                       "failures": failures}, fh, indent=1)
-        print(f"\n# results written to {args.json}")
+        write_json(args.json, {"gpu": gpu_name, "copy_bw_gbs": bw, "sigma": args.sigma, "tol": args.tol,
+                               "quick": args.quick, "rows": rows, "notes": notes,
+                               "targets": target_dicts(targets), "failures": failures})
     return 1 if failures else 0
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[3:]))
-    p.add_argument("--quick", action="store_true", help="small sizes of every case (smoke test)")
-    p.add_argument("--only", help="run the cases whose name contains this (e.g. soft_ect, 3d, 1024)")
-    p.add_argument("--json", help="also write the rows, notes and targets to this JSON file")
-    p.add_argument("--reps", type=int, default=0, help="timed repetitions of our ops (default 50, 20 above 200 MB)")
-    p.add_argument("--baseline-reps", type=int, default=3, help="timed repetitions of the baselines (default 3)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the baselines (and so the checks)")
+    p = make_parser(__doc__, quick="small sizes of every case (smoke test)",
+                    only="run the cases whose name contains this (e.g. soft_ect, 3d, 1024)",
+                    json_file="also write the rows, notes and targets to this JSON file",
+                    reps="timed repetitions of our ops (default 50, 20 above 200 MB)",
+                    baseline_reps="timed repetitions of the baselines (default 3)",
+                    no_baseline="skip the baselines (and so the checks)")
     p.add_argument("--sigma", type=float, default=2.0, help="Gaussian smoothing of the images, pixels (default 2)")
     p.add_argument("--tol", type=float, default=1e-5,
                    help="largest accepted relative difference to the baseline (default 1e-5)")

@@ -3,7 +3,7 @@
 This module imports neither framework. It lists the public ops that the adapters wrap (every op
 of :data:`cutopo.vjp.REGISTRY`, plus the few non-differentiable ones below), with their shape
 rules and how each batches over leading axes, and it turns static (non-array) arguments into
-hashable keys.
+hashable keys, and it writes the adapted functions' docstrings.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["ArraySpec", "AdaptedOp", "adapted_ops", "freeze"]
+__all__ = ["ArraySpec", "AdaptedOp", "adapted_ops", "docstring", "freeze"]
 
 
 class ArraySpec(NamedTuple):
@@ -194,6 +194,54 @@ def bind(op: AdaptedOp, args, kwargs):
             raise TypeError(f"{op.qualified_name} got an unexpected keyword argument {key!r}")
         static[key] = value
     return values, static
+
+
+# ----------------------------------------------------------------------------- docstrings
+
+def _block(text: str, indent: str) -> str:
+    """``text`` (indented as in the source: inspect.cleandoc) with every line after the first
+    indented by ``indent`` (the first goes where the template puts it)."""
+    return ("\n" + indent).join(inspect.cleandoc(text).splitlines())
+
+
+def docstring(op: AdaptedOp, summary: str, about: str, grads: tuple[str, str], arrays: str,
+              returns: tuple[str, str], example: str | None = None) -> str:
+    """The numpydoc docstring of an adapter's function for ``op``.
+
+    ``summary``: the first line; ``about``: the paragraph after it (how the adapter made the
+    function), which goes on with "Differentiable in: <arguments>" and ``grads[0]`` for an op
+    with a VJP, ``grads[1]`` for one without; ``arrays``: how the function takes the positional
+    arguments; ``returns``: (type, description); ``example``: doctest lines, if any. The keyword
+    arguments, when the op has some, are described as static, as for the op.
+    """
+    if op.differentiable:
+        names = ", ".join(n for n in op.arg_names if n in op.differentiable)
+        about += f" Differentiable in: {names}{grads[0]}"
+    else:
+        about += f" {grads[1]}"
+    doc = f"""{summary}
+
+    {_block(about, "    ")}
+
+    Parameters
+    ----------
+    {", ".join(op.arg_names)}
+        {_block(arrays, "        ")}
+    """
+    if op.keyword_defaults:
+        doc += f"""{", ".join(op.keyword_defaults)}
+        Keyword (static) arguments, as for :func:`{op.qualified_name}`.
+    """
+    doc += f"""
+    Returns
+    -------
+    {returns[0]}
+        {_block(returns[1], "        ")}
+    """
+    if example:
+        doc += "\n    Examples\n    --------\n" + "".join(
+            f"    {line}\n" for line in inspect.cleandoc(example).splitlines())
+    return doc
 
 
 # ----------------------------------------------------------------------------- static keys

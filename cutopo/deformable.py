@@ -310,6 +310,26 @@ def _chunks(cfg: _Config):
         yield n0, min(n3, n0 + step)
 
 
+def _visible(cfg: _Config):
+    """The entries that read something, per chunk of (b, a, p) entries and per map: yield
+    (k, s, H, W, view, start, cell, n, b, ba, wt) with ``cell`` their bilinear cells (see
+    _cells), ``n`` their flat (b, a, p) indices, ``b`` their batch, ``ba`` their (b, a) output
+    row and ``wt`` (N, G) their weights for the map, in the computation dtype."""
+    real = cfg.real
+    loc = cfg.loc.reshape(-1, cfg.K, 2)
+    wts = cfg.weights.reshape(-1, cfg.K, cfg.S, cfg.G)
+    maps = list(_map_views(cfg))
+    for n0, n1 in _chunks(cfg):
+        lc = loc[n0:n1].astype(real)
+        for k, s, H, W, view, start in maps:
+            cell = _cells(lc[:, k, 0], lc[:, k, 1], H, W, real, cfg.boundary == 0)
+            if cell.idx.size == 0:
+                continue
+            n = n0 + cell.idx
+            b, ba = n // (cfg.A * cfg.P), n // cfg.P
+            yield k, s, H, W, view, start, cell, n, b, ba, wts[n, k, s].astype(real)
+
+
 def _segment_add(target, rows, values):
     """target[rows] += values with repeated rows summed (sorted, then reduceat)."""
     if rows.size == 0:
@@ -324,24 +344,13 @@ def _forward_numpy(cfg: _Config):
     real, C, G = cfg.real, cfg.C, cfg.G
     CG = C // G
     out = np.zeros((cfg.bs * cfg.A, C), dtype=real)
-    loc = cfg.loc.reshape(-1, cfg.K, 2)
-    wts = cfg.weights.reshape(-1, cfg.K, cfg.S, G)
-    maps = list(_map_views(cfg))
-    for n0, n1 in _chunks(cfg):
-        lc = loc[n0:n1].astype(real)
-        for k, s, H, W, view, _ in maps:
-            cell = _cells(lc[:, k, 0], lc[:, k, 1], H, W, real, cfg.boundary == 0)
-            if cell.idx.size == 0:
-                continue
-            n = n0 + cell.idx
-            b, ba = n // (cfg.A * cfg.P), n // cfg.P
-            wt = wts[n, k, s].astype(real)                       # (N, G)
-            contrib = np.zeros((n.size, G, CG), dtype=real)
-            for i, w in enumerate(_corner_weights(cell)):
-                sel = np.flatnonzero(cell.ok[i])
-                vals = _gather(cfg, view, b[sel], cell.pix[i][sel]).reshape(-1, G, CG)
-                contrib[sel] += (wt[sel] * w[sel, None])[:, :, None] * vals  # (wt * corner weight) * value, as the kernel
-            _segment_add(out, ba, contrib.reshape(-1, C))
+    for k, s, _, _, view, _, cell, n, b, ba, wt in _visible(cfg):
+        contrib = np.zeros((n.size, G, CG), dtype=real)
+        for i, w in enumerate(_corner_weights(cell)):
+            sel = np.flatnonzero(cell.ok[i])
+            vals = _gather(cfg, view, b[sel], cell.pix[i][sel]).reshape(-1, G, CG)
+            contrib[sel] += (wt[sel] * w[sel, None])[:, :, None] * vals  # (wt * corner weight) * value, as the kernel
+        _segment_add(out, ba, contrib.reshape(-1, C))
     return out.reshape(cfg.bs, cfg.A, C)
 
 
@@ -350,48 +359,38 @@ def _backward_numpy(cfg: _Config, g, needs):
     real, C, G = cfg.real, cfg.C, cfg.G
     CG = C // G
     g2 = np.asarray(g).astype(real).reshape(cfg.bs * cfg.A, C)
-    loc = cfg.loc.reshape(-1, cfg.K, 2)
-    wts = cfg.weights.reshape(-1, cfg.K, cfg.S, G)
+    n3 = cfg.bs * cfg.A * cfg.P
     d_feat = np.zeros((cfg.bs * cfg.num_feat, C), dtype=real) if need_feat else None
-    d_loc = np.zeros((loc.shape[0], cfg.K, 2), dtype=real) if need_loc else None
-    d_wt = np.zeros(wts.shape, dtype=real) if need_wt else None
-    maps = list(_map_views(cfg))
-    for n0, n1 in _chunks(cfg):
-        lc = loc[n0:n1].astype(real)
-        for k, s, H, W, view, start in maps:
-            cell = _cells(lc[:, k, 0], lc[:, k, 1], H, W, real, cfg.boundary == 0)
-            if cell.idx.size == 0:
-                continue
-            n = n0 + cell.idx
-            b, ba = n // (cfg.A * cfg.P), n // cfg.P
-            wt = wts[n, k, s].astype(real)
-            go = g2[ba].reshape(-1, G, CG)
-            cw = _corner_weights(cell)
-            if need_loc or need_wt:
-                vals = []
-                for i in range(4):
-                    v = np.zeros((n.size, G, CG), dtype=real)
-                    sel = np.flatnonzero(cell.ok[i])
-                    v[sel] = _gather(cfg, view, b[sel], cell.pix[i][sel]).reshape(-1, G, CG)
-                    vals.append(v)
-                v00, v01, v10, v11 = vals
-                if need_wt:
-                    bil = (cw[0][:, None, None] * v00 + cw[1][:, None, None] * v01
-                           + cw[2][:, None, None] * v10 + cw[3][:, None, None] * v11)
-                    d_wt[n, k, s] = (go * bil).sum(axis=2)
-                if need_loc:
-                    tg = go * wt[:, :, None]
-                    ddx = cell.hy[:, None, None] * (v01 - v00) + cell.ly[:, None, None] * (v11 - v10)
-                    ddy = cell.hx[:, None, None] * (v10 - v00) + cell.lx[:, None, None] * (v11 - v01)
-                    d_loc[n, k, 0] += real.type(W) * (tg * ddx).sum(axis=(1, 2))
-                    d_loc[n, k, 1] += real.type(H) * (tg * ddy).sum(axis=(1, 2))
-            if need_feat:
-                rows, values = [], []
-                for i in range(4):
-                    sel = np.flatnonzero(cell.ok[i])
-                    rows.append(b[sel] * cfg.num_feat + start + cell.pix[i][sel])
-                    values.append(((wt[sel] * cw[i][sel, None])[:, :, None] * go[sel]).reshape(-1, C))
-                _segment_add(d_feat, np.concatenate(rows), np.concatenate(values))
+    d_loc = np.zeros((n3, cfg.K, 2), dtype=real) if need_loc else None
+    d_wt = np.zeros((n3, cfg.K, cfg.S, G), dtype=real) if need_wt else None
+    for k, s, H, W, view, start, cell, n, b, ba, wt in _visible(cfg):
+        go = g2[ba].reshape(-1, G, CG)
+        cw = _corner_weights(cell)
+        if need_loc or need_wt:
+            vals = []
+            for i in range(4):
+                v = np.zeros((n.size, G, CG), dtype=real)
+                sel = np.flatnonzero(cell.ok[i])
+                v[sel] = _gather(cfg, view, b[sel], cell.pix[i][sel]).reshape(-1, G, CG)
+                vals.append(v)
+            v00, v01, v10, v11 = vals
+            if need_wt:
+                bil = (cw[0][:, None, None] * v00 + cw[1][:, None, None] * v01
+                       + cw[2][:, None, None] * v10 + cw[3][:, None, None] * v11)
+                d_wt[n, k, s] = (go * bil).sum(axis=2)
+            if need_loc:
+                tg = go * wt[:, :, None]
+                ddx = cell.hy[:, None, None] * (v01 - v00) + cell.ly[:, None, None] * (v11 - v10)
+                ddy = cell.hx[:, None, None] * (v10 - v00) + cell.lx[:, None, None] * (v11 - v01)
+                d_loc[n, k, 0] += real.type(W) * (tg * ddx).sum(axis=(1, 2))
+                d_loc[n, k, 1] += real.type(H) * (tg * ddy).sum(axis=(1, 2))
+        if need_feat:
+            rows, values = [], []
+            for i in range(4):
+                sel = np.flatnonzero(cell.ok[i])
+                rows.append(b[sel] * cfg.num_feat + start + cell.pix[i][sel])
+                values.append(((wt[sel] * cw[i][sel, None])[:, :, None] * go[sel]).reshape(-1, C))
+            _segment_add(d_feat, np.concatenate(rows), np.concatenate(values))
     return (d_feat.reshape(cfg.bs, cfg.num_feat, C) if need_feat else None,
             d_loc.reshape(cfg.loc.shape) if need_loc else None,
             d_wt.reshape(cfg.weights.shape) if need_wt else None)

@@ -10,17 +10,17 @@ folder given as argv[1] (default: here).
 
     python examples/jax_topology_loss.py [OUT_DIR] [--steps N]
 """
-import argparse
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from skimage import data, transform
 
-import cutopo
 import cutopo.jax as cj
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, from any working directory
+from _common import noisy_camera, parse_cli, print_psnr, print_step, reporting, save_figure  # noqa: E402
 
 
 def conv(x, w, b):
@@ -49,9 +49,7 @@ def psnr(a, b):
 
 
 def main(out_dir=".", steps=120):
-    rng = np.random.default_rng(0)
-    clean_np = transform.resize(data.camera()[100:356, 150:406] / 255.0, (80, 80), anti_aliasing=True)
-    noisy_np = clean_np + 0.12 * rng.standard_normal(clean_np.shape)
+    clean_np, noisy_np = noisy_camera()
     clean = jnp.asarray(clean_np, jnp.float32)
     noisy = jnp.asarray(noisy_np, jnp.float32)
 
@@ -85,45 +83,17 @@ def main(out_dir=".", steps=120):
     for t in range(1, steps + 1):
         params, m, v, loss, (fidelity, topology, out) = step(params, m, v, t)
         history.append(float(loss))
-        if t == 1 or t % 30 == 0 or t == steps:
-            print(f"step {t:4d}  loss {float(loss):.5f}  fidelity {float(fidelity):.5f}  "
-                  f"ECC distance {float(topology):10.1f}  PSNR {psnr(out, clean):5.2f} dB")
+        if reporting(t, steps):
+            print_step(t, float(loss), float(fidelity), float(topology), psnr(out, clean))
 
     denoised = denoise(params, noisy)
-    print(f"PSNR against the clean image: noisy {psnr(noisy, clean):.2f} dB, "
-          f"denoised {psnr(denoised, clean):.2f} dB ({jax.default_backend()})")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tt = np.asarray(thresholds)
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.8))
-    for ax, img, title in zip(axes[:3], (noisy, denoised, clean), ("noisy", "denoised", "clean")):
-        ax.imshow(np.asarray(img), cmap="gray", vmin=0, vmax=1)
-        ax.set_title(title)
-        ax.axis("off")
-    for img, label in ((noisy, "noisy"), (denoised, "denoised")):
-        axes[3].plot(tt, cutopo.ecc(np.asarray(img), tt), label=label)
-    axes[3].plot(tt, cutopo.ecc(np.asarray(clean), tt), "k--", label="clean")
-    axes[3].set_xlabel("threshold")
-    axes[3].set_ylabel("Euler characteristic")
-    axes[3].legend()
-    axes[4].semilogy(history)
-    axes[4].set_xlabel("step")
-    axes[4].set_title("loss")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "jax_topology_loss.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    print(f"wrote {path}")
+    print_psnr(psnr(noisy, clean), psnr(denoised, clean), jax.default_backend())
+    noisy, denoised, clean = np.asarray(noisy), np.asarray(denoised), np.asarray(clean)
+    save_figure(out_dir, "jax_topology_loss.png", ((noisy, "noisy"), (denoised, "denoised"), (clean, "clean")),
+                np.asarray(thresholds), ((noisy, "noisy"), (denoised, "denoised")), (clean, "clean"), history)
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", nargs="?", default=".")
-    parser.add_argument("--steps", type=int, default=120)
-    args = parser.parse_args()
+    args = parse_cli(__doc__)
     sys.exit(main(args.out_dir, args.steps))

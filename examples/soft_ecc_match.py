@@ -17,6 +17,9 @@ from skimage import data, transform
 
 import cutopo
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, from any working directory
+from _common import save_figure  # noqa: E402
+
 
 def main(out_dir="."):
     rng = np.random.default_rng(0)
@@ -43,29 +46,8 @@ def main(out_dir="."):
         if step % 50 == 0 or step == 1:
             print(f"step {step:4d}  loss {history[-1]:12.1f}")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.8))
-    for ax, img, title in zip(axes[:3], (noisy, image, target), ("start (noisy)", "optimised", "target")):
-        ax.imshow(img, cmap="gray", vmin=0, vmax=1)
-        ax.set_title(title)
-        ax.axis("off")
-    axes[3].plot(thresholds, cutopo.ecc(noisy, thresholds), label="start")
-    axes[3].plot(thresholds, cutopo.ecc(image, thresholds), label="optimised")
-    axes[3].plot(thresholds, goal, "k--", label="target")
-    axes[3].set_xlabel("threshold")
-    axes[3].set_ylabel("Euler characteristic")
-    axes[3].legend()
-    axes[4].semilogy(history)
-    axes[4].set_xlabel("step")
-    axes[4].set_title("loss")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "soft_ecc_match.png")
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    save_figure(out_dir, "soft_ecc_match.png", ((noisy, "start (noisy)"), (image, "optimised"), (target, "target")),
+                thresholds, ((noisy, "start"), (image, "optimised")), (target, "target"), history)
     return 0
 
 

@@ -12,16 +12,17 @@ writes ``torch_topology_loss.png`` to the folder given as argv[1] (default: here
 
     python examples/torch_topology_loss.py [OUT_DIR] [--steps N]
 """
-import argparse
 import os
 import sys
 
 import numpy as np
 import torch
-from skimage import data, transform
 
 import cutopo
 import cutopo.torch as ct
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, from any working directory
+from _common import noisy_camera, parse_cli, print_psnr, print_step, reporting, save_figure  # noqa: E402
 
 
 class Denoiser(torch.nn.Module):
@@ -45,9 +46,7 @@ def psnr(a, b):
 def main(out_dir=".", steps=120):
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() and cutopo.gpu_available() else "cpu"
-    rng = np.random.default_rng(0)
-    clean_np = transform.resize(data.camera()[100:356, 150:406] / 255.0, (80, 80), anti_aliasing=True)
-    noisy_np = clean_np + 0.12 * rng.standard_normal(clean_np.shape)
+    clean_np, noisy_np = noisy_camera()
     clean = torch.tensor(clean_np, dtype=torch.float32, device=device)
     noisy = torch.tensor(noisy_np, dtype=torch.float32, device=device)
 
@@ -70,46 +69,20 @@ def main(out_dir=".", steps=120):
         loss.backward()
         optimiser.step()
         history.append(loss.item())
-        if step == 1 or step % 30 == 0 or step == steps:
-            print(f"step {step:4d}  loss {loss.item():.5f}  fidelity {fidelity.item():.5f}  "
-                  f"ECC distance {topology.item():10.1f}  PSNR {psnr(out.detach(), clean):5.2f} dB")
+        if reporting(step, steps):
+            print_step(step, loss.item(), fidelity.item(), topology.item(), psnr(out.detach(), clean))
 
     with torch.no_grad():
         denoised = model(noisy[None, None])[0, 0]
-    print(f"PSNR against the clean image: noisy {psnr(noisy, clean):.2f} dB, "
-          f"denoised {psnr(denoised, clean):.2f} dB ({device})")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t = thresholds.cpu().numpy()
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.8))
-    for ax, img, title in zip(axes[:3], (noisy, denoised, clean), ("noisy", "denoised", "clean")):
-        ax.imshow(img.cpu().numpy(), cmap="gray", vmin=0, vmax=1)
-        ax.set_title(title)
-        ax.axis("off")
-    for img, label in ((noisy, "noisy"), (denoised, "denoised")):
-        axes[3].plot(t, cutopo.ecc(img.cpu().numpy(), t), label=label)
-    axes[3].plot(t, cutopo.ecc(clean_np.astype(np.float32), t), "k--", label="clean")
-    axes[3].set_xlabel("threshold")
-    axes[3].set_ylabel("Euler characteristic")
-    axes[3].legend()
-    axes[4].semilogy(history)
-    axes[4].set_xlabel("step")
-    axes[4].set_title("loss")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "torch_topology_loss.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    print(f"wrote {path}")
+    print_psnr(psnr(noisy, clean), psnr(denoised, clean), device)
+    noisy, denoised = noisy.cpu().numpy(), denoised.cpu().numpy()
+    save_figure(out_dir, "torch_topology_loss.png",
+                ((noisy, "noisy"), (denoised, "denoised"), (clean.cpu().numpy(), "clean")),
+                thresholds.cpu().numpy(), ((noisy, "noisy"), (denoised, "denoised")),
+                (clean_np.astype(np.float32), "clean"), history)
     return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", nargs="?", default=".")
-    parser.add_argument("--steps", type=int, default=120)
-    args = parser.parse_args()
+    args = parse_cli(__doc__)
     sys.exit(main(args.out_dir, args.steps))

@@ -1,4 +1,4 @@
-"""Calls of every public op, shared by the PyTorch and JAX adapter tests.
+"""Calls of every public op, and the checks, shared by the PyTorch and JAX adapter tests.
 
 Each case is an op path (``"soft_ecc"``, ``"cpab.integrate"``), NumPy positional arguments
 (arrays and plain values) and keyword arguments. The adapters must reproduce the NumPy op
@@ -7,7 +7,11 @@ exactly on them, and their gradients must equal :func:`cutopo.vjp`'s.
 from __future__ import annotations
 
 import dataclasses
+import doctest
 import functools
+import importlib
+import inspect
+import sys
 
 import numpy as np
 
@@ -43,6 +47,13 @@ class Case:
         return [i for i, (name, a) in enumerate(zip(spec.arg_names, self.args))
                 if name in spec.differentiable and isinstance(a, (np.ndarray, np.floating))
                 and np.asarray(a).dtype.kind == "f"]
+
+    def vjp_reference(self, cotangent):
+        """cutopo.vjp's cotangents of every argument (NumPy float scalars passed as 0-d arrays,
+        as the adapter tests pass them)."""
+        args = [np.asarray(a) if isinstance(a, np.floating) else a for a in self.args]
+        _, pullback = cutopo.vjp(self.function, *args, **self.kwargs)
+        return pullback(cotangent)
 
 
 def resolve(module, path):
@@ -98,3 +109,78 @@ def _wide(case) -> bool:
     if any(getattr(a, "dtype", None) == np.float64 for a in case.args):
         return True
     return np.asarray(case.function(*case.args, **case.kwargs)).dtype == np.float64
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks of an adapter module (cutopo.torch, cutopo.jax)
+
+
+def check_namespace(adapter):
+    """Every public op is in the adapter module with cutopo's signature and a docstring, every
+    registered op of cutopo (also one added later) is adapted, and the cpab sub-namespace is an
+    importable module."""
+    for path in OP_PATHS:
+        fn = resolve(adapter, path)
+        assert inspect.signature(fn) == inspect.signature(resolve(cutopo, path)), path
+        assert fn.__doc__ and "Returns" in fn.__doc__
+    assert set(adapter.__all__) >= {p.split(".")[0] for p in OP_PATHS}
+    from cutopo.vjp import REGISTRY
+
+    for spec in REGISTRY.values():
+        if not spec.function.__module__.startswith("cutopo."):
+            continue  # toy ops of other tests
+        family = spec.function.__module__.split(".")[1]
+        where = getattr(adapter, family) if family in ("cpab",) else adapter
+        assert callable(getattr(where, spec.function.__name__)), spec.name
+    cpab = importlib.import_module(f"{adapter.__name__}.cpab")
+    assert cpab.integrate is adapter.cpab.integrate
+
+
+def run_docstring_examples(fn):
+    """Run the examples of ``fn``'s docstring (pytest's doctest collection does not reach the
+    adapters' generated sub-namespaces); all must pass, and there must be some."""
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(fn, fn.__name__, globs={}):
+        runner.run(test)
+    assert runner.tries > 0 and runner.failures == 0
+
+
+def import_without(monkeypatch, framework, adapter_name):
+    """Import the adapter module afresh as if ``framework`` were not installed (monkeypatch
+    restores both modules afterwards)."""
+    monkeypatch.setitem(sys.modules, framework, None)  # makes "import <framework>" raise ImportError
+    monkeypatch.delitem(sys.modules, adapter_name)
+    return importlib.import_module(adapter_name)
+
+
+def record_wrt(monkeypatch, adapter):
+    """A list to which every call of the adapter's ``_vjp`` (its cutopo.vjp) adds its ``wrt``
+    tuple: which arguments the backward asked cotangents for."""
+    seen = []
+    real = adapter._vjp
+
+    def spy(op, *args, wrt=None, **kwargs):
+        seen.append(tuple(wrt))
+        return real(op, *args, wrt=wrt, **kwargs)
+
+    monkeypatch.setattr(adapter, "_vjp", spy)
+    return seen
+
+
+# A toy op for the registration tests: a * sum(x**power * w, axis=-1), differentiable in x and a
+# (not in w, a float argument all the same).
+
+
+def toy_forward(x, w, a, *, power=2):
+    return a * np.sum(x ** power * w, axis=-1), (x, w, a, power)
+
+
+def toy_backward(res, g, needs):
+    x, w, a, power = res
+    dx = a * power * x ** (power - 1) * w * g[..., None] if needs[0] else None
+    da = np.sum(g * np.sum(x ** power * w, axis=-1)) if needs[2] else None
+    return dx, None, da
+
+
+def toy_meta(x, w, a, *, power=2):
+    return tuple(x.shape[:-1]), np.result_type(x.dtype, w.dtype)

@@ -14,23 +14,11 @@ import pytest
 
 import cutopo
 from cutopo import _ecc_numpy
+from gpu_support import cupy_module as _cp, poison_pool
 
 pytestmark = pytest.mark.gpu
 
 RTOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
-
-
-def _cp():
-    import cupy
-
-    return cupy
-
-
-def _poison_pool(nbytes=64 << 20):
-    """Fill and free device memory so that later cupy.empty arrays start out as NaN bits."""
-    cp = _cp()
-    junk = cp.full(nbytes // 8, np.nan)
-    del junk
 
 
 def _image(rng, shape, dtype=np.float32, levels=None, specials=False):
@@ -77,7 +65,7 @@ def test_soft_ecc_forward_and_vjp_match_numpy(rng, ndim, shape, conn_is_ndim, dt
     scale = float(rng.uniform(5, 60))
     kw = dict(ndim=ndim, connectivity=conn)
     out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, scale, **kw)
-    _poison_pool()
+    poison_pool()
     out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), scale, **kw)
     assert isinstance(out_g, cp.ndarray) and out_g.dtype == out_c.dtype
     S = _sum_abs_c(img, ndim, conn)[..., None]
@@ -85,7 +73,7 @@ def test_soft_ecc_forward_and_vjp_match_numpy(rng, ndim, shape, conn_is_ndim, dt
 
     g = rng.standard_normal(out_c.shape).astype(dtype)
     d_c = pb_c(g)
-    _poison_pool()
+    poison_pool()
     d_g = pb_g(cp.asarray(g))
     lam_g = scale * np.abs(g).sum()
     _close(d_g[0], d_c[0], lam_g, dtype, "d_image")
@@ -273,7 +261,7 @@ def test_soft_ecc_large_inputs_take_the_wide_map_steps(rng, shape):
     img = _image(rng, shape, np.float32, levels=200, specials=True)
     t = np.linspace(0.0, 1.0, 64).astype(np.float32)
     out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, 300.0, ndim=2)
-    _poison_pool(256 << 20)
+    poison_pool(256 << 20)
     out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), t, 300.0, ndim=2)
     S = _sum_abs_c(img, 2, 1)[..., None]
     _close(out_g, out_c, S, np.float32, "forward")

@@ -15,6 +15,7 @@ import pytest
 
 import cutopo
 from cutopo.deformable import deformable_aggregation
+from deformable_cases import map_layout
 
 # ---------------------------------------------------------------------------------------------
 # Independent reference
@@ -60,16 +61,7 @@ def make_problem(rng, bs=2, A=3, P=4, K=2, shapes=((5, 7), (3, 4)), C=8, G=2, dt
     """Flattened features with camera-major maps (optionally ``gap`` unused rows between maps),
     locations in ``spread`` (some outside the image), random weights."""
     S = len(shapes)
-    sh = np.array([[list(hw) for hw in shapes]] * K, dtype=np.int64)
-    if K > 1:  # cameras of different sizes
-        sh[1] = np.maximum(1, sh[1] + np.array([1, -1]))
-    starts = np.zeros((K, S), dtype=np.int64)
-    row = 0
-    for k in range(K):
-        for s in range(S):
-            starts[k, s] = row
-            row += int(sh[k, s, 0] * sh[k, s, 1]) + gap
-    num_feat = row
+    sh, starts, num_feat = map_layout(shapes, K, gap, other=1)  # cameras of different sizes
     feats = rng.standard_normal((bs, num_feat, C)).astype(dtype)
     loc = rng.uniform(*spread, size=(bs, A, P, K, 2)).astype(dtype)
     w = rng.standard_normal((bs, A, P, K, S, G)).astype(dtype)

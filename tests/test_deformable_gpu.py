@@ -13,23 +13,12 @@ import pytest
 import cutopo
 from cutopo import _deformable_cupy
 from cutopo.deformable import deformable_aggregation
+from deformable_cases import map_layout
+from gpu_support import cupy_module as _cp, poison_pool
 
 pytestmark = pytest.mark.gpu
 
 TOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-11}
-
-
-def _cp():
-    import cupy
-
-    return cupy
-
-
-def _poison_pool(nbytes=256 << 20):
-    """Fill and free device memory so that later cupy.empty arrays start out as NaN bits."""
-    cp = _cp()
-    junk = cp.full(nbytes // 8, np.nan)
-    del junk
 
 
 @pytest.fixture
@@ -47,15 +36,7 @@ def problem(rng, bs=2, A=5, P=4, K=3, shapes=((6, 9), (3, 5), (2, 2)), C=8, G=2,
     weights. visibility "mixed": per (b, a, p) one visible camera (80 %) or two (20 %), the
     others outside the image (as in Sparse4D); "uniform": every camera in (-0.15, 1.15)."""
     S = len(shapes)
-    sh = np.array([[list(hw) for hw in shapes]] * K, dtype=np.int64)
-    if K > 1:
-        sh[-1] = np.maximum(1, sh[-1] + np.array([1, -1]))  # one camera of another size
-    starts = np.zeros((K, S), dtype=np.int64)
-    row = 0
-    for k in range(K):
-        for s in range(S):
-            starts[k, s] = row
-            row += int(sh[k, s, 0] * sh[k, s, 1]) + gap
+    sh, starts, row = map_layout(shapes, K, gap, other=-1)  # the last camera of another size
     feats = rng.standard_normal((bs, row, C)).astype(dtype)
     if visibility == "uniform":
         loc = rng.uniform(-0.15, 1.15, (bs, A, P, K, 2))
@@ -98,9 +79,9 @@ def run_both(args_np, kw, g_np, wrt=None):
     cots_c = pb_c(g_np)
     args_g = tuple(cp.asarray(a) if isinstance(a, np.ndarray) else
                    ([cp.asarray(x) for x in a] if isinstance(a, list) else a) for a in args_np)
-    _poison_pool()
+    poison_pool(256 << 20)
     out_g, pb_g = cutopo.vjp(deformable_aggregation, *args_g, wrt=wrt, **kw)
-    _poison_pool()
+    poison_pool(256 << 20)
     cots_g = pb_g(cp.asarray(g_np))
     return (out_c, cots_c), (out_g, cots_g)
 

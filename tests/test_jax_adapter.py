@@ -6,8 +6,6 @@ on for its own tests and restores the previous setting afterwards, because it is
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import sys
 
 import numpy as np
@@ -18,7 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import cutopo  # noqa: E402
 import cutopo.jax as cj  # noqa: E402
-from adapter_cases import OP_PATHS, cases, resolve  # noqa: E402
+from adapter_cases import (cases, check_namespace, import_without, record_wrt,  # noqa: E402
+                           resolve, run_docstring_examples, toy_backward, toy_forward, toy_meta)
 from cutopo.cpab import Tessellation  # noqa: E402
 
 
@@ -68,40 +67,17 @@ def call(case, transform=None):
 
 
 def test_every_public_op_is_there_with_its_signature():
-    for path in OP_PATHS:
-        fn = resolve(cj, path)
-        assert inspect.signature(fn) == inspect.signature(resolve(cutopo, path)), path
-        assert fn.__doc__ and "Returns" in fn.__doc__
-    assert set(cj.__all__) >= {p.split(".")[0] for p in OP_PATHS}
-    from cutopo.vjp import REGISTRY  # every registered op (also ones added later) is adapted
-
-    for spec in REGISTRY.values():
-        if not spec.function.__module__.startswith("cutopo."):
-            continue  # toy ops of other tests
-        family = spec.function.__module__.split(".")[1]
-        where = getattr(cj, family) if family in ("cpab",) else cj
-        assert callable(getattr(where, spec.function.__name__)), spec.name
-    import cutopo.jax.cpab as cjc
-
-    assert cjc.integrate is cj.cpab.integrate
-
+    check_namespace(cj)
 
 
 def test_docstring_examples_of_the_cpab_namespace():
     """pytest's doctest collection does not reach cj.cpab.integrate: run its examples here."""
-    import doctest
+    run_docstring_examples(cj.cpab.integrate)
 
-    fn = cj.cpab.integrate
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in doctest.DocTestFinder().find(fn, fn.__name__, globs={}):
-        runner.run(test)
-    assert runner.tries > 0 and runner.failures == 0
 
 def test_import_without_jax_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jax", None)
-    monkeypatch.delitem(sys.modules, "cutopo.jax")
     with pytest.raises(ImportError, match=r"pip install 'cutopo\[jax\]'"):
-        importlib.import_module("cutopo.jax")
+        import_without(monkeypatch, "jax", "cutopo.jax")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,12 +138,6 @@ def test_static_and_keyword_arguments():
 # Gradients
 
 
-def _vjp_reference(case, cotangent):
-    args = [np.asarray(a) if isinstance(a, np.floating) else a for a in case.args]
-    _, pullback = cutopo.vjp(case.function, *args, **case.kwargs)
-    return pullback(cotangent)
-
-
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("case", [c for c in CASES if c.differentiable], ids=lambda c: c.id)
 def test_gradients_equal_cutopo_vjp(case, jit, rng):
@@ -186,21 +156,14 @@ def test_gradients_equal_cutopo_vjp(case, jit, rng):
     if jit:
         grad = jax.jit(grad)
     grads = grad(*[to_jax(case.args[i]) for i in positions])
-    expected = _vjp_reference(case, cotangent)
+    expected = case.vjp_reference(cotangent)
     for i, g in zip(positions, grads):
         assert g.dtype == np.asarray(case.args[i]).dtype and g.shape == np.shape(case.args[i])
         np.testing.assert_allclose(np.asarray(g), expected[i], rtol=1e-12, atol=0)
 
 
 def test_only_the_differentiated_arguments_are_computed(monkeypatch):
-    seen = []
-    real = cj._vjp
-
-    def spy(op, *args, wrt=None, **kwargs):
-        seen.append(tuple(wrt))
-        return real(op, *args, wrt=wrt, **kwargs)
-
-    monkeypatch.setattr(cj, "_vjp", spy)
+    seen = record_wrt(monkeypatch, cj)
     image = jnp.asarray(np.random.default_rng(2).random((8, 8)))
     t = jnp.linspace(0, 1, 5)
     scale = jnp.float64(10.0)
@@ -247,30 +210,15 @@ def test_grad_in_float64_matches_finite_differences():
     np.testing.assert_allclose(np.sum(g * direction), fd, rtol=1e-6)
 
 
-def _toy_forward(x, w, a, *, power=2):
-    return a * np.sum(x ** power * w, axis=-1), (x, w, a, power)
-
-
-def _toy_backward(res, g, needs):
-    x, w, a, power = res
-    dx = a * power * x ** (power - 1) * w * g[..., None] if needs[0] else None
-    da = np.sum(g * np.sum(x ** power * w, axis=-1)) if needs[2] else None
-    return dx, None, da
-
-
-def _toy_meta(x, w, a, *, power=2):
-    return tuple(x.shape[:-1]), np.result_type(x.dtype, w.dtype)
-
-
 def test_a_newly_registered_op_is_adapted_generically():
     """A toy op registered after cutopo.jax was imported is adapted on first access; with a
     shape rule it works under jit, grad and vmap (looping: it has no native batching rule)."""
     from cutopo.vjp import REGISTRY, register
 
-    @register(name="toy_jax_adapter", forward=_toy_forward, backward=_toy_backward,
-              arg_names=("x", "w", "a"), differentiable=("x", "a"), meta=_toy_meta)
+    @register(name="toy_jax_adapter", forward=toy_forward, backward=toy_backward,
+              arg_names=("x", "w", "a"), differentiable=("x", "a"), meta=toy_meta)
     def toy(x, w, a, *, power=2):
-        return _toy_forward(x, w, a, power=power)[0]
+        return toy_forward(x, w, a, power=power)[0]
 
     try:
         fn = cj.toy_jax_adapter
@@ -441,7 +389,7 @@ def test_gpu_values_and_gradients_match_the_numpy_path(case):
 
         grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(positions)))))(
             *[to_jax(case.args[i]) for i in positions])
-        expected_grads = _vjp_reference(case, np.ones_like(expected))
+        expected_grads = case.vjp_reference(np.ones_like(expected))
         for i, g in zip(positions, grads):
             np.testing.assert_allclose(np.asarray(g), expected_grads[i], rtol=1e-4, atol=1e-3)
 

@@ -6,8 +6,6 @@ breaks.
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import shutil
 import subprocess
 import sys
@@ -19,7 +17,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import cutopo  # noqa: E402
 import cutopo.torch as ct  # noqa: E402
-from adapter_cases import OP_PATHS, cases, resolve  # noqa: E402
+from adapter_cases import (cases, check_namespace, import_without, record_wrt,  # noqa: E402
+                           resolve, run_docstring_examples, toy_backward, toy_forward)
 from cutopo.cpab import Tessellation  # noqa: E402
 
 CASES = cases()
@@ -38,22 +37,7 @@ def to_torch(a, requires_grad=False):
 
 
 def test_every_public_op_is_there_with_its_signature():
-    for path in OP_PATHS:
-        fn = resolve(ct, path)
-        assert inspect.signature(fn) == inspect.signature(resolve(cutopo, path)), path
-        assert fn.__doc__ and "Returns" in fn.__doc__
-    assert set(ct.__all__) >= {p.split(".")[0] for p in OP_PATHS}
-    from cutopo.vjp import REGISTRY  # every registered op (also ones added later) is adapted
-
-    for spec in REGISTRY.values():
-        if not spec.function.__module__.startswith("cutopo."):
-            continue  # toy ops of other tests
-        family = spec.function.__module__.split(".")[1]
-        where = getattr(ct, family) if family in ("cpab",) else ct
-        assert callable(getattr(where, spec.function.__name__)), spec.name
-    import cutopo.torch.cpab as ctc  # the sub-namespace is importable too
-
-    assert ctc.integrate is ct.cpab.integrate
+    check_namespace(ct)
 
 
 def test_importing_cutopo_imports_neither_torch_nor_jax():
@@ -63,22 +47,14 @@ def test_importing_cutopo_imports_neither_torch_nor_jax():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-
 def test_docstring_examples_of_the_cpab_namespace():
     """pytest's doctest collection does not reach ct.cpab.integrate: run its examples here."""
-    import doctest
+    run_docstring_examples(ct.cpab.integrate)
 
-    fn = ct.cpab.integrate
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in doctest.DocTestFinder().find(fn, fn.__name__, globs={}):
-        runner.run(test)
-    assert runner.tries > 0 and runner.failures == 0
 
 def test_import_without_torch_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", None)  # makes "import torch" raise ImportError
-    monkeypatch.delitem(sys.modules, "cutopo.torch")  # monkeypatch restores the loaded module
     with pytest.raises(ImportError, match=r"pip install 'cutopo\[torch\]'"):
-        importlib.import_module("cutopo.torch")
+        import_without(monkeypatch, "torch", "cutopo.torch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,9 +77,7 @@ def test_gradients_equal_cutopo_vjp(case, rng):
     out = resolve(ct, case.path)(*args, **case.kwargs)
     cotangent = np.asarray(rng.standard_normal(out.shape)).astype(out.detach().numpy().dtype)
     grads = torch.autograd.grad(out, [args[i] for i in positions], torch.from_numpy(cotangent))
-    numpy_args = [np.asarray(a) if isinstance(a, np.floating) else a for a in case.args]
-    _, pullback = cutopo.vjp(case.function, *numpy_args, **case.kwargs)
-    expected = pullback(cotangent)
+    expected = case.vjp_reference(cotangent)
     for i, g in zip(positions, grads):
         assert g.dtype == args[i].dtype and g.shape == args[i].shape
         np.testing.assert_array_equal(g.numpy(), expected[i])
@@ -111,14 +85,7 @@ def test_gradients_equal_cutopo_vjp(case, rng):
 
 def test_only_the_needed_gradients_are_computed(monkeypatch):
     """The backward asks cutopo.vjp only for the tensors that require grad (ctx.needs_input_grad)."""
-    seen = []
-    real = ct._vjp
-
-    def spy(op, *args, wrt=None, **kwargs):
-        seen.append(tuple(wrt))
-        return real(op, *args, wrt=wrt, **kwargs)
-
-    monkeypatch.setattr(ct, "_vjp", spy)
+    seen = record_wrt(monkeypatch, ct)
     image = torch.rand(8, 8, dtype=torch.float64)
     t = torch.linspace(0, 1, 5, dtype=torch.float64, requires_grad=True)
     scale = torch.tensor(10.0, dtype=torch.float64)
@@ -131,27 +98,16 @@ def test_only_the_needed_gradients_are_computed(monkeypatch):
     assert seen[-1] == (0, 2)
 
 
-def _toy_forward(x, w, a, *, power=2):
-    return a * np.sum(x ** power * w, axis=-1), (x, w, a, power)
-
-
-def _toy_backward(res, g, needs):
-    x, w, a, power = res
-    dx = a * power * x ** (power - 1) * w * g[..., None] if needs[0] else None
-    da = np.sum(g * np.sum(x ** power * w, axis=-1)) if needs[2] else None
-    return dx, None, da
-
-
 def test_a_newly_registered_op_is_adapted_generically():
     """A toy op registered like the real ones, after cutopo.torch was imported: w is a float
     argument the op does not differentiate (its gradient is None), and without a shape rule it
     runs outside torch.compile's graph instead of failing."""
     from cutopo.vjp import REGISTRY, register
 
-    @register(name="toy_torch_adapter", forward=_toy_forward, backward=_toy_backward,
+    @register(name="toy_torch_adapter", forward=toy_forward, backward=toy_backward,
               arg_names=("x", "w", "a"), differentiable=("x", "a"))
     def toy(x, w, a, *, power=2):
-        return _toy_forward(x, w, a, power=power)[0]
+        return toy_forward(x, w, a, power=power)[0]
 
     try:
         fn = ct.toy_torch_adapter  # registered after cutopo.torch was built: adapted on access
