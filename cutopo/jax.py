@@ -8,7 +8,8 @@ composition. They are generated when this module is imported, by one generic ada
 (``ecc``, ``ect``, ``euler_contributions``), like :mod:`cutopo.torch`; an op registered later is
 adapted on first access, and needs a shape rule (``OpSpec.meta``) here::
 
-    soft_ecc, soft_ect, expected_euler, ecc, ect, euler_contributions, cpab.integrate
+    soft_ecc, soft_ect, expected_euler, deformable_aggregation, ecc, ect, euler_contributions,
+    cpab.integrate
 
 How it works
 ------------

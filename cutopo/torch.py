@@ -7,7 +7,8 @@ generic adapter, from :data:`cutopo.vjp.REGISTRY` (the differentiable ops) and a
 non-differentiable ones (``ecc``, ``ect``, ``euler_contributions``); an op registered later is
 adapted on first access (``cutopo.torch.<registry name>``)::
 
-    soft_ecc, soft_ect, expected_euler, ecc, ect, euler_contributions, cpab.integrate
+    soft_ecc, soft_ect, expected_euler, deformable_aggregation, ecc, ect, euler_contributions,
+    cpab.integrate
 
 How it works
 ------------
