@@ -163,7 +163,7 @@ def _lane_pixels(pixels):
 
 
 class SoftEccPlan:
-    """The launches of the soft ECC for one geometry, planned once (see :func:`soft_ecc_plan`):
+    """The launches of the soft ECC for one geometry, planned once (memoized by _soft_ecc_plan):
     a repeated call (a training loop) then only allocates its outputs and launches."""
 
     def __init__(self, in_dtype, nimg, N, T, real):
