@@ -7,12 +7,13 @@ test oracle).
 from ._array import gpu_available
 from .deformable import deformable_aggregation
 from .ecc import ecc, ect, euler_contributions, expected_euler, linear_thresholds, soft_ecc, soft_ect
+from .sampling import grid_sample
 from .vjp import vjp
 
 __version__ = "0.1.0"
 
 __all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expected_euler", "ect",
-           "soft_ect", "deformable_aggregation", "vjp", "gpu_available", "__version__"]
+           "soft_ect", "deformable_aggregation", "grid_sample", "vjp", "gpu_available", "__version__"]
 
 
 def __getattr__(name):
