@@ -641,7 +641,8 @@ def test_cupy_input_raises_not_implemented():
 def test_exports():
     import cutopo.cpab as cpab
 
-    assert set(cpab.__all__) == {"Tessellation", "velocity", "integrate", "log_jacobian"}
+    assert set(cpab.__all__) == {"Tessellation", "velocity", "integrate", "log_jacobian",
+                                 "transform_grid", "transform_image"}
 
 
 @pytest.mark.parametrize("module", ["cutopo.cpab.tessellation", "cutopo.cpab.velocity"])
