@@ -407,13 +407,13 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
     B, D, ndim, T, n, real = geo.B, geo.D, geo.ndim, geo.T, geo.n, geo.real
     lam = real.type(0) if lam is None else lam
     out = None
-    kept, total = [], 0
+    kept, total = ([] if keep else None), 0
     for d0, d1 in direction_groups(mask_b, D, tconn):
         Dg = d1 - d0
         ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn)
         total += int(ent.lin.size)
-        if kept is not None:
-            kept = kept + [(d0, d1, ent)] if keep and total <= KEEP_ENTRIES else None
+        if kept is not None:  # kept until they grow past KEEP_ENTRIES
+            kept = kept + [(d0, d1, ent)] if total <= KEEP_ENTRIES else None
         sat = cupy.zeros((B * Dg, T), dtype=np.int64)
         acc = cupy.zeros((B * Dg, T) if soft else (1,), dtype=np.float64)
         if ent.lin.size:

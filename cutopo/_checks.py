@@ -109,10 +109,16 @@ def check_thresholds(thresholds, image):
     return host.astype(dtype), dtype
 
 
-def same_array_type(image, thresholds) -> None:
-    """Reject mixing host and device arrays where that would hide a transfer."""
-    if is_cupy_array(thresholds) and not is_cupy_array(image):
-        raise TypeError("thresholds is a CuPy array but image is not: move both to one device")
+def same_array_type(anchor, others, *, anchor_name="image", op=None) -> None:
+    """Reject device arguments of an op whose ``anchor`` array (the one that picks the backend)
+    is on the host: that would hide a transfer. ``others`` is a sequence of (name, value)."""
+    if is_cupy_array(anchor):
+        return
+    prefix = f"{op}: " if op else ""
+    for name, value in others:
+        if is_cupy_array(value):
+            raise TypeError(f"{prefix}{name} is a CuPy array but {anchor_name} is not: move both "
+                            "to one device")
 
 
 def check_scale(scale):

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _band_cupy
 from ._array import as_array, is_cupy_array, to_numpy
-from ._checks import check_connectivity, check_scale, check_thresholds
+from ._checks import check_connectivity, check_scale, check_thresholds, same_array_type
 from ._ecc_numpy import contributions_from_keys, order_keys
 from ._soft_ecc import band_halfwidth
 from .vjp import register
@@ -136,15 +136,6 @@ def _reach(coords, dirs):
 # Validation
 
 
-def _same_device(op, mask, *others):
-    """The mask picks the backend; device arguments with a host mask would hide a transfer."""
-    if not is_cupy_array(mask):
-        for name, a in others:
-            if is_cupy_array(a):
-                raise TypeError(f"{op}: {name} is a CuPy array but mask is not: move both to "
-                                "one device")
-
-
 def _check_directions(directions):
     if is_cupy_array(directions):
         d = directions
@@ -211,7 +202,8 @@ def _check_thresholds(thresholds, coords, dirs64):
 
 
 def _prepare(op, mask, directions, thresholds, connectivity):
-    _same_device(op, mask, ("directions", directions), ("thresholds", thresholds))
+    same_array_type(mask, [("directions", directions), ("thresholds", thresholds)],
+                    anchor_name="mask", op=op)
     directions, dirs64 = _check_directions(directions)
     ndim = dirs64.shape[1]
     mask = _check_mask(mask, ndim)
@@ -507,7 +499,7 @@ def _blocks(ch, T):
 
 
 def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
-    _same_device("soft_ect", mask, ("scale", scale))
+    same_array_type(mask, [("scale", scale)], anchor_name="mask", op="soft_ect")
     directions, dirs64, mask_b, batch, spatial, coords, tconn, t64, count = _prepare(
         "soft_ect", mask, directions, thresholds, connectivity)
     scale_value, scale64 = check_scale(scale)

@@ -54,7 +54,9 @@ def _validate(prob, ndim, connectivity):
     if prob.size and not (is_cupy_array(prob) and _all_in_unit_interval(prob)):
         xp = array_module(prob)
         lo, hi = float(xp.min(prob)), float(xp.max(prob))
-        if bool(xp.isnan(prob).any()):  # min/max NaN propagation differs between backends
+        # NumPy's min/max propagate NaN; CuPy's depend on the reduction backend, so a CuPy array
+        # (here only when the fused check failed) is searched for NaN explicitly.
+        if lo != lo or hi != hi or (xp is not np and bool(xp.isnan(prob).any())):
             raise ValueError("prob: contains NaN; probabilities must lie in [0, 1]")
         if lo < 0 or hi > 1:
             raise ValueError(f"prob: values must lie in [0, 1], found range [{lo}, {hi}]")

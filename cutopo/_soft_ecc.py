@@ -57,9 +57,7 @@ class _Pixels(NamedTuple):
 
 def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _Config:
     image, ndim = check_image(image, ndim)
-    same_array_type(image, thresholds)
-    if is_cupy_array(scale) and not is_cupy_array(image):
-        raise TypeError("scale is a CuPy array but image is not: move both to one device")
+    same_array_type(image, [("thresholds", thresholds), ("scale", scale)])
     tconn = check_connectivity(connectivity, ndim)
     periodic = check_boundary(boundary, image, ndim)
     scale_value, scale64 = check_scale(scale)

@@ -96,7 +96,7 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
     periodic = check_boundary(boundary, image, ndim)
-    same_array_type(image, thresholds)
+    same_array_type(image, [("thresholds", thresholds)])
     t, _ = check_thresholds(thresholds, image)
     if is_cupy_array(image):
         return _ecc_cupy.ecc(image, t, ndim, tconn)

@@ -14,7 +14,7 @@ import pytest
 from skimage.measure import euler_number
 
 import cutopo
-from cutopo import _ect
+from cutopo import _checks, _ect
 from cutopo._ect import ect, heights, soft_ect
 
 CONNS = [(2, 1), (2, 2), (3, 1), (3, 3)]
@@ -470,7 +470,7 @@ def test_device_arguments_with_a_host_mask_are_refused(monkeypatch):
     for i in (1, 2, 3):
         args = [mask, dirs, t, scale]
         fake = args[i]
-        monkeypatch.setattr(_ect, "is_cupy_array", lambda x, fake=fake: x is fake)
+        monkeypatch.setattr(_checks, "is_cupy_array", lambda x, fake=fake: x is fake)
         with pytest.raises(TypeError, match=f"soft_ect: {names[i]} is a CuPy array but mask is not"):
             soft_ect(*args)
         if i < 3:

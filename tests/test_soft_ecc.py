@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cutopo
-from cutopo import _soft_ecc
+from cutopo import _checks, _soft_ecc
 from cutopo._soft_ecc import soft_ecc
 from oracles import cells
 
@@ -399,7 +399,7 @@ def test_bad_image_and_connectivity(rng):
 def test_device_scale_with_host_image_is_refused(monkeypatch, rng):
     image = random_image(rng, (4, 4))
     scale = np.array(2.0)
-    monkeypatch.setattr(_soft_ecc, "is_cupy_array", lambda x: x is scale)  # stands for a CuPy scalar
+    monkeypatch.setattr(_checks, "is_cupy_array", lambda x: x is scale)  # stands for a CuPy scalar
     with pytest.raises(TypeError, match="scale is a CuPy array but image is not"):
         soft_ecc(image, np.array([0.0]), scale)
 
