@@ -2,10 +2,13 @@
 # Everything one device session runs, in one call: GPU tests, the benchmarks, instruction counts.
 # Usage (repository root, on a machine with a GPU):  OUT=/tmp/out bash benchmarks/device_run.sh
 # Environment: BENCH_ARGS (extra benchmark options), TESTS (pytest selection, default: -m gpu tests),
-# BENCH_SOFT_ARGS (extra bench_soft.py options), SOFT=0 (skip bench_soft.py),
+# BENCH_SOFT_ARGS (extra bench_soft.py options), SOFT=0 (skip bench_soft.py), ECC=0 (skip bench_ecc.py),
+# DEFORM=1 (also run bench_deformable.py),
 # NCU=1 (also count instructions per voxel with Nsight Compute).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# JAX must not take most of the GPU's memory: CuPy and PyTorch share the card in the adapter tests.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/cutopo_out}
 mkdir -p "$OUT"
 {
@@ -15,12 +18,18 @@ mkdir -p "$OUT"
   python3 -c "import cupy, numpy, skimage, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'skimage', skimage.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 
-python3 -m pytest -q -p no:cacheprovider -x ${TESTS:--m gpu tests} 2>&1 | tee "$OUT/tests.log"
+python3 -m pytest -q -p no:cacheprovider --maxfail=${MAXFAIL:-25} --durations=12 ${TESTS:--m gpu tests} 2>&1 | tee "$OUT/tests.log"
 
-python3 benchmarks/bench_ecc.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+if [ "${ECC:-1}" != 0 ]; then
+  python3 benchmarks/bench_ecc.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
 
 if [ "${SOFT:-1}" != 0 ]; then
   python3 benchmarks/bench_soft.py ${BENCH_SOFT_ARGS:-} 2>&1 | tee "$OUT/bench_soft.log"
+fi
+
+if [ "${DEFORM:-0}" = 1 ]; then
+  python3 benchmarks/bench_deformable.py 2>&1 | tee "$OUT/bench_deformable.log"
 fi
 
 if [ "${SASS:-0}" = 1 ] && command -v nvdisasm >/dev/null; then
