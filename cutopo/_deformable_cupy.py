@@ -260,8 +260,21 @@ def forward(cfg):
     return out
 
 
+def _flat_maps(cfg):
+    """The descriptor table of the flattened (bs, num_feat, C) channels-last layout of the maps
+    (``cfg.starts``): the layout of the feature cotangent, whatever the features' form."""
+    import cupy
+
+    return _flat_table(cupy.cuda.Device().id, cfg.shapes.tobytes(), cfg.starts.tobytes(),
+                       cfg.K, cfg.S, cfg.num_feat, cfg.C)
+
+
 def backward(cfg, g, needs):
-    """(d_features, d_locations, d_weights) in the computation dtype, None where not needed."""
+    """(d_features, d_locations, d_weights) in the computation dtype, None where not needed.
+
+    d_features is (bs, num_feat, C) channels-last in both forms (``cfg.starts`` lays the maps
+    out); the caller splits it into levels for the per-level form.
+    """
     import cupy
 
     need_feat, _, _, need_loc, need_wt = needs
@@ -271,18 +284,34 @@ def backward(cfg, g, needs):
         gout = _gout(cfg, g, r)
         dummy = cupy.empty(0, dtype=r)
         atomic = need_feat and not cfg.deterministic
+        # The kernel addresses the feature cotangent through the features' descriptor table.
+        # That fits the flattened form (same layout, so one launch does everything); per-level
+        # arrays are separate allocations, so there a second launch scatters into a flat buffer
+        # through the flat table (that launch reads no features: need_loc = need_wt = 0).
+        fused = atomic and cfg.flat
         d_feat = cupy.zeros((cfg.bs, cfg.num_feat, cfg.C), dtype=r) if atomic else dummy
         d_loc = cupy.empty(x.loc.shape, dtype=r) if need_loc else dummy
         d_wt = cupy.empty(x.weights.shape, dtype=r) if need_wt else dummy
-        if atomic or need_loc or need_wt:
+        device = cupy.cuda.Device().id
+        if fused or need_loc or need_wt:
             V = _vector(cfg, x.f, x.vector_ok)
             L, GT, steps, tiles = layout(cfg.C, cfg.G, V)
-            plan = _prepared(cupy.cuda.Device().id, _backward_sig(x.f, x.w, V), cfg.bs * cfg.A * cfg.P,
+            plan = _prepared(device, _backward_sig(x.f, x.w, V), cfg.bs * cfg.A * cfg.P,
                              (cfg.A, cfg.P, cfg.K, cfg.S, cfg.C, cfg.G, L, GT, steps, tiles,
-                              int(cfg.channels_first), cfg.boundary, int(atomic), int(need_loc),
+                              int(cfg.channels_first), cfg.boundary, int(fused), int(need_loc),
                               int(need_wt)))
-            plan(_kernel_view(x.levels[0]), x.maps, x.loc, _kernel_view(x.weights), gout, d_feat,
-                 d_loc, d_wt)
+            plan(_kernel_view(x.levels[0]), x.maps, x.loc, _kernel_view(x.weights), gout,
+                 d_feat if fused else dummy, d_loc, d_wt)
+        if atomic and not fused:
+            # channels-last flat buffer: vector lanes whenever the group width allows (the
+            # buffer and gout are 16-byte aligned)
+            V = _vector(cfg, x.f, True)
+            L, GT, steps, tiles = layout(cfg.C, cfg.G, V)
+            plan = _prepared(device, _backward_sig(x.f, x.w, V), cfg.bs * cfg.A * cfg.P,
+                             (cfg.A, cfg.P, cfg.K, cfg.S, cfg.C, cfg.G, L, GT, steps, tiles,
+                              0, cfg.boundary, 1, 0, 0))
+            plan(_kernel_view(x.levels[0]), _flat_maps(cfg), x.loc, _kernel_view(x.weights), gout,
+                 d_feat, dummy, dummy)
         if need_feat and cfg.deterministic:
             d_feat = _sorted_feature_cotangent(cfg, x, gout)
     return (d_feat if need_feat else None, d_loc if need_loc else None,
@@ -290,10 +319,13 @@ def backward(cfg, g, needs):
 
 
 def _sorted_feature_cotangent(cfg, x, gout):
-    """The feature cotangent without atomics: bitwise reproducible."""
+    """The feature cotangent without atomics: bitwise reproducible. The keys and row kernels
+    read no features, only the maps' sizes and flat first rows: the flat table serves both
+    forms."""
     import cupy
 
     r = x.r
+    maps = _flat_maps(cfg)
     device = cupy.cuda.Device().id
     n_entries = cfg.bs * cfg.A * cfg.P * cfg.K * cfg.S
     rows = cfg.bs * cfg.num_feat
@@ -302,7 +334,7 @@ def _sorted_feature_cotangent(cfg, x, gout):
     sig = _keys_sig(r, key)
     launch = _prepared_threads(device, sig, n_entries,
                                (cfg.A, cfg.P, cfg.K, cfg.S, cfg.C, cfg.num_feat, cfg.boundary))
-    launch(x.maps, x.loc, keys)
+    launch(maps, x.loc, keys)
     ids = cupy.flatnonzero(keys >= 0)          # (entry, corner) ids in increasing order
     kv = keys[ids]
     del keys
@@ -315,7 +347,7 @@ def _sorted_feature_cotangent(cfg, x, gout):
     d_feat = cupy.empty((cfg.bs, cfg.num_feat, cfg.C), dtype=r)
     plan = _prepared(device, _rows_sig(x.w, r, V), rows * tiles * steps,
                      (cfg.A, cfg.P, cfg.K, cfg.S, cfg.C, cfg.G, L, GT, steps, tiles * steps))
-    plan(x.maps, x.loc, _kernel_view(x.weights), gout, ent, seg, d_feat)
+    plan(maps, x.loc, _kernel_view(x.weights), gout, ent, seg, d_feat)
     return d_feat
 
 

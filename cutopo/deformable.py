@@ -400,6 +400,14 @@ def _backward_numpy(cfg: _Config, g, needs):
 # Forward and backward (registered with cutopo.vjp)
 
 
+@functools.lru_cache(maxsize=None)
+def _cupy_module():
+    """:mod:`cutopo._deformable_cupy`, imported on the first CuPy call (it needs CuPy)."""
+    from . import _deformable_cupy
+
+    return _deformable_cupy
+
+
 def _empty(cfg: _Config):
     """True when the output is all zeros without any work (no anchors, points or channels)."""
     return cfg.bs * cfg.A * cfg.C == 0 or cfg.P == 0
@@ -410,37 +418,52 @@ def _forward(features, spatial_shapes, level_start_index, sampling_locations, we
     cfg = _prepare(features, spatial_shapes, level_start_index, sampling_locations, weights,
                    boundary, deterministic, level_layout)
     if cfg.gpu:
-        import cupy
-
         if _empty(cfg):
-            return cupy.zeros((cfg.bs, cfg.A, cfg.C), dtype=cfg.dtype), cfg
-        from . import _deformable_cupy
+            import cupy
 
-        out = _deformable_cupy.forward(cfg)
-        return out.astype(cfg.dtype, copy=False), cfg
+            return cupy.zeros((cfg.bs, cfg.A, cfg.C), dtype=cfg.dtype), cfg
+        out = _cupy_module().forward(cfg)
+        return (out if out.dtype == cfg.dtype else out.astype(cfg.dtype)), cfg
     if _empty(cfg):
         return np.zeros((cfg.bs, cfg.A, cfg.C), dtype=cfg.dtype), cfg
     return _forward_numpy(cfg).astype(cfg.dtype, copy=False), cfg
 
 
+def _split_levels(cfg: _Config, d_flat, xp):
+    """Per-level form: the flat (bs, num_feat, C) feature cotangent (maps camera-major, as
+    ``cfg.starts`` lays them out) as one array per level, in that level's layout."""
+    per_camera = d_flat.reshape(cfg.bs, cfg.K, cfg.num_feat // cfg.K, cfg.C)
+    levels = []
+    for s in range(cfg.S):
+        H, W = (int(n) for n in cfg.shapes[0, s])
+        first = int(cfg.starts[0, s])
+        d = per_camera[:, :, first:first + H * W].reshape(cfg.bs, cfg.K, H, W, cfg.C)
+        if cfg.channels_first:
+            d = d.transpose(0, 1, 4, 2, 3)
+        levels.append(xp.ascontiguousarray(d))
+    return levels
+
+
 def _backward(cfg: _Config, g, needs):
-    need_feat = needs[0] and cfg.flat
-    sub = (need_feat, False, False, needs[3], needs[4])
+    sub = (needs[0], False, False, needs[3], needs[4])
     if not any(sub):
         return (None,) * 5
-    if _empty(cfg):
-        xp = np
-        if cfg.gpu:
-            import cupy as xp
-        zeros = lambda a: xp.zeros(a.shape, dtype=cfg.real) if a is not None else None  # noqa: E731
-        return (zeros(cfg.features) if need_feat else None, None, None,
-                zeros(cfg.loc) if sub[3] else None, zeros(cfg.weights) if sub[4] else None)
+    xp = np
     if cfg.gpu:
-        from . import _deformable_cupy
-
-        d_feat, d_loc, d_wt = _deformable_cupy.backward(cfg, g, sub)
+        import cupy as xp
+    if _empty(cfg):
+        zeros = lambda a: xp.zeros(a.shape, dtype=cfg.real)  # noqa: E731
+        d_feat = None
+        if needs[0]:
+            d_feat = zeros(cfg.features) if cfg.flat else [zeros(f) for f in cfg.features]
+        return (d_feat, None, None, zeros(cfg.loc) if sub[3] else None,
+                zeros(cfg.weights) if sub[4] else None)
+    if cfg.gpu:
+        d_feat, d_loc, d_wt = _cupy_module().backward(cfg, g, sub)
     else:
         d_feat, d_loc, d_wt = _backward_numpy(cfg, g, sub)
+    if d_feat is not None and not cfg.flat:
+        d_feat = _split_levels(cfg, d_feat, xp)
     return d_feat, None, None, d_loc, d_wt
 
 
@@ -448,11 +471,12 @@ def _meta(features, spatial_shapes, level_start_index, sampling_locations, weigh
           boundary="sparse4d", deterministic=False, level_layout="channels_first"):
     """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec):
     (bs, A, C) with C from the (first level of the) features, dtype as _prepare promotes."""
-    first = features[0] if isinstance(features, (list, tuple)) else features
-    if isinstance(features, (list, tuple)):
-        C = first.shape[2] if level_layout == "channels_first" else first.shape[4]
-    else:
+    if hasattr(features, "shape"):  # an array (the adapters' array specs are NamedTuples)
+        first = features
         C = first.shape[2]
+    else:
+        first = features[0]
+        C = first.shape[2] if level_layout == "channels_first" else first.shape[4]
     bs, A = sampling_locations.shape[:2]
     return (bs, A, C), _promote([first.dtype, sampling_locations.dtype, weights.dtype])
 
@@ -548,12 +572,13 @@ def deformable_aggregation(features, spatial_shapes, level_start_index, sampling
     integer tables get None). Only those are computed: leaving out features skips the whole
     feature scatter (no feature-sized buffer), leaving out locations and weights skips the
     corner reads. Cotangents are accumulated in float32 (float64) and returned in their
-    argument's dtype. With the per-level form, the feature cotangent is not available
-    (``vjp`` handles array arguments only; it comes back as None). bfloat16 is a storage
-    dtype of the forward only for now: ``cutopo.vjp`` sees a bfloat16 argument (NumPy dtype
-    kind "V") as not differentiable and refuses a bfloat16 cotangent, so differentiate with
-    float32 locations and weights (the output is then float32) and expect None for bfloat16
-    features.
+    argument's dtype (float16 and bfloat16 arguments: float32 buffers inside, rounded once
+    at the end; a bfloat16 output takes a bfloat16 cotangent). With the per-level form the
+    feature cotangent is a list (a tuple for a tuple of levels) with one array per level,
+    each in its level's shape, layout (``level_layout``), dtype and array type; it is
+    computed in the flattened layout and then split (one copy of the feature-sized
+    cotangent; on CUDA also one more kernel launch, which scatters into that flat buffer,
+    unless ``deterministic``).
 
     *CUDA work layout.* The forward gives every output element to one lane, which loops over
     the anchor's visible (point, camera) pairs (a warp ballot skips the others) and scales:

@@ -84,6 +84,7 @@ except ImportError as exc:  # the message says what to install
 
 from . import _adapters
 from ._array import is_cupy_array
+from .vjp import is_float_dtype
 from .vjp import vjp as _vjp
 
 try:  # jax >= 0.6.1: device buffers handed to Python, on XLA's stream
@@ -351,7 +352,7 @@ def _make(op, template, kwargs, avals, out_shape):
     runner = _Runner(op, template, kwargs, avals, out_shape.dtype)
     n = len(avals)
     names = [name for name, v in zip(op.arg_names, template) if _is_dyn(v)]
-    differentiable = [name in op.differentiable and np.dtype(a.dtype).kind == "f"
+    differentiable = [name in op.differentiable and is_float_dtype(a.dtype)  # bfloat16 too
                       for name, a in zip(names, avals)]
     grad_shapes = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in avals]
 

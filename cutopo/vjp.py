@@ -11,7 +11,14 @@ Conventions
 * Positional arguments are the arrays (and scalars) that may be differentiated; keyword
   arguments are static configuration and never receive cotangents.
 * A cotangent has the shape, dtype and array type of its argument. Python scalars get 0-d
-  arrays of the output's array type and floating dtype.
+  arrays of the output's array type and floating dtype. An argument that is a list or tuple of
+  floating arrays (such as per-level feature maps) gets a list or tuple of cotangents, one per
+  array, each in that array's shape, dtype and array type.
+* Floating means float16, float32, float64 and bfloat16 (``ml_dtypes.bfloat16``, the dtype
+  CuPy and JAX use for bfloat16 arrays; NumPy files it under kind "V", not "f"):
+  :func:`is_float_dtype`. Half-precision arguments are differentiated like the others: a
+  backward may accumulate in float32 (the ops do), and the cotangent is rounded to the
+  argument's dtype once, at the end (here, in the pullback).
 * Arguments that cannot be differentiated (integer/bool arrays, arguments the op declares
   non-differentiable, or ones left out of ``wrt``) get ``None``, and the backward is told not
   to compute them (``needs``), so asking for fewer cotangents costs less.
@@ -29,7 +36,7 @@ import numpy as np
 
 from ._array import array_module, is_cupy_array
 
-__all__ = ["vjp", "register", "OpSpec", "REGISTRY"]
+__all__ = ["vjp", "register", "OpSpec", "REGISTRY", "is_float_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +45,8 @@ class OpSpec:
 
     ``forward(*args, **kwargs) -> (out, residuals)``;
     ``backward(residuals, cotangent, needs) -> tuple`` with one entry per positional argument
-    (``needs[i]`` False: entry i is ignored and may be None).
+    (``needs[i]`` False: entry i is ignored and may be None; a list or tuple of arrays for an
+    argument that is one), in any floating dtype: :func:`vjp` casts each to its argument's.
 
     ``meta(*args, **kwargs) -> (shape, dtype)`` (optional) is the output's shape rule: array
     arguments arrive as objects with ``shape``, ``ndim`` and a NumPy ``dtype`` only (no data),
@@ -79,13 +87,33 @@ def register(*, name: str, forward, backward, arg_names, differentiable, meta=No
     return attach
 
 
+# Floating dtypes that NumPy does not file under kind "f": ml_dtypes' bfloat16 is kind "V" (a
+# user-defined dtype), and CuPy and JAX give their bfloat16 arrays that same NumPy dtype.
+_OTHER_FLOAT_NAMES = frozenset({"bfloat16"})
+
+
+def is_float_dtype(dtype) -> bool:
+    """Whether ``dtype`` is a real floating dtype that cotangents can have: float16, float32,
+    float64 (NumPy kind "f") or bfloat16 (``ml_dtypes.bfloat16``, kind "V")."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name in _OTHER_FLOAT_NAMES)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, np.ndarray) or is_cupy_array(x)
+
+
 def _is_float_argument(x) -> bool:
     if isinstance(x, (bool, np.bool_)):
         return False
     if isinstance(x, (float, np.floating)):
         return True
+    if isinstance(x, (list, tuple)):
+        # a sequence of arrays (per-level feature maps); a list of Python numbers stays a
+        # constant, as before (the ops turn it into an array of their own)
+        return len(x) > 0 and all(_is_array(e) and is_float_dtype(e.dtype) for e in x)
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and np.dtype(dtype).kind == "f"
+    return dtype is not None and is_float_dtype(dtype)
 
 
 def _normalise_wrt(spec: OpSpec, wrt) -> set[int]:
@@ -109,9 +137,17 @@ def _normalise_wrt(spec: OpSpec, wrt) -> set[int]:
 
 
 def _as_cotangent(g, like, name):
-    """Cast a backward's result to the argument's shape, dtype and array type."""
+    """Cast a backward's result to the argument's shape, dtype and array type (element-wise for
+    a list or tuple of arrays). Backwards accumulate half-precision arguments in float32: the
+    cast here is the one rounding to the argument's dtype."""
     if isinstance(like, (float, np.floating, int)):
         return g
+    if isinstance(like, (list, tuple)):
+        if not isinstance(g, (list, tuple)) or len(g) != len(like):
+            raise AssertionError(f"internal: cotangent of {name} must be a sequence of "
+                                 f"{len(like)} arrays, got {type(g).__name__}")
+        parts = [_as_cotangent(gi, li, f"{name}[{i}]") for i, (gi, li) in enumerate(zip(g, like))]
+        return parts if isinstance(like, list) else tuple(parts)
     xp = array_module(like)
     if xp is np and is_cupy_array(g):
         g = g.get()  # a host argument (e.g. NumPy thresholds) of an op run on the device
@@ -141,7 +177,9 @@ def vjp(op, *args, wrt=None, **kwargs):
     out : the op's output
     pullback : callable
         ``pullback(cotangent) -> tuple`` with one entry per positional argument: its cotangent
-        (same shape, dtype and array type; a 0-d array for a Python scalar) or None.
+        (same shape, dtype and array type; a 0-d array for a Python scalar; a list or tuple of
+        cotangents for a list or tuple of arrays) or None. ``cotangent`` has the output's shape
+        and a real dtype (bfloat16 included); it is cast to the output's dtype.
 
     Examples
     --------
@@ -172,7 +210,7 @@ def vjp(op, *args, wrt=None, **kwargs):
         if cotangent.shape != out.shape:
             raise ValueError(f"cotangent has shape {cotangent.shape}, the output of {spec.name} "
                              f"has shape {out.shape}")
-        if cotangent.dtype.kind not in "fiub":
+        if cotangent.dtype.kind not in "iub" and not is_float_dtype(cotangent.dtype):
             raise TypeError(f"cotangent: dtype {cotangent.dtype} is not real")
         cotangent = cotangent.astype(out_dtype, copy=False)
         grads = spec.backward(residuals, cotangent, needs)

@@ -213,14 +213,54 @@ def test_level_list_matches_flattened(rng, layout, boundary):
     for sh_arg, st_arg in ((None, None), (sh, starts)):
         out = deformable_aggregation(levels, sh_arg, st_arg, loc, w, boundary=boundary, level_layout=layout)
         np.testing.assert_allclose(out, ref, rtol=1e-13, atol=1e-13)
-    # location and weight cotangents of the list form equal the flattened form's; features: None
+    # the cotangents of the list form equal the flattened form's; the feature cotangent is a
+    # list of per-level arrays in the levels' layout
     g = rng.standard_normal(ref.shape)
     _, pb = cutopo.vjp(deformable_aggregation, levels, None, None, loc, w, boundary=boundary, level_layout=layout)
     _, pb_flat = cutopo.vjp(deformable_aggregation, feats, sh, starts, loc, w, boundary=boundary)
     got, want = pb(g), pb_flat(g)
-    assert got[0] is None
+    assert isinstance(got[0], list) and len(got[0]) == S
+    for d, lv, want_lv in zip(got[0], levels, _levels(want[0], sh, starts, layout)):
+        assert d.shape == lv.shape and d.dtype == lv.dtype and d.flags.c_contiguous
+        np.testing.assert_allclose(d, want_lv, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got[3], want[3], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got[4], want[4], rtol=1e-12, atol=1e-12)
+    # only the feature cotangent, and a tuple of levels: a tuple back
+    _, pb = cutopo.vjp(deformable_aggregation, tuple(levels), None, None, loc, w, boundary=boundary,
+                       level_layout=layout, wrt="features")
+    got = pb(g)
+    assert isinstance(got[0], tuple) and got[3] is None and got[4] is None
+
+
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_level_list_feature_cotangent_matches_finite_differences(rng, layout):
+    """The per-level feature cotangent against central differences of the list-form op
+    (linear in the features: exact up to rounding), float32 levels rounded once at the end."""
+    K, shapes = 2, ((4, 5), (2, 3))
+    S = len(shapes)
+    bs, A, P, C, G = 2, 3, 2, 4, 2
+    levels = [rng.standard_normal((bs, K, C, H, W) if layout == "channels_first" else (bs, K, H, W, C))
+              for H, W in shapes]
+    loc = rng.uniform(0.05, 0.95, (bs, A, P, K, 2))
+    w = rng.standard_normal((bs, A, P, K, S, G))
+    g = rng.standard_normal((bs, A, C))
+    _, pb = cutopo.vjp(deformable_aggregation, levels, None, None, loc, w, level_layout=layout,
+                       wrt="features")
+    d = pb(g)[0]
+    for s in range(S):
+        for i in rng.choice(levels[s].size, size=10, replace=False):
+            e = np.zeros(levels[s].size)
+            e[i] = 1.0
+            moved = [lv + (e.reshape(lv.shape) if j == s else 0) for j, lv in enumerate(levels)]
+            fd = float(np.sum((deformable_aggregation(moved, None, None, loc, w, level_layout=layout)
+                               - deformable_aggregation(levels, None, None, loc, w, level_layout=layout)) * g))
+            assert abs(fd - d[s].reshape(-1)[i]) <= 1e-9 * (1 + abs(fd))
+    levels32 = [lv.astype(np.float32) for lv in levels]
+    _, pb = cutopo.vjp(deformable_aggregation, levels32, None, None, loc, w, level_layout=layout,
+                       wrt="features")
+    for a, b in zip(pb(g)[0], d):
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_level_list_checks(rng):
@@ -340,6 +380,56 @@ def test_cotangent_dtypes_follow_arguments(rng):
     out, pb = cutopo.vjp(deformable_aggregation, f16, sh, starts, loc, w)
     d_f, _, _, d_l, d_w = pb(np.ones_like(out))
     assert d_f.dtype == np.float16 and d_l.dtype == np.float32 and d_w.dtype == np.float32
+
+
+def _half_dtypes():
+    out = [np.dtype(np.float16)]
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes comes with JAX
+        return out
+    return out + [np.dtype(ml_dtypes.bfloat16)]
+
+
+@pytest.mark.parametrize("half", _half_dtypes(), ids=lambda d: d.name)
+@pytest.mark.parametrize("which", ["all", "features", "locations_weights"])
+def test_half_precision_cotangents(rng, half, which):
+    """float16 and bfloat16 arguments get cotangents of their own dtype: the float32 cotangents
+    of the same (rounded) values, accumulated in float32 and rounded once, at the end."""
+    feats, sh, starts, loc, w = make_problem(rng, dtype=np.float32, spread=(0.05, 0.95))
+    # locations on a 2^-8 grid: exact in both half formats and in float32, so both see the
+    # same pixel cells
+    loc = (np.round(loc * 256) / 256).astype(np.float32)
+    cast = {"all": (0, 3, 4), "features": (0,), "locations_weights": (3, 4)}[which]
+    args = [feats, sh, starts, loc, w]
+    for i in cast:
+        args[i] = args[i].astype(half)
+    ref_args = [a.astype(np.float32) if i in cast else a for i, a in enumerate(args)]
+    out, pb = cutopo.vjp(deformable_aggregation, *args)
+    assert out.dtype == (half if which == "all" else np.float32)
+    g = rng.standard_normal(out.shape).astype(out.dtype)    # a half cotangent for a half output
+    got = pb(g)
+    out32, pb32 = cutopo.vjp(deformable_aggregation, *ref_args)
+    want = pb32(g.astype(np.float32))
+    np.testing.assert_allclose(out.astype(np.float32), out32.astype(out.dtype).astype(np.float32),
+                               rtol=0, atol=0)
+    for i in (0, 3, 4):
+        assert got[i].dtype == args[i].dtype and got[i].shape == args[i].shape
+        # rounding the float32 result once gives exactly what cutopo returns
+        np.testing.assert_array_equal(got[i].astype(np.float32),
+                                      want[i].astype(args[i].dtype).astype(np.float32))
+
+
+def test_bfloat16_cotangent_of_a_float32_output(rng):
+    """A bfloat16 cotangent is accepted for any floating output (cast to the output's dtype)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    feats, sh, starts, loc, w = make_problem(rng, dtype=np.float32, spread=(0.05, 0.95))
+    out, pb = cutopo.vjp(deformable_aggregation, feats, sh, starts, loc, w)
+    g = rng.standard_normal(out.shape).astype(ml_dtypes.bfloat16)
+    for a, b in zip(pb(g), pb(g.astype(np.float32))):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
 
 
 def test_empty_sizes(rng):

@@ -93,9 +93,14 @@ def check_against_numpy(args_np, kw, g_np, dtype, wrt=None, rtol=None):
     names = ("d_features", "d_spatial_shapes", "d_level_start_index", "d_locations", "d_weights")
     for name, a, b in zip(names, cots_g, cots_c):
         assert (a is None) == (b is None), name
-        if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape, name
-            assert_close(a, b, dtype, name, rtol)
+        if isinstance(b, list):  # per-level features: one cotangent per level
+            assert isinstance(a, list) and len(a) == len(b), name
+            pairs = [(f"{name}[{i}]", ai, bi) for i, (ai, bi) in enumerate(zip(a, b))]
+        else:
+            pairs = [(name, a, b)] if a is not None else []
+        for what, ai, bi in pairs:
+            assert ai.dtype == bi.dtype and ai.shape == bi.shape, what
+            assert_close(ai, bi, dtype, what, rtol)
     return out_g, cots_g
 
 
@@ -159,7 +164,20 @@ def test_level_list_form(rng, layout, vector_mode):
     w = rng.standard_normal((bs, A, P, K, S, G)).astype(np.float32)
     g = rng.standard_normal((bs, A, C)).astype(np.float32)
     kw = dict(level_layout=layout, boundary="zeros")
-    check_against_numpy((levels, None, None, loc, w), kw, g, np.float32)
+    for det in (False, True):  # the feature cotangent: atomics into a flat buffer, or sorted
+        _, cots = check_against_numpy((levels, None, None, loc, w), dict(kw, deterministic=det), g,
+                                      np.float32)
+        assert [d.shape for d in cots[0]] == [lv.shape for lv in levels]
+    # only the feature cotangent (the scatter launch alone), and with float16 levels
+    check_against_numpy((levels, None, None, loc, w), kw, g, np.float32, wrt="features")
+    half = [lv.astype(np.float16) for lv in levels]
+    out_g, pb_g = cutopo.vjp(deformable_aggregation, [cp.asarray(x) for x in half], None, None,
+                             cp.asarray(loc), cp.asarray(w), wrt="features", **kw)
+    _, pb_c = cutopo.vjp(deformable_aggregation, [x.astype(np.float64) for x in half], None, None,
+                         loc.astype(np.float64), w.astype(np.float64), wrt="features", **kw)
+    for a, b in zip(pb_g(cp.asarray(g))[0], pb_c(g.astype(np.float64))[0]):
+        assert a.dtype == np.float16
+        assert_close(a.astype(np.float32), b, np.float32, "float16 level cotangent", rtol=2e-2)
     # a level that is an odd view (not aligned to 16 bytes) and a non-contiguous one
     lv_g = [cp.asarray(x) for x in levels]
     big = cp.empty(lv_g[1].size + 1, dtype=np.float32)
@@ -230,30 +248,35 @@ def test_half_storage(rng, storage, weights32):
     wh = w if weights32 else w.astype(dt)
     lh = loc.astype(dt) if not weights32 else loc
     g = rng.standard_normal((2, 30, 64)).astype(np.float32)
-    # Oracle: the NumPy path in float64 on the same (rounded) values.
-    ref_args = (fh.astype(np.float64), sh, starts, lh.astype(np.float64), wh.astype(np.float64))
-    out_c, pb_c = cutopo.vjp(deformable_aggregation, *ref_args)
-    cots_c = pb_c(g.astype(np.float64))
     args_g = _to_gpu(fh, sh, starts, lh, wh)
     out_g, pb_g = cutopo.vjp(deformable_aggregation, *args_g)
     assert out_g.dtype == (dt if not weights32 else np.float32)
+    g_g = cp.asarray(g).astype(out_g.dtype)  # a half output takes a half cotangent
+    # Oracle: the NumPy path in float64 on the same (rounded) values and cotangent.
+    ref_args = (fh.astype(np.float64), sh, starts, lh.astype(np.float64), wh.astype(np.float64))
+    out_c, pb_c = cutopo.vjp(deformable_aggregation, *ref_args)
+    cots_c = pb_c(cp.asnumpy(g_g.astype(np.float32)).astype(np.float64))
     # float32 accumulation of half inputs: the rounding of the output dtype dominates
     rtol = 1e-2 if out_g.dtype.itemsize == 2 else 1e-4
     assert_close(out_g.astype(np.float32), out_c, np.float32, "out", rtol)
-    if storage == "bfloat16" and not weights32:
-        return  # cutopo.vjp takes no bfloat16 cotangent (its dtype kind is 'V'): forward only
-    cots_g = pb_g(cp.asarray(g).astype(out_g.dtype))
-    # cotangents come back in the argument dtypes (float32 buffers inside); cutopo.vjp treats
-    # bfloat16 arguments as not differentiable (None)
+    cots_g = pb_g(g_g)
+    # every float argument, bfloat16 included, gets its cotangent in its own dtype (float32
+    # buffers inside, rounded once): within the rounding of that dtype of the float64 oracle
     for a, b, arg in zip(cots_g, cots_c, args_g):
         if b is None:
-            continue
-        if arg.dtype.name == "bfloat16":
             assert a is None
             continue
-        assert a.dtype == arg.dtype
-        assert_close(a.astype(np.float32), b, np.float32, f"cotangent of {arg.shape}",
+        assert a is not None and a.dtype == arg.dtype and a.shape == arg.shape
+        assert_close(a.astype(np.float32), b, np.float32, f"cotangent of {arg.shape} {arg.dtype}",
                      rtol=2e-2 if a.dtype.itemsize == 2 else 1e-3)
+    if storage == "bfloat16":
+        # ... and equals the float32 path on the same values, rounded to bfloat16 once
+        args32 = _to_gpu(fh.astype(np.float32), sh, starts, lh.astype(np.float32), wh.astype(np.float32))
+        _, pb32 = cutopo.vjp(deformable_aggregation, *args32)
+        for a, b, arg in zip(cots_g, pb32(g_g.astype(np.float32)), args_g):
+            if a is not None:
+                assert_close(a.astype(np.float32), b.astype(arg.dtype).astype(np.float32), np.float32,
+                             f"bfloat16 vs float32 cotangent of {arg.shape}", rtol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,6 +162,25 @@ def test_gradients_equal_cutopo_vjp(case, jit, rng):
         np.testing.assert_allclose(np.asarray(g), expected[i], rtol=1e-12, atol=0)
 
 
+def test_bfloat16_arguments_get_bfloat16_gradients():
+    """JAX's bfloat16 (ml_dtypes, NumPy kind "V") is a floating dtype to cutopo.vjp: the
+    features' gradient is bfloat16 and equals cutopo.vjp's, eagerly and under jit."""
+    rng = np.random.default_rng(14)
+    sh, st = np.array([[[4, 5], [2, 3]]]), np.array([[0, 20]])
+    feats = jnp.asarray(rng.standard_normal((1, 26, 4)), jnp.bfloat16)
+    loc = jnp.asarray(rng.uniform(0.1, 0.9, (1, 3, 2, 1, 2)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((1, 3, 2, 1, 2, 2)), jnp.float32)
+    loss = lambda f, lo: jnp.sum(cj.deformable_aggregation(f, sh, st, lo, w))  # noqa: E731
+    _, pullback = cutopo.vjp(cutopo.deformable_aggregation, np.asarray(feats), sh, st,
+                             np.asarray(loc), np.asarray(w))
+    expected = pullback(np.ones((1, 3, 4), np.float32))
+    for grad in (jax.grad(loss, argnums=(0, 1)), jax.jit(jax.grad(loss, argnums=(0, 1)))):
+        d_feats, d_loc = grad(feats, loc)
+        assert d_feats.dtype == jnp.bfloat16 and d_loc.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(d_feats), expected[0])
+        np.testing.assert_array_equal(np.asarray(d_loc), expected[3])
+
+
 def test_only_the_differentiated_arguments_are_computed(monkeypatch):
     seen = record_wrt(monkeypatch, cj)
     image = jnp.asarray(np.random.default_rng(2).random((8, 8)))

@@ -81,3 +81,67 @@ def test_errors(rng):
     with pytest.raises(ValueError, match="not positional"):
         register(name="bad", forward=_forward, backward=_backward, arg_names=("x",),
                  differentiable=("y",))
+
+
+def test_is_float_dtype():
+    from cutopo.vjp import is_float_dtype
+
+    for dtype in (np.float16, np.float32, np.float64):
+        assert is_float_dtype(dtype)
+    for dtype in (np.int32, np.uint8, np.bool_, np.complex64, np.dtype("V4"), np.dtype([("a", "f4")])):
+        assert not is_float_dtype(dtype)
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    assert is_float_dtype(ml_dtypes.bfloat16)
+    assert np.dtype(ml_dtypes.bfloat16).kind == "V"  # why the name check is needed
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_half_precision_arguments_get_cotangents_of_their_dtype(rng, half):
+    """The pullback casts each cotangent to its argument's dtype (bfloat16 included: NumPy
+    kind "V") and takes a half-precision cotangent."""
+    if half == "bfloat16":
+        half = pytest.importorskip("ml_dtypes").bfloat16
+    half = np.dtype(half)
+    x = rng.standard_normal((3, 4)).astype(half)
+    out, pullback = cutopo.vjp(toy, x, 0, 1.5)
+    dx, dk, da = pullback(np.ones(out.shape, dtype=half))
+    assert dx.dtype == half and dx.shape == x.shape and dk is None
+    x32 = x.astype(np.float32)
+    np.testing.assert_array_equal(dx, (1.5 * 2 * x32).astype(half))  # 3 x is exact in float32
+    assert da.shape == () and CALLS[-1] == (True, False, True)
+
+
+def _seq_forward(xs, a):
+    return np.asarray(a * sum(np.sum(np.asarray(x, dtype=np.float64)) for x in xs)), (xs, a)
+
+
+def _seq_backward(res, g, needs):
+    xs, a = res
+    dxs = [np.full(x.shape, a * g) for x in xs] if needs[0] else None  # float64 inside
+    da = g * sum(np.sum(np.asarray(x, dtype=np.float64)) for x in xs) if needs[1] else None
+    return dxs, da
+
+
+@register(name="toy_sequence_sum", forward=_seq_forward, backward=_seq_backward,
+          arg_names=("xs", "a"), differentiable=("xs", "a"))
+def toy_sequence(xs, a):
+    return _seq_forward(xs, a)[0]
+
+
+def test_sequence_of_arrays_gets_a_sequence_of_cotangents(rng):
+    try:
+        xs = [rng.standard_normal((2, 3)), rng.standard_normal(4).astype(np.float32)]
+        out, pullback = cutopo.vjp(toy_sequence, xs, 2.0)
+        dxs, da = pullback(np.float64(1.0))
+        assert isinstance(dxs, list) and len(dxs) == 2
+        for d, x in zip(dxs, xs):
+            assert d.shape == x.shape and d.dtype == x.dtype
+            np.testing.assert_array_equal(d, np.full(x.shape, 2.0, dtype=x.dtype))
+        dxs, _ = cutopo.vjp(toy_sequence, tuple(xs), 2.0)[1](np.float64(1.0))
+        assert isinstance(dxs, tuple)
+        # lists of numbers, empty lists and sequences holding an integer array stay constants
+        for constant in ([1.0, 2.0], [], [np.arange(3)]):
+            _, pullback = cutopo.vjp(toy_sequence, constant, 2.0)
+            assert pullback(np.float64(1.0))[0] is None
+    finally:
+        REGISTRY.pop("toy_sequence_sum", None)
