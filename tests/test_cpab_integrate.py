@@ -582,18 +582,6 @@ def test_step_size_guard(rng):
         cutopo.vjp(integrate, x, np.stack([theta / 10, theta]), tess, n_steps=10)
 
 
-@pytest.mark.gpu
-def test_cupy_input_raises_not_implemented():
-    import cupy as cp
-
-    tess = Tessellation((2, 2))
-    for fn in (integrate, log_jacobian):
-        with pytest.raises(NotImplementedError, match="no CUDA kernel"):
-            fn(cp.zeros((3, 2)), np.zeros(tess.n_params), tess)
-        with pytest.raises(NotImplementedError, match="no CUDA kernel"):
-            fn(np.zeros((3, 2)), cp.zeros(tess.n_params), tess)
-
-
 def test_exports():
     import cutopo.cpab as cpab
 

@@ -1,9 +1,15 @@
 """Argument checks shared by the CPAB modules."""
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
+
+# The step-size guard of the integrators: h * max_c ||A_c,lin||_F may not exceed this. Below
+# log 2 it proves that no-slip trajectories never leave the box (see integrate's Notes); at 0.5
+# the frozen-cell steps also stay accurate enough to be useful (research notes cpab.md 5.5).
+MAX_STEP_NORM = 0.5
 
 
 def check_count(value, name, minimum=1):
@@ -17,3 +23,12 @@ def check_count(value, name, minimum=1):
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_step_size(largest, n_steps, name):
+    """Refuse an ``n_steps`` too coarse for fields whose largest ||A_c,lin||_F is ``largest``."""
+    if largest > MAX_STEP_NORM * n_steps:
+        raise ValueError(
+            f"cpab.{name}: n_steps={n_steps} is too coarse for this theta: h * max_c "
+            f"||A_c,lin||_F = {largest / n_steps:.4g} exceeds {MAX_STEP_NORM} (max_c "
+            f"||A_c,lin||_F = {largest:.4g}); use n_steps >= {math.ceil(largest / MAX_STEP_NORM)}")

@@ -18,21 +18,16 @@ dL/dtheta = B^T vec(dL/dA): O(T N + d C) work, no [d, N] Jacobian.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
+from .._array import is_cupy_array
 from ..vjp import register
 from .tessellation import cell_index
-from ._checks import check_count
+from ._checks import MAX_STEP_NORM, check_count, check_step_size
 from .velocity import check_points_theta
 
 __all__ = ["integrate", "log_jacobian", "MAX_STEP_NORM"]
-
-# The step-size guard: h * max_c ||A_c,lin||_F may not exceed this. Below log 2 it proves that
-# no-slip trajectories never leave the box (see integrate's Notes); at 0.5 the frozen-cell
-# steps also stay accurate enough to be useful (research notes cpab.md 5.5).
-MAX_STEP_NORM = 0.5
 
 # -- the matrix exponential and its adjoint Frechet derivative, vectorised over matrices -------
 
@@ -135,11 +130,7 @@ def _setup(points, theta, tess, n_steps, name):
 
     A = tess.affine_maps(T2).reshape(Bt * C, K, K + 1)                  # float64
     largest = float(np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0))
-    if largest > MAX_STEP_NORM * n_steps:
-        raise ValueError(
-            f"cpab.{name}: n_steps={n_steps} is too coarse for this theta: h * max_c "
-            f"||A_c,lin||_F = {largest / n_steps:.4g} exceeds {MAX_STEP_NORM} (max_c "
-            f"||A_c,lin||_F = {largest:.4g}); use n_steps >= {math.ceil(largest / MAX_STEP_NORM)}")
+    check_step_size(largest, n_steps, name)
     h = 1.0 / n_steps
     A_aug = np.zeros((Bt * C, K + 1, K + 1))
     A_aug[:, :K, :] = A
@@ -174,9 +165,50 @@ def _step(s, x):
 
 # -- the ops -------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class _DeviceResiduals:
+    """The CuPy forward's residuals: its plan and the checkpoints every S steps."""
+
+    plan: object            # _integrate_cupy.Plan
+    checkpoints: object     # (ceil(T/S), B, N, K)
+    S: int
+    points_ndim: int
+    theta_ndim: int
+
+
+def _device_plan(points, theta, tess, n_steps, name):
+    """Checked arguments and the CuPy plan: (plan, batched, points.ndim, theta.ndim)."""
+    from . import _integrate_cupy
+
+    points, theta, dtype = check_points_theta(points, theta, tess, name)
+    n_steps = check_count(n_steps, "n_steps")
+    plan = _integrate_cupy.setup(points, theta, tess, n_steps, name, dtype)
+    return plan, points.ndim == 3 or theta.ndim == 2, points.ndim, theta.ndim
+
+
+def _points_cotangent(lam, points_ndim, n_points):
+    """dL/dpoints from the per-item m_0 lambda_0 (B, N, K): summed over a shared batch."""
+    if points_ndim == 2:                                                 # shared by the batch
+        return lam.sum(axis=0)
+    if n_points == 1 != len(lam):                                        # a broadcast batch of 1
+        return lam.sum(axis=0, keepdims=True)
+    return lam
+
+
 def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     """``(integrate(...), residuals)``: the trajectory is kept every ``checkpoint_every`` steps."""
     S = check_count(checkpoint_every, "checkpoint_every")
+    if is_cupy_array(points) or is_cupy_array(theta):
+        from ._integrate_cupy import MAX_SEGMENT
+
+        if S > MAX_SEGMENT:
+            raise ValueError(f"checkpoint_every must be <= {MAX_SEGMENT} for CuPy inputs (the "
+                             f"kernel keeps one segment in local memory), got {S}")
+        plan, batched, pn, tn = _device_plan(points, theta, tess, n_steps, "integrate")
+        from . import _integrate_cupy
+
+        x, checkpoints, _ = _integrate_cupy.integrate(plan, checkpoint_every=S)
+        return (x if batched else x[0]), _DeviceResiduals(plan, checkpoints, S, pn, tn)
     s = _setup(points, theta, tess, n_steps, "integrate")
     checkpoints, x = [], s.x0
     for t in range(s.n_steps):
@@ -188,10 +220,20 @@ def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
 
 def _integrate_backward(residuals, cotangent, needs):
     """The discrete adjoint of the scheme, segment by segment from the last checkpoint."""
-    s, checkpoints, S = residuals
     need_points, need_theta = needs[0], needs[1]
     if not (need_points or need_theta):
         return None, None, None
+    if isinstance(residuals, _DeviceResiduals):
+        from . import _integrate_cupy
+
+        r = residuals
+        lam, grad_theta = _integrate_cupy.backward(r.plan, r.checkpoints, r.S, cotangent,
+                                                   need_points, need_theta)
+        grad_points = _points_cotangent(lam, r.points_ndim, r.plan.n_points) if need_points else None
+        if need_theta and r.theta_ndim == 1:
+            grad_theta = grad_theta[0]
+        return grad_points, grad_theta, None
+    s, checkpoints, S = residuals
     K, C, T = s.K, s.n_cells, s.n_steps
     B, N = s.x0.shape[:2]
     lam = np.asarray(cotangent, dtype=np.float64).reshape(B, N, K)
@@ -224,12 +266,7 @@ def _integrate_backward(residuals, cotangent, needs):
     if need_points:
         if s.project:
             lam = lam * s.inside0                                        # through P(points)
-        if s.points_ndim == 2:                                           # shared by the batch
-            grad_points = lam.sum(axis=0)
-        elif s.n_points == 1 != B:                                       # a broadcast batch of 1
-            grad_points = lam.sum(axis=0, keepdims=True)
-        else:
-            grad_points = lam
+        grad_points = _points_cotangent(lam, s.points_ndim, s.n_points)
 
     grad_theta = None
     if need_theta:
@@ -266,7 +303,8 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     Parameters
     ----------
     points : ndarray, shape (N, K) or (B, N, K)
-        Start points, shared by the batch (N, K) or one set per batch item. Under the
+        Start points, shared by the batch (N, K) or one set per batch item; NumPy or CuPy
+        (then theta must be CuPy too, and the CUDA kernels run). Under the
         ``"noslip"`` and ``"slip"`` boundaries points outside [0, 1]^K are first moved to their
         nearest point of the box (see Notes).
     theta : ndarray, shape (n_params,) or (B, n_params)
@@ -294,12 +332,11 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     ------
     ValueError
         Shapes that do not fit ``tess`` or each other, non-finite points or theta, ``n_steps``
-        or ``checkpoint_every`` below 1, or ``n_steps`` too small for ``theta`` (the guard).
+        or ``checkpoint_every`` below 1, ``n_steps`` too small for ``theta`` (the guard), or
+        (VJP of CuPy inputs) ``checkpoint_every`` above 16.
     TypeError
         ``tess`` not a :class:`Tessellation`, non-real dtypes, ``n_steps`` or
-        ``checkpoint_every`` not an int.
-    NotImplementedError
-        CuPy inputs (no CUDA kernel yet).
+        ``checkpoint_every`` not an int, one of points and theta a CuPy array and the other not.
 
     Notes
     -----
@@ -319,6 +356,15 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     where a step starts on a face (the two cells' steps differ by O(h^2) there), so nearby
     points, or float32 and float64 runs, can differ by that much. E_c is computed once per
     call and cell (Pade(13) with scaling and squaring, vectorised over cells).
+
+    **GPU.** CuPy points and theta run ``cuda_src/cpab.cu``: E_c by a per-cell Pade(13) kernel
+    (equal to the NumPy E_c up to float64 rounding), then one thread per point and batch item
+    whose steps use NumPy's roundings in NumPy's order, so with equal E_c the trajectories are
+    the NumPy trajectories bit for bit. The VJP keeps ``checkpoint_every`` (at most 16 there)
+    steps per thread in local memory, sums the outer products in registers while a point stays
+    in one cell, pools them across the warp and adds them to G_c with float64 atomics (so the
+    theta cotangent is reproducible only to rounding); the adjoint Frechet derivatives and B^T
+    run on the device too. Float32 denormal coordinates count as 0 there (CuPy's -ftz=true).
 
     **Boundary.** P is the projection onto [0, 1]^K (coordinate-wise clipping) under
     ``"noslip"`` and ``"slip"``, whose exact flows keep the box invariant, and the identity
@@ -400,6 +446,12 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
        Automatic Control 23(3), 1978 (the block form of the Frechet derivative).
     """
     check_count(checkpoint_every, "checkpoint_every")
+    if is_cupy_array(points) or is_cupy_array(theta):
+        from . import _integrate_cupy
+
+        plan, batched, _, _ = _device_plan(points, theta, tess, n_steps, "integrate")
+        x, _, _ = _integrate_cupy.integrate(plan)
+        return x if batched else x[0]
     s = _setup(points, theta, tess, n_steps, "integrate")
     x = s.x0
     for _ in range(s.n_steps):
@@ -457,6 +509,12 @@ def log_jacobian(points, theta, tess, *, n_steps=50):
     .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
        continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
     """
+    if is_cupy_array(points) or is_cupy_array(theta):
+        from . import _integrate_cupy
+
+        plan, batched, _, _ = _device_plan(points, theta, tess, n_steps, "log_jacobian")
+        _, _, out = _integrate_cupy.integrate(plan, log_det=True)
+        return out if batched else out[0]
     s = _setup(points, theta, tess, n_steps, "log_jacobian")
     trace = np.trace(s.A_aug[:, :s.K, :s.K], axis1=1, axis2=2)          # div v on each cell
     total, x = np.zeros(s.x0.shape[:2]), s.x0

@@ -417,7 +417,8 @@ def cell_index(points, shape):
     Parameters
     ----------
     points : array_like of float, shape (..., K)
-        NumPy array (or array-like) of finite coordinates; float32 stays float32.
+        NumPy array (or array-like) of finite coordinates; float32 stays float32. A CuPy
+        array runs the CUDA kernel (same cells; float16 is refused there).
     shape : sequence of int
         Cells per axis, as for :class:`Tessellation`.
 
@@ -452,10 +453,10 @@ def cell_index(points, shape):
     >>> cell_index([[0.5, 0.5], [0.25, 0.25]], (1, 1))      # centre -> 0; diagonal -> 0
     array([0, 0])
     """
-    if is_cupy_array(points):
-        raise NotImplementedError("cpab.cell_index has no CUDA kernel yet")
     shape = check_shape(shape)
     K = len(shape)
+    if is_cupy_array(points):
+        return _cell_index_cupy(points, shape)
     points = np.asarray(points)
     if points.dtype.kind not in "fiu" or points.dtype.kind == "b":
         raise TypeError(f"points must be real numbers, got dtype {points.dtype}")
@@ -476,3 +477,24 @@ def cell_index(points, shape):
     for k in range(K - 2, -1, -1):                                      # axis 0 fastest
         box_number = box_number * shape[k] + box[..., k]
     return SIMPLICES_PER_BOX[K] * box_number + _simplex_in_box(local, parity)
+
+
+def _cell_index_cupy(points, shape):
+    """cell_index of CuPy points: the kernel evaluates NumPy's rule with the same roundings."""
+    import cupy
+
+    from . import _integrate_cupy
+
+    K = len(shape)
+    if points.dtype.kind not in "fiu" or points.dtype.kind == "b":
+        raise TypeError(f"points must be real numbers, got dtype {points.dtype}")
+    if points.dtype == np.float16:
+        raise TypeError("points: float16 is not supported on the GPU (use float32 or float64)")
+    if points.dtype.kind != "f":
+        points = points.astype(np.float64)
+    if points.ndim == 0 or points.shape[-1] != K:
+        raise ValueError(f"points must have shape (..., {K}) for a {K}-D tessellation, "
+                         f"got {points.shape}")
+    if not bool(cupy.isfinite(points).all()):
+        raise ValueError("points must be finite")
+    return _integrate_cupy.cell_index(points, shape)

@@ -3,31 +3,36 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._array import is_cupy_array
+from .._array import array_module, is_cupy_array
 from .tessellation import Tessellation, cell_index
 
 __all__ = ["velocity"]
 
 
-def _real_array(x, name):
-    x = np.asarray(x)
+def _real_array(x, name, xp):
+    x = x if xp is not np else np.asarray(x)
     if x.dtype.kind not in "fiu":
         raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
     return x
 
 
-
 def check_points_theta(points, theta, tess, name):
     """Validate the (points, theta, tess) arguments of a CPA op; return points and theta as
-    real NumPy arrays. points: (N, K) or (B, N, K); theta: (d,) or (B, d); batch sizes equal
-    or one of them 1 (broadcast)."""
-    if is_cupy_array(points) or is_cupy_array(theta):
-        raise NotImplementedError(f"cpab.{name} has no CUDA kernel yet")
+    real arrays of one array type (NumPy, or CuPy when either is a CuPy array: then both must
+    be) and the computation dtype. points: (N, K) or (B, N, K); theta: (d,) or (B, d); batch
+    sizes equal or one of them 1 (broadcast)."""
+    on_device = is_cupy_array(points) or is_cupy_array(theta)
+    if on_device and not (is_cupy_array(points) and is_cupy_array(theta)):
+        which = "points" if is_cupy_array(points) else "theta"
+        other = "theta" if which == "points" else "points"
+        raise TypeError(f"cpab.{name}: {which} is a CuPy array but {other} is not: move both "
+                        "to one device")
+    xp = array_module(points) if on_device else np
     if not isinstance(tess, Tessellation):
         raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
     K, d = tess.ndim, tess.n_params
-    points = _real_array(points, "points")
-    theta = _real_array(theta, "theta")
+    points = _real_array(points, "points", xp)
+    theta = _real_array(theta, "theta", xp)
     if points.ndim not in (2, 3) or points.shape[-1] != K:
         raise ValueError(f"points must have shape (N, {K}) or (B, N, {K}) for a {K}-D "
                          f"tessellation, got {points.shape}")
@@ -41,12 +46,12 @@ def check_points_theta(points, theta, tess, name):
     if dtype not in (np.float32, np.float64):
         dtype = np.dtype(np.float64)
     points = points.astype(dtype, copy=False)
-    if not np.isfinite(points).all():
+    # one host sync per argument on the device: the kernels must never see NaN or inf
+    if not bool(xp.isfinite(points).all()):
         raise ValueError("points must be finite")
-    if not np.isfinite(theta).all():
+    if not bool(xp.isfinite(theta).all()):
         raise ValueError("theta must be finite")
     return points, theta, dtype
-
 
 
 def velocity(points, theta, tess):
@@ -57,7 +62,8 @@ def velocity(points, theta, tess):
     points : ndarray, shape (N, K) or (B, N, K)
         Coordinates in [0, 1]^K, shared by the batch (N, K) or one set per batch item. Points
         outside the box take the velocity of their nearest point of the box (coordinates
-        clamped to [0, 1]), a continuous extension: zero outside under no-slip.
+        clamped to [0, 1]), a continuous extension: zero outside under no-slip. NumPy or
+        CuPy; CuPy points and theta (both) run the CUDA kernel.
     theta : ndarray, shape (n_params,) or (B, n_params)
         Vertex velocities at the free components, as laid out by ``tess`` (see
         :class:`Tessellation`).
@@ -66,10 +72,10 @@ def velocity(points, theta, tess):
     Returns
     -------
     v : ndarray, shape (B, N, K), or (N, K) when neither input has a batch axis
-        dtype ``numpy.result_type(points, theta, float32)`` (float64 if that is neither
-        float32 nor float64): float32 inputs give float32. Batch axes of size 1 broadcast. The
-        maps A_c are formed in float64 and rounded to that dtype; the points are located and
-        evaluated in it.
+        The array type of the inputs. dtype ``numpy.result_type(points, theta, float32)``
+        (float64 if that is neither float32 nor float64): float32 inputs give float32. Batch
+        axes of size 1 broadcast. The maps A_c are formed in float64 and rounded to that dtype;
+        the points are located and evaluated in it, with the same roundings on both backends.
 
     Convention
     ----------
@@ -104,6 +110,11 @@ def velocity(points, theta, tess):
     points, theta, dtype = check_points_theta(points, theta, tess, "velocity")
     K = tess.ndim
     batched = points.ndim == 3 or theta.ndim == 2
+    if is_cupy_array(points):
+        from . import _integrate_cupy
+
+        v = _integrate_cupy.velocity(points, theta, tess, dtype)
+        return v if batched else v[0]
 
     P = points if points.ndim == 3 else points[None]                     # (Bp, N, K)
     A = tess.affine_maps(theta if theta.ndim == 2 else theta[None])      # (Bt, C, K, K+1)

@@ -1,0 +1,577 @@
+// CPAB: continuous piecewise-affine velocity fields on simplex tessellations of [0, 1]^K, their
+// integration (the transformation phi_theta), its log-Jacobian and its discrete adjoint.
+// cutopo/cpab/integrate.py documents the scheme and holds the NumPy path these kernels are
+// tested against; cutopo/cpab/_integrate_cupy.py plans the launches.
+//
+//   x_0 = P(points),   x_{t+1} = P(E_c(t) [x_t; 1]),   c(t) = cell(x_t),   E_c = expm(h A~_c)
+//
+// Bit-compatibility with the NumPy path. The point location and the step are evaluated in the
+// points' dtype with the same roundings in the same order as NumPy (explicit __*_rn intrinsics,
+// so the compiler cannot contract a product and a sum into one FMA), and the cell tests are
+// exact (sign of an expansion), so with the same step matrices E a trajectory is the NumPy
+// trajectory bit for bit. E itself comes from expm_cells (Pade 13 with scaling and squaring in
+// float64, as NumPy's _expm), equal to NumPy's up to float64 rounding. Float32 denormals flush
+// to zero (CuPy compiles with -ftz=true): a point coordinate below 1.2e-38 counts as 0.
+//
+// Work layout.
+//   cell_index, velocity     one thread per (batch item, point).
+//   integrate_forward        one thread per (batch item, point), the whole trajectory in
+//                            registers; optionally the checkpoints every S steps (for the VJP)
+//                            and the log-Jacobian h * sum_t tr A_c(t).
+//   integrate_backward       one thread per (batch item, point): segment by segment from the
+//                            last checkpoint, recompute the S steps into local memory, sweep
+//                            them backwards (lambda_t = E_lin^T (m_{t+1} lambda_{t+1})) and add
+//                            mu_{t+1} [x_t; 1]^T to the per-cell moments G_c. A point stays in
+//                            one cell for many consecutive steps, so the outer products are
+//                            summed in registers while the cell does not change and flushed
+//                            on a change (and at the end): then the lanes of the warp that
+//                            flush the same cell add their sums in shared memory and one lane
+//                            issues the float64 atomics.
+//   frechet_cells            one thread per cell: dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K}, the
+//                            adjoint Frechet derivative of expm by Van Loan's block exponential.
+//   expm_cells               one thread per cell: E_c = expm(h A~_c), top K rows, in the
+//                            points' dtype.
+#include "common.cuh"
+
+namespace cutopo {
+namespace cpab {
+
+constexpr int THREADS = 256;
+constexpr int MAX_SEGMENT = 16;  // the largest checkpoint_every the backward supports
+
+// -- roundings the compiler may not fuse ----------------------------------------------------
+
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// s + e == a + b exactly, s = fl(a + b) (Knuth's two-sum).
+template <typename T>
+__device__ __forceinline__ void two_sum(T a, T b, T& s, T& e) {
+    s = add_rn(a, b);
+    const T bv = add_rn(s, -a);
+    e = add_rn(add_rn(a, -add_rn(s, -bv)), add_rn(b, -bv));
+}
+
+// The exact sign (-1, 0, 1) of t[0] + ... + t[N-1]: Shewchuk's grow-expansion turns the sum
+// into non-overlapping components of increasing magnitude; the largest non-zero one has the
+// sign of the sum. The same steps as cutopo.cpab.tessellation._sign_of_sum.
+template <typename T, int N>
+__device__ __forceinline__ int sign_of_sum(const T (&t)[N]) {
+    T e[N];
+    e[0] = t[0];
+    #pragma unroll
+    for (int i = 1; i < N; ++i) {
+        T q = t[i];
+        #pragma unroll
+        for (int j = 0; j < i; ++j) {
+            T s, h;
+            two_sum(q, e[j], s, h);
+            e[j] = h;
+            q = s;
+        }
+        e[i] = q;
+    }
+    #pragma unroll
+    for (int i = N - 1; i >= 0; --i) {
+        if (e[i] > T(0)) return 1;
+        if (e[i] < T(0)) return -1;
+    }
+    return 0;
+}
+
+// Cells per axis; axis 0 varies fastest in the box number.
+struct Grid {
+    int n[3];
+};
+
+template <int K> struct Simplices;
+template <> struct Simplices<1> { static constexpr int value = 1; };
+template <> struct Simplices<2> { static constexpr int value = 4; };
+template <> struct Simplices<3> { static constexpr int value = 5; };
+
+// The 3D corner-tetrahedron tests "a X + b Y + c Z + d >= 0", tetrahedra 1..4 in the order
+// tried, even boxes then odd boxes (tessellation._TET_TESTS).
+__constant__ signed char TET_TESTS[2][4][4] = {
+    {{-1, -1, 1, 0}, {1, 1, 1, -2}, {-1, 1, -1, 0}, {1, -1, -1, 0}},
+    {{1, -1, 1, -1}, {-1, 1, 1, -1}, {-1, -1, -1, 1}, {1, 1, -1, -1}},
+};
+
+// The cell holding x (already in the points' dtype), as cutopo.cpab.tessellation.cell_index:
+// u = clip(x n, 0, n), box = min(floor(u), n - 1), local = u - box (exact), then the simplex.
+template <typename T, int K>
+__device__ __forceinline__ i64 cell_of(const T (&x)[K], const Grid& g) {
+    T local[K];
+    i64 box_number = 0;
+    int parity = 0;
+    #pragma unroll
+    for (int k = K - 1; k >= 0; --k) {
+        const T n = T(g.n[k]);
+        T u = mul_rn(x[k], n);
+        u = u > T(0) ? u : T(0);
+        u = u < n ? u : n;
+        T b = floor(u);
+        b = b < n - T(1) ? b : n - T(1);
+        local[k] = add_rn(u, -b);
+        const int bi = (int)b;
+        parity += bi;
+        box_number = box_number * g.n[k] + bi;
+    }
+    int simplex = 0;
+    if (K == 2) {
+        const T t[3] = {local[0], local[K - 1], T(-1)};
+        const bool above_anti = sign_of_sum(t) > 0;
+        if (local[0] < local[K - 1]) simplex = above_anti ? 2 : 3;
+        else simplex = above_anti ? 1 : 0;
+    } else if (K == 3) {
+        const int p = parity & 1;
+        #pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const signed char* a = TET_TESTS[p][s];
+            const T t[4] = {T(a[0]) * local[0], T(a[1]) * local[1 % K], T(a[2]) * local[2 % K], T(a[3])};
+            if (sign_of_sum(t) >= 0) {
+                simplex = s + 1;
+                break;
+            }
+        }
+    }
+    return (i64)Simplices<K>::value * box_number + simplex;
+}
+
+// A thread's (batch item, point) and where its inputs live. Points are (Bp, N, K) with Bp 1
+// (shared) or B; tables hold one block of C cells per theta batch item (Bt 1 or B).
+struct Item {
+    i64 b, n, idx, point_row, cell_offset;
+};
+
+__device__ __forceinline__ bool item_of(i64 B, i64 N, int points_shared, int theta_shared, i64 C,
+                                        Item& it) {
+    it.idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (it.idx >= B * N) return false;
+    it.b = it.idx / N;
+    it.n = it.idx - it.b * N;
+    it.point_row = (points_shared ? 0 : it.b) * N + it.n;
+    it.cell_offset = (theta_shared ? 0 : it.b) * C;
+    return true;
+}
+
+// -- point location and the velocity field ---------------------------------------------------
+
+template <typename T, int K>
+__global__ void __launch_bounds__(THREADS)
+cell_index(const T* __restrict__ points, i64* __restrict__ cells, i64 count, int n0, int n1, int n2) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const Grid g = {{n0, n1, n2}};
+    T x[K];
+    #pragma unroll
+    for (int k = 0; k < K; ++k) x[k] = points[i * K + k];
+    cells[i] = cell_of<T, K>(x, g);
+}
+
+// v = A_c [x; 1] with x the nearest point of the box, A in the points' dtype, summed as NumPy
+// does: A[:, K] + A[:, 0] x_0 + A[:, 1] x_1 + ...
+template <typename T, int K>
+__global__ void __launch_bounds__(THREADS)
+velocity(const T* __restrict__ points, const T* __restrict__ A, T* __restrict__ out, i64 B, i64 N,
+         i64 C, int points_shared, int theta_shared, int n0, int n1, int n2) {
+    Item it;
+    if (!item_of(B, N, points_shared, theta_shared, C, it)) return;
+    const Grid g = {{n0, n1, n2}};
+    T x[K];
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const T v = points[it.point_row * K + k];
+        x[k] = v > T(0) ? (v < T(1) ? v : T(1)) : T(0);
+    }
+    const T* a = A + (it.cell_offset + cell_of<T, K>(x, g)) * (K * (K + 1));
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        T v = a[k * (K + 1) + K];
+        #pragma unroll
+        for (int q = 0; q < K; ++q) v = add_rn(v, mul_rn(a[k * (K + 1) + q], x[q]));
+        out[it.idx * K + k] = v;
+    }
+}
+
+// -- the step --------------------------------------------------------------------------------
+
+// y = E_c [x; 1] in the points' dtype (NumPy's order), then P. Returns the flat cell (its row
+// of E) and sets bit k of `inside` when P left coordinate k alone.
+template <typename T, int K, bool PROJECT>
+__device__ __forceinline__ i64 step(T (&x)[K], const T* __restrict__ E, i64 cell_offset,
+                                    const Grid& g, int& inside) {
+    const i64 flat = cell_offset + cell_of<T, K>(x, g);
+    const T* e = E + flat * (K * (K + 1));
+    T y[K];
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        T v = e[k * (K + 1) + K];
+        #pragma unroll
+        for (int q = 0; q < K; ++q) v = add_rn(v, mul_rn(e[k * (K + 1) + q], x[q]));
+        y[k] = v;
+    }
+    inside = 0;
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (PROJECT) {
+            const bool in = y[k] >= T(0) && y[k] <= T(1);
+            inside |= (int)in << k;
+            x[k] = in ? y[k] : (y[k] < T(0) ? T(0) : T(1));
+        } else {
+            x[k] = y[k];
+        }
+    }
+    return flat;
+}
+
+template <typename T, int K, bool PROJECT>
+__device__ __forceinline__ void start_point(const T* __restrict__ points, i64 row, T (&x)[K], int& inside0) {
+    inside0 = 0;
+    #pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const T v = points[row * K + k];
+        if (PROJECT) {
+            const bool in = v >= T(0) && v <= T(1);
+            inside0 |= (int)in << k;
+            x[k] = in ? v : (v < T(0) ? T(0) : T(1));
+        } else {
+            x[k] = v;
+        }
+    }
+}
+
+// The forward. `checkpoints` (ceil(T/S), B, N, K) receives x_t for t = 0, S, 2S, ... when
+// `keep` is set; `log_det` (B, N) receives h * sum_t trace[c(t)] (summed in float64, rounded
+// once, as NumPy) when `with_log_det` is set. Unused arrays may be empty.
+template <typename T, int K, bool PROJECT>
+__global__ void __launch_bounds__(THREADS)
+integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __restrict__ out,
+                  T* __restrict__ checkpoints, const double* __restrict__ trace,
+                  T* __restrict__ log_det, i64 B, i64 N, i64 C, double h, int points_shared,
+                  int theta_shared, int n_steps, int S, int keep, int with_log_det, int n0, int n1,
+                  int n2) {
+    Item it;
+    if (!item_of(B, N, points_shared, theta_shared, C, it)) return;
+    const Grid g = {{n0, n1, n2}};
+    T x[K];
+    int inside;
+    start_point<T, K, PROJECT>(points, it.point_row, x, inside);
+    double total = 0.0;
+    const i64 plane = B * N * K;
+    for (int t = 0; t < n_steps; ++t) {
+        if (keep && t % S == 0) {
+            T* c = checkpoints + (i64)(t / S) * plane + it.idx * K;
+            #pragma unroll
+            for (int k = 0; k < K; ++k) c[k] = x[k];
+        }
+        const i64 flat = step<T, K, PROJECT>(x, E, it.cell_offset, g, inside);
+        if (with_log_det) total += trace[flat];
+    }
+    #pragma unroll
+    for (int k = 0; k < K; ++k) out[it.idx * K + k] = x[k];
+    if (with_log_det) log_det[it.idx] = (T)(h * total);
+}
+
+// -- the adjoint -----------------------------------------------------------------------------
+
+constexpr int WARPS = THREADS / 32;
+
+// Per-thread sums of mu [x; 1]^T for the run of steps spent in one cell.
+template <int K>
+struct Moments {
+    static constexpr int SIZE = K * (K + 1);
+    i64 cell;
+    double g[SIZE];
+
+    __device__ __forceinline__ void reset(i64 c) {
+        cell = c;
+        #pragma unroll
+        for (int i = 0; i < SIZE; ++i) g[i] = 0.0;
+    }
+};
+
+// Add the sums of every lane of the warp that flushes now into G: lanes flushing the same cell
+// pool their sums through shared memory and the lowest of them issues the atomics. `scratch`
+// is this warp's 32 * SIZE doubles.
+template <int K>
+__device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ G, double* scratch) {
+    constexpr int SIZE = Moments<K>::SIZE;
+    const unsigned active = __activemask();
+    const int lane = threadIdx.x & 31;
+    const unsigned group = __match_any_sync(active, (unsigned long long)m.cell);
+    #pragma unroll
+    for (int i = 0; i < SIZE; ++i) scratch[i * 32 + lane] = m.g[i];
+    __syncwarp(active);
+    if (lane == __ffs(group) - 1 && m.cell >= 0) {
+        double sum[SIZE];
+        #pragma unroll
+        for (int i = 0; i < SIZE; ++i) sum[i] = m.g[i];
+        for (unsigned rest = group & (group - 1); rest; rest &= rest - 1) {
+            const int other = __ffs(rest) - 1;
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) sum[i] += scratch[i * 32 + other];
+        }
+        double* dst = G + m.cell * SIZE;
+        #pragma unroll
+        for (int i = 0; i < SIZE; ++i)
+            if (sum[i] != 0.0) atomicAdd(dst + i, sum[i]);
+    }
+    __syncwarp(active);
+}
+
+// The backward: `cotangent` (B, N, K) float64 in, `grad_points` (B, N, K) float64 out
+// (m_0 lambda_0, not yet summed over a shared batch), `G` (Bt C, K (K+1)) float64 moments
+// accumulated when `need_theta`. Checkpoints as integrate_forward keeps them.
+template <typename T, int K, bool PROJECT>
+__global__ void __launch_bounds__(THREADS)
+integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
+                   const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
+                   double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, i64 C,
+                   int points_shared, int theta_shared, int n_steps, int S, int need_points,
+                   int need_theta, int n0, int n1, int n2) {
+    __shared__ double scratch[WARPS * 32 * Moments<K>::SIZE];
+    Item it;
+    if (!item_of(B, N, points_shared, theta_shared, C, it)) return;
+    double* my_scratch = scratch + (threadIdx.x / 32) * 32 * Moments<K>::SIZE;
+    const Grid g = {{n0, n1, n2}};
+    double lam[K];
+    #pragma unroll
+    for (int k = 0; k < K; ++k) lam[k] = cotangent[it.idx * K + k];
+
+    T xs[MAX_SEGMENT][K];   // x_t of the segment's steps (local memory: indexed at run time)
+    i64 flats[MAX_SEGMENT];
+    int insides[MAX_SEGMENT];
+    Moments<K> m;
+    m.reset(-1);
+    const i64 plane = B * N * K;
+    const int segments = (n_steps + S - 1) / S;
+    for (int j = segments - 1; j >= 0; --j) {
+        const int L = min(S, n_steps - j * S);
+        T x[K];
+        #pragma unroll
+        for (int k = 0; k < K; ++k) x[k] = checkpoints[(i64)j * plane + it.idx * K + k];
+        for (int i = 0; i < L; ++i) {
+            #pragma unroll
+            for (int k = 0; k < K; ++k) xs[i][k] = x[k];
+            flats[i] = step<T, K, PROJECT>(x, E, it.cell_offset, g, insides[i]);
+        }
+        for (int i = L - 1; i >= 0; --i) {
+            double mu[K];
+            #pragma unroll
+            for (int k = 0; k < K; ++k)
+                mu[k] = (!PROJECT || ((insides[i] >> k) & 1)) ? lam[k] : 0.0;
+            const T* e = E + flats[i] * (K * (K + 1));
+            #pragma unroll
+            for (int q = 0; q < K; ++q) {
+                double v = 0.0;
+                #pragma unroll
+                for (int k = 0; k < K; ++k) v += convert<double>(e[k * (K + 1) + q]) * mu[k];
+                lam[q] = v;
+            }
+            if (need_theta) {
+                if (flats[i] != m.cell) {
+                    if (m.cell >= 0) flush<K>(m, G, my_scratch);
+                    m.reset(flats[i]);
+                }
+                #pragma unroll
+                for (int k = 0; k < K; ++k) {
+                    #pragma unroll
+                    for (int q = 0; q < K; ++q) m.g[k * (K + 1) + q] += mu[k] * convert<double>(xs[i][q]);
+                    m.g[k * (K + 1) + K] += mu[k];
+                }
+            }
+        }
+    }
+    if (need_theta) flush<K>(m, G, my_scratch);
+    if (need_points) {
+        int inside0 = (1 << K) - 1;
+        if (PROJECT) {
+            T x0[K];
+            start_point<T, K, PROJECT>(points, it.point_row, x0, inside0);
+        }
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            grad_points[it.idx * K + k] = ((inside0 >> k) & 1) ? lam[k] : 0.0;
+    }
+}
+
+// -- per-cell matrix exponentials --------------------------------------------------------------
+
+// Pade(13, 13) numerator coefficients divided by the first (a zero matrix gives exactly I).
+__constant__ double PADE_13[14] = {
+    1.0, 0.5, 0.12, 0.018333333333333333, 0.0019927536231884057, 0.00016304347826086958,
+    1.0351966873706003e-05, 5.175983436853002e-07, 2.0431513566525008e-08,
+    6.306022705717595e-10, 1.48377004840414e-11, 2.529153491597966e-13,
+    2.8101705462199623e-15, 1.5440497506703088e-17};  // repr() of NumPy's _PADE_13: same doubles
+constexpr double THETA_13 = 5.371920351148152;  // Higham (2005): Pade 13 is accurate below it
+
+// Loops over M x M matrices are unrolled (matrices in registers) up to M = 4, the step
+// matrices; the 2(K+1) blocks of frechet_cells stay rolled over local arrays, which keeps the
+// code small and the spills away (one thread per cell, once per backward).
+template <int M> struct UNROLL { static constexpr int value = M <= 4 ? M : 1; };
+
+template <int M>
+__device__ __forceinline__ void matmul(const double (&a)[M][M], const double (&b)[M][M], double (&c)[M][M]) {
+    #pragma unroll (UNROLL<M>::value)
+    for (int i = 0; i < M; ++i)
+        #pragma unroll (UNROLL<M>::value)
+        for (int j = 0; j < M; ++j) {
+            double s = 0.0;
+            #pragma unroll (UNROLL<M>::value)
+            for (int l = 0; l < M; ++l) s += a[i][l] * b[l][j];
+            c[i][j] = s;
+        }
+}
+
+// A <- expm(A): scaling by 2^-s with s the smallest s >= 0 such that ||A||_1 2^-s <= THETA_13
+// (NumPy: ceil(log2(||A||_1 / THETA_13)), here exactly from the exponent), Pade(13, 13) with
+// Higham's even/odd split, one LU solve with partial pivoting, s squarings.
+template <int M>
+__device__ void expm_inplace(double (&A)[M][M]) {
+    double norm1 = 0.0;
+    #pragma unroll (UNROLL<M>::value)
+    for (int j = 0; j < M; ++j) {
+        double col = 0.0;
+        #pragma unroll (UNROLL<M>::value)
+        for (int i = 0; i < M; ++i) col += fabs(A[i][j]);
+        norm1 = fmax(norm1, col);
+    }
+    int s = 0;
+    if (norm1 > 0.0) {
+        int e;
+        const double f = frexp(norm1 / THETA_13, &e);  // = f 2^e, f in [0.5, 1)
+        s = max(f == 0.5 ? e - 1 : e, 0);
+    }
+    const double scale = ldexp(1.0, -s);
+    double X[M][M], X2[M][M], X4[M][M], X6[M][M], U[M][M], V[M][M];
+    #pragma unroll (UNROLL<M>::value)
+    for (int i = 0; i < M; ++i)
+        #pragma unroll (UNROLL<M>::value)
+        for (int j = 0; j < M; ++j) X[i][j] = A[i][j] * scale;
+    matmul<M>(X, X, X2);
+    matmul<M>(X2, X2, X4);
+    matmul<M>(X4, X2, X6);
+    const double* b = PADE_13;
+    // U = X (X6 (b13 X6 + b11 X4 + b9 X2) + b7 X6 + b5 X4 + b3 X2 + b1 I)
+    // V = X6 (b12 X6 + b10 X4 + b8 X2) + b6 X6 + b4 X4 + b2 X2 + b0 I
+    #pragma unroll (UNROLL<M>::value)
+    for (int i = 0; i < M; ++i)
+        #pragma unroll (UNROLL<M>::value)
+        for (int j = 0; j < M; ++j) {
+            U[i][j] = b[13] * X6[i][j] + b[11] * X4[i][j] + b[9] * X2[i][j];
+            V[i][j] = b[12] * X6[i][j] + b[10] * X4[i][j] + b[8] * X2[i][j];
+        }
+    matmul<M>(X6, U, A);  // A is scratch from here on
+    #pragma unroll (UNROLL<M>::value)
+    for (int i = 0; i < M; ++i)
+        #pragma unroll (UNROLL<M>::value)
+        for (int j = 0; j < M; ++j)
+            U[i][j] = A[i][j] + b[7] * X6[i][j] + b[5] * X4[i][j] + b[3] * X2[i][j] + (i == j ? b[1] : 0.0);
+    matmul<M>(X6, V, A);
+    #pragma unroll (UNROLL<M>::value)
+    for (int i = 0; i < M; ++i)
+        #pragma unroll (UNROLL<M>::value)
+        for (int j = 0; j < M; ++j)
+            V[i][j] = A[i][j] + b[6] * X6[i][j] + b[4] * X4[i][j] + b[2] * X2[i][j] + (i == j ? b[0] : 0.0);
+    matmul<M>(X, U, X2);  // X2 = U from here on
+    // Solve (V - U) R = (V + U): LU with partial pivoting on P = V - U, right-hand sides in X4.
+    #pragma unroll (UNROLL<M>::value)
+    for (int i = 0; i < M; ++i)
+        #pragma unroll (UNROLL<M>::value)
+        for (int j = 0; j < M; ++j) {
+            X6[i][j] = V[i][j] - X2[i][j];
+            X4[i][j] = V[i][j] + X2[i][j];
+        }
+    #pragma unroll (UNROLL<M>::value)
+    for (int c = 0; c < M; ++c) {
+        int p = c;
+        #pragma unroll (UNROLL<M>::value)
+        for (int r = c + 1; r < M; ++r)
+            if (fabs(X6[r][c]) > fabs(X6[p][c])) p = r;
+        if (p != c)
+            #pragma unroll (UNROLL<M>::value)
+            for (int j = 0; j < M; ++j) {
+                double t = X6[c][j]; X6[c][j] = X6[p][j]; X6[p][j] = t;
+                t = X4[c][j]; X4[c][j] = X4[p][j]; X4[p][j] = t;
+            }
+        const double inv = 1.0 / X6[c][c];
+        #pragma unroll (UNROLL<M>::value)
+        for (int r = c + 1; r < M; ++r) {
+            const double f = X6[r][c] * inv;
+            if (f == 0.0) continue;
+            #pragma unroll (UNROLL<M>::value)
+            for (int j = c; j < M; ++j) X6[r][j] -= f * X6[c][j];
+            #pragma unroll (UNROLL<M>::value)
+            for (int j = 0; j < M; ++j) X4[r][j] -= f * X4[c][j];
+        }
+    }
+    #pragma unroll (UNROLL<M>::value)
+    for (int c = M - 1; c >= 0; --c)
+        #pragma unroll (UNROLL<M>::value)
+        for (int j = 0; j < M; ++j) {
+            double v = X4[c][j];
+            #pragma unroll (UNROLL<M>::value)
+            for (int l = c + 1; l < M; ++l) v -= X6[c][l] * A[l][j];
+            A[c][j] = v / X6[c][c];
+        }
+    #pragma unroll (UNROLL<M>::value)
+    for (int i = 0; i < s; ++i) {
+        matmul<M>(A, A, X);
+        #pragma unroll (UNROLL<M>::value)
+        for (int r = 0; r < M; ++r)
+            #pragma unroll (UNROLL<M>::value)
+            for (int j = 0; j < M; ++j) A[r][j] = X[r][j];
+    }
+}
+
+// E_c = top K rows of expm(h A~_c), A (cells, K, K+1) float64 -> E (cells, K, K+1) in T.
+template <typename T, int K>
+__global__ void __launch_bounds__(128)
+expm_cells(const double* __restrict__ A, T* __restrict__ E, i64 cells, double h) {
+    const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cells) return;
+    double M[K + 1][K + 1];
+    for (int k = 0; k < K; ++k)
+        for (int q = 0; q <= K; ++q) M[k][q] = h * A[c * (K * (K + 1)) + k * (K + 1) + q];
+    for (int q = 0; q <= K; ++q) M[K][q] = 0.0;
+    expm_inplace<K + 1>(M);
+    for (int k = 0; k < K; ++k)
+        for (int q = 0; q <= K; ++q) E[c * (K * (K + 1)) + k * (K + 1) + q] = (T)M[k][q];
+}
+
+// dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K} for every cell with non-zero moments (zero for the
+// others): Van Loan's block exponential expm([[Y, Z], [0, Y]]) holds L(Y, Z) in its top-right
+// block. G is divided by its largest magnitude first (L is linear in it) so that it does not
+// drive the scaling, as NumPy's _expm_frechet_adjoint does.
+template <int K>
+__global__ void __launch_bounds__(64)
+frechet_cells(const double* __restrict__ A, const double* __restrict__ G, double* __restrict__ dA,
+              i64 cells, double h) {
+    constexpr int M = K + 1, SIZE = K * (K + 1);
+    const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cells) return;
+    double scale = 0.0;
+    for (int i = 0; i < SIZE; ++i) scale = fmax(scale, fabs(G[c * SIZE + i]));
+    if (scale == 0.0) {
+        for (int i = 0; i < SIZE; ++i) dA[c * SIZE + i] = 0.0;
+        return;
+    }
+    double W[2 * M][2 * M];
+    for (int i = 0; i < 2 * M; ++i)
+        for (int j = 0; j < 2 * M; ++j) W[i][j] = 0.0;
+    for (int k = 0; k < K; ++k)
+        for (int q = 0; q <= K; ++q) {
+            const double y = h * A[c * SIZE + k * (K + 1) + q];  // Y = (h A~)^T: Y[q][k]
+            W[q][k] = y;
+            W[M + q][M + k] = y;
+            W[k][M + q] = G[c * SIZE + k * (K + 1) + q] / scale;
+        }
+    expm_inplace<2 * M>(W);
+    for (int k = 0; k < K; ++k)
+        for (int q = 0; q <= K; ++q) dA[c * SIZE + k * (K + 1) + q] = h * (W[k][M + q] * scale);
+}
+
+}  // namespace cpab
+}  // namespace cutopo

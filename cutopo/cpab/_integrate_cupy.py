@@ -1,0 +1,218 @@
+"""CuPy path of the CPA ops: launches of ``cuda_src/cpab.cu`` (its header describes the kernels).
+
+Per call: A = B theta on the device (``cupyx.scipy.sparse``), the step-size guard (one scalar
+copied to the host), E_c = expm(h A~_c) per cell (``expm_cells``), then one thread per
+(batch item, point) for the trajectory. The VJP runs ``integrate_backward`` (per-cell moments
+G_c by warp-pooled float64 atomics), ``frechet_cells`` (dL/dA_c) and B^T on the device. The
+callers in :mod:`cutopo.cpab.integrate` and :mod:`cutopo.cpab.velocity` shape the results.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .._cuda.compile import register_instances
+from .._cuda.launch import Signature, launch
+from ._checks import check_step_size
+
+FAMILY = "cpab"
+THREADS = 256          # cpab::THREADS
+MAX_SEGMENT = 16       # cpab::MAX_SEGMENT: the largest checkpoint_every of the backward
+_CTYPE = {"float32": "float", "float64": "double"}
+_GRID = ("int32",) * 3
+
+
+def _cell_sig(t, K):
+    return Signature(FAMILY, f"cutopo::cpab::cell_index<{_CTYPE[t]}, {K}>",
+                     (f"ptr:{t}", "ptr:int64", "int64") + _GRID)
+
+
+def _velocity_sig(t, K):
+    return Signature(FAMILY, f"cutopo::cpab::velocity<{_CTYPE[t]}, {K}>",
+                     (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "int64", "int64", "int64", "int32", "int32")
+                     + _GRID)
+
+
+def _forward_sig(t, K, project):
+    name = f"cutopo::cpab::integrate_forward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}>"
+    return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64",
+                                    f"ptr:{t}", "int64", "int64", "int64", "float64")
+                     + ("int32",) * 6 + _GRID)
+
+
+def _backward_sig(t, K, project):
+    name = f"cutopo::cpab::integrate_backward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}>"
+    return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64", "ptr:float64",
+                                    "ptr:float64", "int64", "int64", "int64")
+                     + ("int32",) * 6 + _GRID)
+
+
+def _expm_sig(t, K):
+    return Signature(FAMILY, f"cutopo::cpab::expm_cells<{_CTYPE[t]}, {K}>",
+                     ("ptr:float64", f"ptr:{t}", "int64", "float64"))
+
+
+def _frechet_sig(K):
+    return Signature(FAMILY, f"cutopo::cpab::frechet_cells<{K}>",
+                     ("ptr:float64", "ptr:float64", "ptr:float64", "int64", "float64"))
+
+
+def _instances():
+    for K in (1, 2, 3):
+        yield _frechet_sig(K).name
+        for t in _CTYPE:
+            yield _cell_sig(t, K).name
+            yield _velocity_sig(t, K).name
+            yield _expm_sig(t, K).name
+            for project in (False, True):
+                yield _forward_sig(t, K, project).name
+                yield _backward_sig(t, K, project).name
+
+
+register_instances(FAMILY, _instances)
+
+
+def _blocks(count, threads=THREADS):
+    return -(-int(count) // threads)
+
+
+def _grid(shape):
+    return tuple(shape) + (1,) * (3 - len(shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-call set-up
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every kernel of one call needs (the device twin of integrate._Setup)."""
+
+    shape: tuple            # cells per axis
+    K: int
+    C: int                  # cells per theta batch item
+    B: int                  # output batch
+    N: int
+    n_points: int           # Bp: 1 (shared by the batch) or B
+    n_theta: int            # Bt: 1 or B
+    n_steps: int
+    h: float
+    dtype: np.dtype
+    project: bool
+    points: object          # (Bp, N, K) dtype, C-contiguous (not yet projected)
+    A: object               # (Bt C, K, K+1) float64
+    E: object               # (Bt C, K, K+1) dtype: top K rows of expm(h A~_c), as applied
+    tess: object
+
+
+def affine_maps(tess, theta2):
+    """A = B theta on the device: (Bt C, K, K+1) float64 from theta (Bt, d)."""
+    import cupy
+
+    basis = tess.basis_for(cupy)
+    flat = theta2.astype(np.float64, copy=False)
+    A = cupy.ascontiguousarray((basis @ flat.T).T)
+    return A.reshape(len(theta2) * tess.n_cells, tess.ndim, tess.ndim + 1)
+
+
+def setup(points, theta, tess, n_steps, name, dtype) -> Plan:
+    """The plan of one integrate/log_jacobian call; arguments already checked."""
+    import cupy
+
+    K, C = tess.ndim, tess.n_cells
+    P = points if points.ndim == 3 else points[None]
+    T2 = theta if theta.ndim == 2 else theta[None]
+    Bp, Bt = len(P), len(T2)
+    A = affine_maps(tess, T2)
+    largest = float(cupy.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max()) if len(A) else 0.0
+    check_step_size(largest, n_steps, name)
+    h = 1.0 / n_steps
+    E = cupy.empty(A.shape, dtype=dtype)
+    launch(_expm_sig(dtype.name, K), _blocks(len(A), 128), 128, (A, E, len(A), h))
+    return Plan(shape=tess.shape, K=K, C=C, B=Bt if Bp == 1 else Bp, N=P.shape[1], n_points=Bp,
+                n_theta=Bt, n_steps=n_steps, h=h, dtype=dtype,
+                project=tess.zero_boundary in ("noslip", "slip"),
+                points=cupy.ascontiguousarray(P.astype(dtype, copy=False)), A=A, E=E, tess=tess)
+
+
+def _shared(plan):
+    return int(plan.n_points == 1), int(plan.n_theta == 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+
+
+def integrate(plan: Plan, *, checkpoint_every=None, log_det=False):
+    """Run the trajectories: ``(x_T (B, N, K), checkpoints or None, log_det (B, N) or None)``.
+
+    ``checkpoint_every`` S keeps x_t for t = 0, S, 2S, ... (for :func:`backward`).
+    """
+    import cupy
+
+    B, N, K, dt = plan.B, plan.N, plan.K, plan.dtype
+    out = cupy.empty((B, N, K), dtype=dt)
+    keep = checkpoint_every is not None
+    S = checkpoint_every if keep else plan.n_steps
+    chk = cupy.empty((-(-plan.n_steps // S), B, N, K) if keep else (0,), dtype=dt)
+    trace = (cupy.ascontiguousarray(cupy.trace(plan.A[:, :, :K], axis1=1, axis2=2)) if log_det
+             else cupy.empty(0, dtype=np.float64))
+    ld = cupy.empty((B, N) if log_det else (0,), dtype=dt)
+    ps, ts = _shared(plan)
+    launch(_forward_sig(dt.name, K, plan.project), _blocks(B * N), THREADS,
+           (plan.points, plan.E, out, chk, trace, ld, B, N, plan.C, plan.h, ps, ts, plan.n_steps,
+            S, int(keep), int(log_det)) + _grid(plan.shape))
+    return out, (chk if keep else None), (ld if log_det else None)
+
+
+def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
+    """``(m_0 lambda_0 (B, N, K) float64 or None, dL/dtheta (Bt, d) float64 or None)``."""
+    import cupy
+
+    B, N, K = plan.B, plan.N, plan.K
+    cot = cupy.ascontiguousarray(cotangent.astype(np.float64, copy=False).reshape(B, N, K))
+    grad_points = cupy.empty((B, N, K) if need_points else (0,), dtype=np.float64)
+    size = K * (K + 1)
+    G = cupy.zeros((plan.n_theta * plan.C, size) if need_theta else (0,), dtype=np.float64)
+    ps, ts = _shared(plan)
+    launch(_backward_sig(plan.dtype.name, K, plan.project), _blocks(B * N), THREADS,
+           (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
+            plan.n_steps, S, int(need_points), int(need_theta)) + _grid(plan.shape))
+    grad_theta = None
+    if need_theta:
+        cells = len(G)
+        dA = cupy.empty_like(G)
+        launch(_frechet_sig(K), _blocks(cells, 64), 64, (plan.A, G, dA, cells, plan.h))
+        basis = plan.tess.basis_for(cupy)
+        grad_theta = cupy.ascontiguousarray((basis.T @ dA.reshape(plan.n_theta, -1).T).T)
+    return (grad_points if need_points else None), grad_theta
+
+
+def velocity(points, theta, tess, dtype):
+    """v (B, N, K) in ``dtype`` from checked CuPy points (Bp, N, K) or (N, K) and theta."""
+    import cupy
+
+    K = tess.ndim
+    P = points if points.ndim == 3 else points[None]
+    T2 = theta if theta.ndim == 2 else theta[None]
+    Bp, Bt = len(P), len(T2)
+    A = cupy.ascontiguousarray(affine_maps(tess, T2).astype(dtype, copy=False))
+    B, N = (Bt if Bp == 1 else Bp), P.shape[1]
+    out = cupy.empty((B, N, K), dtype=dtype)
+    P = cupy.ascontiguousarray(P.astype(dtype, copy=False))
+    launch(_velocity_sig(dtype.name, K), _blocks(B * N), THREADS,
+           (P, A, out, B, N, tess.n_cells, int(Bp == 1), int(Bt == 1)) + _grid(tess.shape))
+    return out
+
+
+def cell_index(points, shape):
+    """Cells (int64, shape points.shape[:-1]) of finite float CuPy points (..., K)."""
+    import cupy
+
+    K = len(shape)
+    flat = cupy.ascontiguousarray(points.reshape(-1, K))
+    cells = cupy.empty(len(flat), dtype=np.int64)
+    launch(_cell_sig(flat.dtype.name, K), _blocks(len(flat)), THREADS,
+           (flat, cells, len(flat)) + _grid(shape))
+    return cells.reshape(points.shape[:-1])

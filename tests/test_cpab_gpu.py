@@ -1,0 +1,283 @@
+"""CUDA kernels of the CPA ops (cuda_src/cpab.cu) against the NumPy path.
+
+The NumPy path is the oracle here (it is tested against closed forms, an ODE solver, finite
+differences and forward sensitivities in test_cpab_integrate.py). Point location is exact, so
+cells must be equal; with the NumPy step matrices substituted the trajectories must be equal
+bit for bit; otherwise results agree to the rounding of E_c. Outputs come from a NaN-poisoned
+pool, so an element a kernel forgets to write shows up as NaN.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cutopo
+from cutopo.cpab import Tessellation, integrate, log_jacobian, velocity
+from cutopo.cpab import _integrate_cupy
+from cutopo.cpab.integrate import _setup
+from cutopo.cpab.tessellation import cell_index
+from gpu_support import cupy_module as _cp, poison_pool
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(7,), (3, 4), (4, 4), (2, 3, 2), (3, 3, 3)]
+BOUNDARIES = ["noslip", "slip", None]
+RTOL = {np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-11}
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def on_faces(rng, shape, n, dtype):
+    """Points on box faces, diagonals and simplex faces (local coordinates with x == y,
+    x + y == 1, and the 3D tests' planes), plus some outside the box."""
+    K = len(shape)
+    nn = np.array(shape, dtype=np.float64)
+    box = rng.integers(0, nn, size=(n, K))
+    local = rng.random((n, K))
+    kind = rng.integers(0, 5, size=n)
+    local[kind == 0, 0] = 0.0                                             # a box face
+    if K >= 2:
+        local[kind == 1, 1] = local[kind == 1, 0]                         # x == y
+        local[kind == 2, 1] = 1.0 - local[kind == 2, 0]                   # x + y == 1
+    if K == 3:
+        sel = kind == 3
+        local[sel, 2] = local[sel, 0] + local[sel, 1] - 1.0               # a corner-tet plane
+        local[sel, 2] = np.abs(local[sel, 2])
+    pts = (box + local) / nn
+    pts[kind == 4] = rng.uniform(-0.3, 1.3, size=(int((kind == 4).sum()), K))
+    return pts.astype(dtype)
+
+
+def draw_theta(tess, rng, n=None, largest=4.0):
+    theta = tess.sample(1 if n is None else n, length_scale=0.3, rng=rng)
+    A = tess.affine_maps(theta)
+    norm = float(np.sqrt((A[..., :tess.ndim] ** 2).sum(axis=(-1, -2))).max(initial=0.0))
+    theta = theta * (largest / max(norm, 1e-12))
+    return theta[0] if n is None else theta
+
+
+# ---------------------------------------------------------------------------------------------
+# Point location and the field
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cell_index_equals_numpy_exactly(shape, dtype, rng):
+    cp = _cp()
+    poison_pool()
+    pts = np.concatenate([on_faces(rng, shape, 4000, dtype),
+                          rng.random((4000, len(shape))).astype(dtype)])
+    got = cell_index(cp.asarray(pts), shape)
+    assert isinstance(got, cp.ndarray) and got.dtype == np.int64
+    np.testing.assert_array_equal(got.get(), cell_index(pts, shape))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_velocity_matches_numpy(shape, dtype, rng):
+    cp = _cp()
+    poison_pool()
+    tess = Tessellation(shape, zero_boundary=None)
+    theta = draw_theta(tess, rng, n=3).astype(dtype)
+    pts = on_faces(rng, shape, 2000, dtype)
+    for p, t in [(pts, theta), (pts, theta[0]), (np.stack([pts] * 3), theta[1])]:
+        want = velocity(p, t, tess)
+        got = velocity(cp.asarray(p), cp.asarray(t), tess)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got.get(), want, rtol=RTOL[want.dtype], atol=RTOL[want.dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# Step matrices and trajectories
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_step_matrices_match_numpy_expm(shape, rng):
+    cp = _cp()
+    tess = Tessellation(shape)
+    theta = draw_theta(tess, rng, n=2, largest=20.0)
+    pts = rng.random((5, len(shape)))
+    plan = _integrate_cupy.setup(cp.asarray(pts), cp.asarray(theta), tess, 50, "integrate",
+                                 np.dtype(np.float64))
+    s = _setup(pts, theta, tess, 50, "integrate")
+    np.testing.assert_allclose(plan.A.get(), s.A_aug[:, :tess.ndim, :], rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(plan.E.get(), s.E, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("zb", BOUNDARIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_trajectories_are_numpys_bit_for_bit_with_numpys_step_matrices(shape, zb, dtype, rng):
+    cp = _cp()
+    poison_pool()
+    tess = Tessellation(shape, zero_boundary=zb)
+    theta = draw_theta(tess, rng, n=2, largest=8.0)
+    pts = np.concatenate([on_faces(rng, shape, 1500, dtype),
+                          rng.random((1500, len(shape))).astype(dtype)])
+    T = 16
+    s = _setup(pts, theta, tess, T, "integrate")
+    plan = _integrate_cupy.setup(cp.asarray(pts), cp.asarray(theta), tess, T, "integrate",
+                                 np.dtype(dtype))
+    plan.E = cp.asarray(s.E)                                             # NumPy's rounding of E
+    out, _, _ = _integrate_cupy.integrate(plan)
+    np.testing.assert_array_equal(out.get(), integrate(pts, theta, tess, n_steps=T))
+    _, _, ld = _integrate_cupy.integrate(plan, log_det=True)
+    # same cells; the traces come from the device's A (cupyx.scipy.sparse: float64 rounding)
+    np.testing.assert_allclose(ld.get(), log_jacobian(pts, theta, tess, n_steps=T),
+                               rtol=RTOL[np.dtype(dtype)], atol=RTOL[np.dtype(dtype)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("zb", BOUNDARIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_integrate_and_log_jacobian_match_numpy(shape, zb, dtype, rng):
+    cp = _cp()
+    poison_pool()
+    tess = Tessellation(shape, zero_boundary=zb)
+    theta = draw_theta(tess, rng, n=3).astype(dtype)
+    pts = rng.random((3000, len(shape))).astype(dtype)
+    for p, t in [(pts, theta), (pts, theta[2]), (np.stack([pts] * 3), theta),
+                 (np.stack([pts] * 3), theta[0]), (pts[None], theta)]:
+        for fn in (integrate, log_jacobian):
+            want = fn(p, t, tess, n_steps=20)
+            got = fn(cp.asarray(p), cp.asarray(t), tess, n_steps=20)
+            assert isinstance(got, cp.ndarray)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            # E_c differs from NumPy's by float64 rounding: a point that starts a step within
+            # that distance of a face may take the other cell's step (an O(h^2) difference)
+            diff = np.abs(got.get() - want)
+            tol = 10 * RTOL[want.dtype]
+            assert np.mean(diff > tol) < 1e-3, (fn.__name__, float(diff.max()))
+
+
+def test_no_slip_trajectories_stay_in_the_box(rng):
+    cp = _cp()
+    tess = Tessellation((5, 5))
+    theta = cp.asarray(draw_theta(tess, rng, largest=20.0))
+    pts = cp.asarray(rng.random((20000, 2)))
+    out = integrate(pts, theta, tess, n_steps=50)
+    assert bool(((out >= 0) & (out <= 1)).all())
+    back = integrate(out, -theta, tess, n_steps=50)
+    assert float(cp.abs(back - pts).max()) < 1e-2                        # inverse up to O(h^2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The VJP
+
+
+@pytest.mark.parametrize("zb", BOUNDARIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_vjp_matches_numpy(shape, zb, rng):
+    cp = _cp()
+    poison_pool()
+    tess = Tessellation(shape, zero_boundary=zb)
+    theta = draw_theta(tess, rng, n=2, largest=6.0)
+    pts = rng.uniform(-0.05, 1.05, size=(2000, len(shape)))               # some clipped
+    for p, t in [(pts, theta), (np.stack([pts, pts[::-1]]), theta), (pts, theta[0]),
+                 (np.stack([pts, pts[::-1]]), theta[1]), (pts[None], theta)]:
+        for S in (1, 3, 4, 16):
+            out_np, pb_np = cutopo.vjp(integrate, p, t, tess, n_steps=20, checkpoint_every=S)
+            cot = rng.standard_normal(out_np.shape)
+            want = pb_np(cot)
+            out_gpu, pb_gpu = cutopo.vjp(integrate, cp.asarray(p), cp.asarray(t), tess, n_steps=20,
+                                         checkpoint_every=S)
+            got = pb_gpu(cp.asarray(cot))
+            assert got[2] is None and want[2] is None
+            for g, w, name in zip(got[:2], want[:2], ("points", "theta")):
+                assert isinstance(g, cp.ndarray) and g.shape == w.shape and g.dtype == w.dtype
+                np.testing.assert_allclose(g.get(), w, rtol=1e-9, atol=1e-9 * np.abs(w).max(),
+                                           err_msg=f"{name} S={S}")
+
+
+def test_vjp_float32_matches_numpy(rng):
+    cp = _cp()
+    tess = Tessellation((4, 4))
+    theta = draw_theta(tess, rng, n=2).astype(np.float32)
+    pts = rng.random((5000, 2)).astype(np.float32)
+    out_np, pb_np = cutopo.vjp(integrate, pts, theta, tess, n_steps=30)
+    cot = rng.standard_normal(out_np.shape).astype(np.float32)
+    want = pb_np(cot)
+    _, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=30)
+    got = pb(cp.asarray(cot))
+    for g, w in zip(got[:2], want[:2]):
+        assert g.dtype == np.float32
+        np.testing.assert_allclose(g.get(), w, rtol=1e-3, atol=1e-4 * np.abs(w).max())
+
+
+def test_vjp_pools_a_warp_in_one_cell(rng):
+    """Every point of a warp in the same cell (the warp-pooled flush path), and every point in
+    a different cell (the scattered path)."""
+    cp = _cp()
+    tess = Tessellation((8, 8))
+    theta = draw_theta(tess, rng, largest=3.0)
+    same = np.repeat(rng.random((40, 2)), 32, axis=0) + rng.random((1280, 2)) * 1e-4
+    spread = rng.random((1280, 2))
+    for pts in (same, spread):
+        out_np, pb_np = cutopo.vjp(integrate, pts, theta, tess, n_steps=25)
+        cot = rng.standard_normal(out_np.shape)
+        want = pb_np(cot)
+        _, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=25)
+        got = pb(cp.asarray(cot))
+        np.testing.assert_allclose(got[1].get(), want[1], rtol=1e-9, atol=1e-9 * np.abs(want[1]).max())
+
+
+def test_vjp_matches_central_differences_on_the_gpu(rng):
+    cp = _cp()
+    tess = Tessellation((3, 3))
+    theta = cp.asarray(draw_theta(tess, rng, largest=3.0))
+    pts = cp.asarray(rng.random((200, 2)) * 0.9 + 0.05)
+    out, pb = cutopo.vjp(integrate, pts, theta, tess, n_steps=20)
+    cot = cp.asarray(rng.standard_normal(out.shape))
+    _, d_theta, _ = pb(cot)
+    direction = cp.asarray(rng.standard_normal(theta.shape))
+    eps = 1e-6
+    plus = integrate(pts, theta + eps * direction, tess, n_steps=20)
+    minus = integrate(pts, theta - eps * direction, tess, n_steps=20)
+    fd = float(((plus - minus) * cot).sum()) / (2 * eps)
+    an = float((d_theta * direction).sum())
+    # a point whose step starts within eps of a face makes the difference quotient jump
+    assert abs(fd - an) <= 1e-4 * max(1.0, abs(an)), (fd, an)
+
+
+def test_vjp_wrt_one_argument(rng):
+    cp = _cp()
+    tess = Tessellation((3, 2))
+    theta = cp.asarray(draw_theta(tess, rng))
+    pts = cp.asarray(rng.random((100, 2)))
+    out, pb = cutopo.vjp(integrate, pts, theta, tess, wrt="theta")
+    d_points, d_theta, _ = pb(cp.ones_like(out))
+    assert d_points is None and d_theta.shape == theta.shape
+    out, pb = cutopo.vjp(integrate, pts, theta, tess, wrt="points")
+    d_points, d_theta, _ = pb(cp.ones_like(out))
+    assert d_theta is None and d_points.shape == pts.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_errors(rng):
+    cp = _cp()
+    tess = Tessellation((2, 2))
+    theta = draw_theta(tess, rng)
+    pts = rng.random((5, 2))
+    for fn in (integrate, log_jacobian, velocity):
+        with pytest.raises(TypeError, match="points is a CuPy array but theta is not"):
+            fn(cp.asarray(pts), theta, tess)
+        with pytest.raises(TypeError, match="theta is a CuPy array but points is not"):
+            fn(pts, cp.asarray(theta), tess)
+        bad = pts.copy()
+        bad[2, 1] = np.nan
+        with pytest.raises(ValueError, match="points must be finite"):
+            fn(cp.asarray(bad), cp.asarray(theta), tess)
+        with pytest.raises(ValueError, match="theta must have shape"):
+            fn(cp.asarray(pts), cp.asarray(theta[:-1]), tess)
+    with pytest.raises(ValueError, match="checkpoint_every must be <= 16"):
+        cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, checkpoint_every=17)
+    with pytest.raises(ValueError, match="n_steps=2 is too coarse"):
+        integrate(cp.asarray(pts), cp.asarray(theta * 100), tess, n_steps=2)
+    with pytest.raises(TypeError, match="float16"):
+        cell_index(cp.asarray(pts, dtype=np.float16), (2, 2))
