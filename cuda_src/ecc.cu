@@ -109,12 +109,31 @@ __device__ __forceinline__ int contribution(const K (&nb)[pow3(NDIM)]) {
     return owned_cells<NDIM, TCONN>(TCONN ? ~lower : lower);
 }
 
+// Which pixels of the swept image hand their contribution to the sink. The whole-image kernels
+// count every pixel; a block of a larger volume (an out-of-core slab, a Dask chunk) is swept
+// with its one-pixel halo, whose pixels are read as neighbours but counted by another block.
+struct AllPixels {
+    __device__ __forceinline__ bool operator()(i64, i64, i64) const { return true; }
+};
+// Pixel (z, y, x) counts when its byte is non-zero in each of three per-axis masks (lengths nz,
+// ny, nx; in 2D z is 0 and the z mask has one byte). Coordinates past ny or nx (the tile
+// overhang) never count, so the masks need no padding.
+struct MaskedPixels {
+    const unsigned char* z;
+    const unsigned char* y;
+    const unsigned char* x;
+    i64 ny, nx;
+    __device__ __forceinline__ bool operator()(i64 gz, i64 gy, i64 gx) const {
+        return (u64)gy < (u64)ny && (u64)gx < (u64)nx && (__ldg(z + gz) & __ldg(y + gy) & __ldg(x + gx)) != 0;
+    }
+};
+
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
-// Sink(c, key, i) consumes the contribution of element i.
-template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink>
+// Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it.
+template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink, class Region = AllPixels>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
-                                      const Sink& sink) {
+                                      const Sink& sink, const Region& counts = Region()) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
     const int tx = threadIdx.x % TX;
     const int row0 = (threadIdx.x / TX) * PY + 1;  // first tile row of this thread, halo coords
@@ -198,7 +217,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                         for (int q = 0; q < 3; ++q) nb[(p * 3 + r) * 3 + q] = win[p][r][q];
                 const i64 gy = y0 + row0 + j - 1;
                 const i64 gx = x0 + tx;
-                if (gy < ny && gx < nx)
+                if (gy < ny && gx < nx && counts(z, gy, gx))
                     sink(contribution<NDIM, TCONN>(nb), nb[(pow3(NDIM) - 1) / 2],
                          image_base + (z * ny + gy) * nx + gx);
             }
@@ -301,10 +320,10 @@ __device__ __forceinline__ void word_counts(const unsigned (&W)[pow3(NDIM)], uns
     if constexpr (NDIM == 3) own_level<NDIM, TCONN, 3>(P, own, pos, neg);
 }
 
-template <int NDIM, bool TCONN, class KeyOf, class Sink>
+template <int NDIM, bool TCONN, class KeyOf, class Sink, class Region = AllPixels>
 __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
-                                      const Sink& sink) {
+                                      const Sink& sink, const Region& counts = Region()) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
     constexpr int BASE = cell_sign<NDIM, TCONN>((pow3(NDIM) - 1) / 2);
     const int lane = threadIdx.x % 32;
@@ -429,9 +448,14 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
 #ifdef CUTOPO_PROFILE_NO_SINK  // profiling variant: no histogram updates
                 if ((pos ^ neg ^ keys) == 0x12345678u) sink(1, 0, 0);
 #else
-                // Pixels outside the image carry the OUTSIDE key, which no sink counts.
-                sink(BASE + (int)(pos & 0xffffu) - (int)(neg & 0xffffu), keys & 0xffffu, 0);
-                sink(BASE + (int)(pos >> 16) - (int)(neg >> 16), keys >> 16, 0);
+                // Pixels outside the image carry the OUTSIDE key, which no sink counts. The
+                // centre word holds pixels x0 + 2 lane (low half) and x0 + 2 lane + 1.
+                const i64 gy = y0 + row0 + j - 1;
+                const i64 gx = x0 + 2 * lane;
+                if (counts(z, gy, gx))
+                    sink(BASE + (int)(pos & 0xffffu) - (int)(neg & 0xffffu), keys & 0xffffu, 0);
+                if (counts(z, gy, gx + 1))
+                    sink(BASE + (int)(pos >> 16) - (int)(neg >> 16), keys >> 16, 0);
 #endif
             }
             __syncthreads();  // the next step overwrites plane z-1
@@ -529,7 +553,6 @@ struct HistSink {
     }
 };
 
-// hist (rows, T) must be zeroed; each block adds the contributions of its tiles of one image.
 // Blocks per multiprocessor the histogram kernel's register budget is sized for. Left to
 // itself ptxas gave the 3D kernels ~108 registers (2 blocks/SM), too few warps to hide the
 // tile loads; capping at 64 (4 blocks/SM) measured 1.86 -> 1.28 ms at 512^3 float32 despite
@@ -539,11 +562,13 @@ struct HistSink {
 #endif
 
 // Keys of 16 bits take the packed sweep (tiles 64 pixels wide), 32-bit keys the scalar one.
-template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
-__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS)
-ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
-              long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
-              int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem) {
+// The body of the histogram kernels: the pixels for which counts(z, y, x) holds are counted.
+template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, class Region>
+__device__ __forceinline__ void
+histogram_tiles(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
+                long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
+                int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
+                const Region& counts) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
     typedef typename Ordered<Cmp>::type Tab;
@@ -575,11 +600,11 @@ ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* _
     if constexpr (sizeof(K) == 2) {
         __shared__ unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
         packed::sweep<NDIM, TCONN>(words, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
-                                   blocks_per_image, key_of, sink);
+                                   blocks_per_image, key_of, sink, counts);
     } else {
         __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
         sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
-                              key_of, sink);
+                              key_of, sink, counts);
     }
 
     if (hist_in_smem) {
@@ -590,6 +615,35 @@ ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* _
             if (h != 0) atomicAdd(reinterpret_cast<u64*>(row + k), (u64)(i64)h);
         }
     }
+}
+
+// hist (rows, T) must be zeroed; each block adds the contributions of its tiles of one image.
+template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
+__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS)
+ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
+              long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
+              int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem) {
+    histogram_tiles<In, Cmp, K, NDIM, TCONN>(image, thresholds, hist, nz, ny, nx, zchunk,
+                                             blocks_per_image, T, estimate, t0, inv_dt,
+                                             table_in_smem, hist_in_smem, AllPixels());
+}
+
+// The same histogram, adding only the pixels whose coordinates are marked in the per-axis masks
+// own_z (nz bytes; one byte in 2D), own_y (ny) and own_x (nx): a block of a larger volume swept
+// together with its halo (cutopo/_stream.py, cutopo/dask.py). hist accumulates: launches on the
+// blocks of one volume may add into the same rows.
+template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
+__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS)
+ecc_histogram_masked(const In* __restrict__ image,
+                     const typename Ordered<Cmp>::type* __restrict__ thresholds,
+                     long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk,
+                     int blocks_per_image, int T, int estimate, double t0, double inv_dt,
+                     int table_in_smem, int hist_in_smem, const unsigned char* __restrict__ own_z,
+                     const unsigned char* __restrict__ own_y, const unsigned char* __restrict__ own_x) {
+    histogram_tiles<In, Cmp, K, NDIM, TCONN>(image, thresholds, hist, nz, ny, nx, zchunk,
+                                             blocks_per_image, T, estimate, t0, inv_dt,
+                                             table_in_smem, hist_in_smem,
+                                             MaskedPixels{own_z, own_y, own_x, ny, nx});
 }
 
 // Inclusive prefix sum of the row h[0 .. T) by one warp (8 consecutive entries per lane, a

@@ -294,7 +294,22 @@ def _orthant_key_stack(device_id, spatial, codes):
     return cupy.asarray(np.stack(grids))
 
 
-def entries_v(mask_b, dirs64):
+def _owned(mask_b, own):
+    """The masks, cleared outside the pixels that ``own`` marks (one 1-D bool mask per spatial
+    axis, or None): the halo pixels of a block of a larger volume are neighbours only."""
+    import cupy
+
+    if own is None:
+        return mask_b
+    ndim = mask_b.ndim - 1
+    out = mask_b
+    for a, m in enumerate(own):
+        m = cupy.asarray(np.asarray(m, dtype=bool))
+        out = out & m.reshape((1,) * (a + 1) + (-1,) + (1,) * (ndim - 1 - a))
+    return out
+
+
+def entries_v(mask_b, dirs64, own=None):
     """Entries of every direction, V construction: one contribution pass per orthant, all
     orthants batched into one launch.
 
@@ -312,7 +327,7 @@ def entries_v(mask_b, dirs64):
     keys = _orthant_key_stack(cupy.cuda.Device().id, spatial, tuple(int(u) for u in unique))
     stacked = cupy.where(mask_b[None], keys[:, None], big).reshape((unique.size * B,) + spatial)
     c = _ecc_cupy.euler_contributions(stacked, ndim, False).reshape(unique.size, B, N)
-    c *= mask_b.reshape(1, B, N)
+    c *= _owned(mask_b, own).reshape(1, B, N)
     lin, cc, seg, per_segment = _compact(c, B, N, unique.size)
     seg_of_dir = device_table(np.searchsorted(unique, codes).astype(np.int32))
     return Entries(lin, cc, seg, seg_of_dir, per_segment)
@@ -329,7 +344,7 @@ def _heights(coords_dev, spatial, dirs):
     return h
 
 
-def entries_t(mask_b, dirs_dev, coords_dev):
+def entries_t(mask_b, dirs_dev, coords_dev, own=None):
     """Entries of the directions ``dirs_dev`` (a group), T construction: one pass per direction."""
     import cupy
 
@@ -342,7 +357,7 @@ def entries_t(mask_b, dirs_dev, coords_dev):
     del H
     c = _ecc_cupy.euler_contributions(vals, ndim, True).reshape(D, B, N)
     del vals
-    c *= mask_b.reshape(1, B, N)
+    c *= _owned(mask_b, own).reshape(1, B, N)
     lin, cc, seg, per_segment = _compact(c, B, N, D)
     return Entries(lin, cc, seg, cupy.arange(D, dtype=np.int32), per_segment)
 
@@ -356,10 +371,10 @@ def direction_groups(mask_b, D, tconn):
     return [(d0, min(D, d0 + step)) for d0 in range(0, D, step)]
 
 
-def group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn):
+def group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn, own=None):
     if tconn:
-        return entries_t(mask_b, dirs_dev[d0:d1], coords_dev)
-    return entries_v(mask_b, dirs64)
+        return entries_t(mask_b, dirs_dev[d0:d1], coords_dev, own)
+    return entries_v(mask_b, dirs64, own)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,10 +412,12 @@ def _ect_geometry(mask_b, dirs64, coords, t) -> _EctGeometry:
                         device_table(np.concatenate(coords)), device_table(t))
 
 
-def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=False):
+def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=False, own=None):
     """((B, D, T) result, entries): int64 ECT (soft False, t float64) or the soft ECT in t's
     dtype, and (with ``keep``) the [(d0, d1, Entries)] of every direction group for the backward,
-    or None when they are too large to keep (more than KEEP_ENTRIES)."""
+    or None when they are too large to keep (more than KEEP_ENTRIES). ``own``: count only the
+    pixels these per-axis bool masks mark (a block of a larger volume with its halo; ``coords``
+    are then the block's positions in the volume)."""
     import cupy
 
     geo = _ect_geometry(mask_b, dirs64, coords, t)
@@ -410,7 +427,7 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
     kept, total = ([] if keep else None), 0
     for d0, d1 in direction_groups(mask_b, D, tconn):
         Dg = d1 - d0
-        ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn)
+        ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn, own)
         total += int(ent.lin.size)
         if kept is not None:  # kept until they grow past KEEP_ENTRIES
             kept = kept + [(d0, d1, ent)] if total <= KEEP_ENTRIES else None

@@ -58,6 +58,13 @@ def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
             f"{'true' if tconn else 'false'}>")
 
 
+def masked_histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
+    """The histogram kernel that counts only the pixels marked in per-axis masks (blocks of a
+    larger volume swept with their halo: cutopo/_stream.py, cutopo/dask.py)."""
+    return histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn).replace(
+        "ecc_histogram<", "ecc_histogram_masked<")
+
+
 def contributions_instance(in_ctype, ndim, tconn) -> str:
     key = _VALUE_KEY.get(in_ctype, "unsigned int")
     return f"cutopo::ecc::ecc_contributions<{in_ctype}, {key}, {ndim}, {'true' if tconn else 'false'}>"
@@ -77,6 +84,12 @@ def _instances():
                 yield contributions_instance(in_ctype, ndim, tconn)
     yield histogram_instance("float", "double", "unsigned int", 3, False)
     yield histogram_instance("unsigned short", "unsigned long long", "unsigned short", 2, True)
+    # The masked variant shares the sweeps above; one instance per sweep (packed 16-bit keys in
+    # 2D and 3D, V and T; scalar 32-bit keys) keeps the compile check short.
+    yield masked_histogram_instance("unsigned char", "long long", "unsigned short", 3, False)
+    yield masked_histogram_instance("float", "float", "unsigned short", 3, True)
+    yield masked_histogram_instance("float", "double", "unsigned int", 3, False)
+    yield masked_histogram_instance("unsigned short", "long long", "unsigned short", 2, True)
     yield CUMSUM.name
 
 
@@ -123,7 +136,7 @@ class HistogramPlan:
     repeated call (a training loop, a benchmark) only allocates the output and launches.
     """
 
-    def __init__(self, spatial, nimg, dtype, thresholds, ndim, tconn):
+    def __init__(self, spatial, nimg, dtype, thresholds, ndim, tconn, masked=False):
         import cupy
 
         self.nimg, self.T = nimg, int(thresholds.size)
@@ -139,17 +152,21 @@ class HistogramPlan:
         hist_in_smem = T <= HIST_SMEM_MAX_BINS
         self.shared_mem = (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
                            + (4 * T if hist_in_smem else 0))
-        self.sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn),
+        name = (masked_histogram_instance if masked else histogram_instance)(
+            in_ctype, cmp_ctype, key_ctype, ndim, tconn)
+        masks = ("ptr:uint8",) * 3 if masked else ()
+        self.sig = Signature(FAMILY, name,
                              (f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
-                              "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32"))
+                              "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32")
+                             + masks)
         (nz, ny, nx), zchunk, per_image = _plan(self.sig, nimg, spatial, ndim, self.shared_mem,
                                                 TILE_X[key_ctype])
         t0, inv_dt = estimate if estimate else (0.0, 0.0)
         self.histogram = PreparedLaunch(
             self.sig, nimg * per_image, THREADS,
             (None, self.table, None, nz, ny, nx, zchunk, per_image, T, int(estimate is not None), t0,
-             inv_dt, int(table_in_smem), int(hist_in_smem)), shared_mem=self.shared_mem,
-            options=PROFILE_OPTIONS)
+             inv_dt, int(table_in_smem), int(hist_in_smem)) + (None,) * len(masks),
+            shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
         self.cumsum = PreparedLaunch(CUMSUM, math.ceil(nimg / (THREADS // 32)), THREADS, (None, nimg, T))
 
     def __call__(self, x):
@@ -161,20 +178,49 @@ class HistogramPlan:
         self.cumsum(out)
         return out
 
+    def add_masked(self, x, hist, own_z, own_y, own_x):
+        """Add the contributions of the marked pixels of ``x`` to ``hist`` (nimg, T), on the
+        current stream (plans built with ``masked=True``). own_*: uint8 device masks of lengths
+        nz (1 in 2D), ny and nx; the histogram is not cumulated."""
+        self.histogram(x, hist, own_z, own_y, own_x)
+
 
 @functools.lru_cache(maxsize=64)
-def _histogram_plan(device_id, spatial, nimg, dtype, thresholds_bytes, thresholds_dtype, ndim, tconn):
+def _histogram_plan(device_id, spatial, nimg, dtype, thresholds_bytes, thresholds_dtype, ndim, tconn,
+                    masked=False):
     thresholds = np.frombuffer(thresholds_bytes, dtype=thresholds_dtype)
-    return HistogramPlan(spatial, nimg, dtype, thresholds, ndim, tconn)
+    return HistogramPlan(spatial, nimg, dtype, thresholds, ndim, tconn, masked)
 
 
-def histogram_plan(image, thresholds, ndim, tconn) -> HistogramPlan:
+def histogram_plan(image, thresholds, ndim, tconn, masked=False) -> HistogramPlan:
+    """The memoized plan for ``image``'s geometry (any object with shape and dtype)."""
     import cupy
 
-    spatial = image.shape[-ndim:]
+    spatial = tuple(image.shape[-ndim:])
     nimg = math.prod(image.shape[:-ndim])
-    return _histogram_plan(cupy.cuda.Device().id, spatial, nimg, image.dtype,
-                           np.ascontiguousarray(thresholds).tobytes(), thresholds.dtype, ndim, tconn)
+    return _histogram_plan(cupy.cuda.Device().id, spatial, nimg, np.dtype(image.dtype),
+                           np.ascontiguousarray(thresholds).tobytes(), thresholds.dtype, ndim, tconn,
+                           masked)
+
+
+def masked_histogram(x, thresholds, ndim, tconn, own, hist) -> None:
+    """Add the contributions of the owned pixels of the CuPy block ``x`` (*batch, *spatial) to
+    ``hist`` (nimg, T) int64, on the current stream.
+
+    ``own``: one 1-D bool/uint8 host or device mask per spatial axis; pixel p counts when every
+    axis' mask is true at p's coordinate. The caller makes sure that every owned pixel has its
+    whole 3^ndim neighbourhood inside ``x`` or beyond the volume's border (a one-pixel halo).
+    """
+    import cupy
+
+    nimg = math.prod(x.shape[:-ndim])
+    if nimg == 0 or any(not bool(np.any(m)) for m in own if isinstance(m, np.ndarray)):
+        return
+    view = _image_view(cupy.ascontiguousarray(x)).reshape((nimg,) + tuple(x.shape[-ndim:]))
+    masks = [cupy.asarray(m).astype(np.uint8, copy=False) for m in own]
+    if ndim == 2:
+        masks = [cupy.ones(1, dtype=np.uint8)] + masks
+    histogram_plan(x, thresholds, ndim, tconn, masked=True).add_masked(view, hist, *masks)
 
 
 def ecc(image, thresholds, ndim, tconn):

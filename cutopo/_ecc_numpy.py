@@ -77,24 +77,32 @@ def _slab_contributions(padded, ndim, tconn, wrap=None):
     return c
 
 
-def contributions_from_keys(keys, ndim, tconn, outside, periodic=False):
+def contributions_from_keys(keys, ndim, tconn, outside, periodic=False, wrap0=None):
     """int8 c(p) for keys of shape (batch, *spatial); ``outside`` must exceed every key.
 
     ``periodic``: the torus complex (``outside`` is then unused; every spatial axis >= 3).
+    ``wrap0`` (periodic only): ``(start, n0)`` when axis 0 of ``keys`` is the block of planes
+    ``start, start + 1, ...`` of a torus of ``n0`` planes read with its halo planes (a streamed
+    slab): axis 0 then does not wrap within the block, and the c of its first and last planes
+    are not meaningful (their neighbours lie outside the block).
     """
     pad = [(0, 0)] + [(1, 1)] * ndim
-    if periodic:
+    if periodic and wrap0 is not None:
+        padded = np.pad(keys, [(0, 0), (0, 0)] + [(1, 1)] * (ndim - 1), mode="wrap")
+        padded = np.pad(padded, [(0, 0), (1, 1)] + [(0, 0)] * (ndim - 1), mode="edge")
+    elif periodic:
         padded = np.pad(keys, pad, mode="wrap")
     else:
         padded = np.pad(keys, pad, constant_values=outside)
     out = np.empty(keys.shape, dtype=np.int8)
     n0 = keys.shape[1]
+    start, n_total = wrap0 if wrap0 is not None else (0, n0)
     per_row = max(1, math.prod(keys.shape) // max(n0, 1))
     step = max(1, _SLAB_ELEMENTS // per_row)
     for z0 in range(0, n0, step):
         z1 = min(n0, z0 + step)
         out[:, z0:z1] = _slab_contributions(padded[:, z0:z1 + 2], ndim, tconn,
-                                            (z0, n0) if periodic else None)
+                                            (start + z0, n_total) if periodic else None)
     return out
 
 
@@ -143,3 +151,75 @@ def ecc(image, thresholds, ndim, tconn, periodic=False):
         hist[b0:b0 + part.shape[0]] += counts.reshape(part.shape[0], T + 1)
     curve = np.cumsum(np.rint(hist[:, :T]).astype(np.int64), axis=1)
     return curve.reshape(batch + (T,))
+
+
+def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, start=0, n0=None,
+                    step_elements=_SLAB_ELEMENTS):
+    """int64 (nimg, T) histogram (not cumulated) of c over the owned pixels of a block.
+
+    The blocks of a volume too large to handle at once (an out-of-core slab, a Dask chunk) are
+    read with a one-pixel halo: the halo pixels are neighbours of owned pixels but are counted
+    by the block that owns them. c(p) depends only on the keys of p's 3^ndim neighbourhood and on
+    the direction of each neighbour (the index tie-break), so the sum over blocks of their
+    owned histograms is the histogram of the whole volume, exactly.
+
+    ``block``: host array (*batch, *spatial) (a NumPy array or memmap view; it is read in
+    sub-slabs of about ``step_elements`` elements, so it need not be in memory). ``own``: None
+    (every pixel) or one 1-D bool mask per spatial axis of the block; every owned pixel must have
+    its whole neighbourhood inside the block or beyond the volume's border, where positions are
+    outside. ``periodic``: the torus complex; axis 0 of the block then carries halo planes taken
+    from the wrapped volume (``start``: global index of the block's plane 0, ``n0``: the
+    volume's length along axis 0) and the other spatial axes are whole and wrap within the block.
+    Memory: keys of 2 bytes per pixel (4 with 65535 thresholds or more) for the block, plus about
+    60 bytes per element of one sub-slab.
+    """
+    spatial = tuple(block.shape[-ndim:])
+    nimg = math.prod(block.shape[:-ndim])
+    T = int(thresholds.size)
+    hist = np.zeros((nimg, T + 1), dtype=np.int64)
+    if nimg == 0:
+        return hist[:, :T]
+    x = block.reshape((nimg,) + spatial)
+    if own is None:
+        own = [np.ones(n, dtype=bool) for n in spatial]
+    own = [np.asarray(m, dtype=bool) for m in own]
+    key_dtype = np.uint16 if T + 1 <= np.iinfo(np.uint16).max else np.int32
+    outside = key_dtype(T + 1)
+    padded = np.full((nimg,) + tuple(n + 2 for n in spatial), outside, dtype=key_dtype)
+    inner = (slice(None),) * 2 + (slice(1, -1),) * (ndim - 1)
+    per_row = nimg * math.prod(spatial[1:])
+    rows = max(1, step_elements // max(per_row, 1))
+    for z0 in range(0, spatial[0], rows):
+        z1 = min(spatial[0], z0 + rows)
+        part = np.asarray(x[:, z0:z1]).astype(thresholds.dtype, copy=False)
+        bins = np.searchsorted(thresholds, part.ravel(), side="left").reshape(part.shape)
+        padded[(slice(None), slice(1 + z0, 1 + z1)) + inner[2:]] = bins
+    if periodic:
+        # The axes after the first wrap within the block (they are whole); axis 0 has its halo.
+        for a in range(2, ndim + 1):
+            n = spatial[a - 1]
+            lead = (slice(None),) * a
+            padded[lead + (0,)] = padded[lead + (n,)]
+            padded[lead + (n + 1,)] = padded[lead + (1,)]
+    rest = [m.reshape((1,) * (a + 2) + (-1,) + (1,) * (ndim - 2 - a)) for a, m in enumerate(own[1:])]
+    owned_rows = np.flatnonzero(own[0])
+    if owned_rows.size == 0 or not all(m.any() for m in own[1:]):
+        return hist[:, :T]
+    lo, hi = int(owned_rows[0]), int(owned_rows[-1]) + 1
+    for z0 in range(lo, hi, rows):
+        z1 = min(hi, z0 + rows)
+        wrap = (start + z0, n0) if periodic else None
+        c = _slab_contributions(padded[:, z0:z1 + 2], ndim, tconn, wrap)
+        mask = own[0][z0:z1].reshape((1, -1) + (1,) * (ndim - 1))
+        for m in rest:
+            mask = mask & m
+        c *= mask
+        keys = padded[(slice(None), slice(1 + z0, 1 + z1)) + inner[2:]]
+        nonzero = np.flatnonzero(c)
+        if nonzero.size == 0:
+            continue
+        image_of = nonzero // (c.size // nimg)
+        hist += np.bincount(image_of * (T + 1) + keys.ravel()[nonzero].astype(np.int64),
+                            weights=c.ravel()[nonzero],
+                            minlength=nimg * (T + 1)).round().astype(np.int64).reshape(nimg, T + 1)
+    return hist[:, :T]

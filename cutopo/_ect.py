@@ -22,9 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _band_cupy
+from . import _band_cupy, _stream
 from ._array import as_array, is_cupy_array, to_numpy
-from ._checks import check_connectivity, check_scale, check_thresholds, same_array_type
+from ._checks import (check_boundary, check_connectivity, check_scale, check_thresholds,
+                      same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
 from ._soft_ecc import band_halfwidth
 from .vjp import register
@@ -277,7 +278,19 @@ def _orthant_contributions(part, positive):
     return c
 
 
-def _entries_v(part, b0, dirs, coords):
+def _owned(part, own):
+    """``part`` (nb, *spatial) bool, cleared outside the pixels that ``own`` (one bool mask per
+    spatial axis, or None) marks: a block's halo pixels are neighbours only."""
+    if own is None:
+        return part
+    ndim = part.ndim - 1
+    out = part
+    for a, m in enumerate(own):
+        out = out & np.asarray(m, dtype=bool).reshape((1,) * (a + 1) + (-1,) + (1,) * (ndim - 1 - a))
+    return out
+
+
+def _entries_v(part, b0, dirs, coords, own=None):
     nb = part.shape[0]
     spatial = part.shape[1:]
     ndim = len(spatial)
@@ -286,7 +299,10 @@ def _entries_v(part, b0, dirs, coords):
     codes = positive.astype(np.int64) @ (1 << np.arange(ndim, dtype=np.int64))
     for code in np.unique(codes):
         dir_ids = np.flatnonzero(codes == code)
-        c = _orthant_contributions(part, positive[dir_ids[0]]).reshape(-1)
+        c = _orthant_contributions(part, positive[dir_ids[0]])
+        if own is not None:
+            c *= _owned(part, own)
+        c = c.reshape(-1)
         flat = np.flatnonzero(c)
         if flat.size == 0:
             continue
@@ -307,7 +323,10 @@ def _entries_v(part, b0, dirs, coords):
                          tuple(np.tile(x, k) for x in xs))
 
 
-def _entries_t(part, b0, dirs, coords):
+def _entries_t(part, b0, dirs, coords, own=None, periodic=False, tconn=True, wrap0=None):
+    """Entries from one contribution pass per direction, under the value order of the heights
+    (T construction; also the V construction on the torus, where no corner is the maximum of
+    every cell)."""
     nb = part.shape[0]
     spatial = part.shape[1:]
     ndim = len(spatial)
@@ -321,9 +340,9 @@ def _entries_t(part, b0, dirs, coords):
         vals = np.where(part[None], H[:, None], np.inf).reshape((k * nb,) + spatial)
         keys, outside = order_keys(vals)
         del vals
-        c = contributions_from_keys(keys, ndim, True, outside).reshape(k, nb, N)
+        c = contributions_from_keys(keys, ndim, tconn, outside, periodic, wrap0).reshape(k, nb, N)
         del keys
-        c *= part.reshape(1, nb, N)  # non-mask pixels (h = inf) never enter a sublevel set
+        c *= _owned(part, own).reshape(1, nb, N)  # non-mask pixels (h = inf) never enter
         c = c.reshape(-1)
         flat = np.flatnonzero(c)
         row, lin = np.divmod(flat, N)
@@ -332,17 +351,41 @@ def _entries_t(part, b0, dirs, coords):
         yield _Chunk(b0, nb, ids, row, c[flat], h, tuple(coords[a][idx[a]] for a in range(ndim)))
 
 
-def _entries(mask_b, dirs, coords, tconn):
-    """All entries, chunked over images and directions so that memory stays bounded."""
+def _entries(mask_b, dirs, coords, tconn, own=None, periodic=False, wrap0=None):
+    """All entries, chunked over images and directions so that memory stays bounded.
+
+    ``own``: count only the pixels marked by these per-axis masks (a block with its halo).
+    ``periodic``: the torus complex (every construction then takes the per-direction pass);
+    ``wrap0``: see :func:`cutopo._ecc_numpy.contributions_from_keys` (streamed slabs).
+    """
     B = mask_b.shape[0]
     N = math.prod(mask_b.shape[1:])
     step = max(1, _PASS_ELEMENTS // N)
     for b0 in range(0, B, step):
         part = mask_b[b0:b0 + step]
-        if tconn:
-            yield from _entries_t(part, b0, dirs, coords)
+        if tconn or periodic:
+            yield from _entries_t(part, b0, dirs, coords, own, periodic, tconn, wrap0)
         else:
-            yield from _entries_v(part, b0, dirs, coords)
+            yield from _entries_v(part, b0, dirs, coords, own)
+
+
+def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=None):
+    """int64 (B, D, T) exact ECT of the NumPy masks ``mask_b`` (B, *spatial) at the positions
+    ``coords`` (one array per axis), counting only the pixels that ``own`` marks.
+
+    The ECT is linear in the contributions, so the curves of the blocks of a volume (each with
+    its halo, owning disjoint pixels, at the volume's positions) add up to the volume's.
+    """
+    B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
+    hist = np.zeros((B, D, T + 1), dtype=np.int64)
+    for ch in _entries(mask_b, dirs64, coords, tconn, own, periodic, wrap0):
+        k = ch.ids.size
+        # bin = first k with h <= t_k (T when none): the pixel counts from threshold k on.
+        bins = np.searchsorted(t, ch.h, side="left")
+        local = np.bincount(ch.row * (T + 1) + bins, weights=ch.c, minlength=k * ch.nb * (T + 1))
+        local = np.rint(local).astype(np.int64).reshape(k, ch.nb, T + 1)
+        hist[ch.b0:ch.b0 + ch.nb, ch.ids] += local.transpose(1, 0, 2)
+    return np.cumsum(hist[..., :T], axis=-1)
 
 
 def _segment_starts(row):
@@ -356,7 +399,8 @@ def _segment_starts(row):
 # Exact ECT
 
 
-def ect(mask, directions, thresholds, *, connectivity=1):
+def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=None,
+        max_slab_bytes=None):
     """Exact Euler characteristic transform of the foreground of binary 2D/3D images.
 
     Entry (d, k) of the result is the Euler characteristic of
@@ -387,11 +431,30 @@ def ect(mask, directions, thresholds, *, connectivity=1):
         vertices' heights (4-connected foreground in 2D, 6-connected in 3D). ``ndim``: T
         construction, pixels are closed squares/cubes and a lower cell takes the min over the
         pixels around it (8- / 26-connected). As for :func:`cutopo.ecc`.
+    boundary : {"box", "periodic"}, optional
+        ``"box"`` (default): positions outside the image are empty. ``"periodic"``: the
+        cubical complex of the torus, as for :func:`cutopo.ecc` (every spatial axis >= 3; NumPy
+        and host inputs only): the result equals ``cutopo.ecc(numpy.where(mask, heights(spatial,
+        v), numpy.inf), thresholds, ndim=ndim, connectivity=connectivity, boundary="periodic")``
+        for every direction v. The pixel positions (and so the heights) are those of the box;
+        a cell that spans the wrap takes the max (V) or min (T) of its pixels' heights. Every
+        direction then takes a full contribution pass (no corner is the maximum of every
+        cell on the torus).
+    device : {None, "cpu", "cuda"}, optional
+        As for :func:`cutopo.ecc`: ``"cuda"`` streams a host mask through the current GPU.
+    max_slab_bytes : int, optional
+        As for :func:`cutopo.ecc`: streamed host masks (``numpy.memmap``, Zarr arrays and
+        other array-likes with ``shape``, ``dtype`` and slicing; NumPy arrays with
+        ``device="cuda"`` or with this bound) are read in slabs of planes along the first
+        spatial axis with a one-plane halo, and every slab's positions are its positions in
+        the volume, so the result equals the in-memory one exactly. A slab takes at most
+        this many bytes, counted as 48 bytes per pixel on the CPU and 64 on the GPU (the
+        contribution passes' temporaries); default 256 MiB (CPU) or 512 MiB (GPU).
 
     Returns
     -------
     transform : ndarray of int64, shape (*batch, D, T)
-        Of the mask's array type.
+        Of the mask's array type (NumPy for streamed host masks).
 
     Notes
     -----
@@ -443,22 +506,18 @@ def ect(mask, directions, thresholds, *, connectivity=1):
        transforms", SEA 2024 (LIPIcs 301), arXiv:2405.02256; the Eucalc library
        (per-orthant precomputation of the critical vertices).
     """
+    streamed, backend, slab = _stream.route(mask, device, max_slab_bytes, op="ect")
+    if streamed:
+        return _stream.ect(mask, directions, thresholds, connectivity, boundary, backend, slab)
     _, dirs64, mask_b, batch, spatial, coords, tconn, t, _ = _prepare(
         "ect", mask, directions, thresholds, connectivity)
+    periodic = check_boundary(boundary, mask_b, len(spatial))
     B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
     if is_cupy_array(mask_b):
         with mask_b.device:
             out, _ = _band_cupy.ect_forward(mask_b, dirs64, coords, t, tconn, soft=False)
         return out.reshape(batch + (D, T))
-    hist = np.zeros((B, D, T + 1), dtype=np.int64)
-    for ch in _entries(mask_b, dirs64, coords, tconn):
-        k = ch.ids.size
-        # bin = first k with h <= t_k (T when none): the pixel counts from threshold k on.
-        bins = np.searchsorted(t, ch.h, side="left")
-        local = np.bincount(ch.row * (T + 1) + bins, weights=ch.c, minlength=k * ch.nb * (T + 1))
-        local = np.rint(local).astype(np.int64).reshape(k, ch.nb, T + 1)
-        hist[ch.b0:ch.b0 + ch.nb, ch.ids] += local.transpose(1, 0, 2)
-    return np.cumsum(hist[..., :T], axis=-1).reshape(batch + (D, T))
+    return curves(mask_b, dirs64, coords, t, tconn, periodic=periodic).reshape(batch + (D, T))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
 """Euler characteristic curves of 2D/3D images: exact, integer, batched, on NumPy or CuPy arrays."""
 from __future__ import annotations
 
-from . import _ecc_cupy, _ecc_numpy
+import types
+
+import numpy as np
+
+from . import _ecc_cupy, _ecc_numpy, _stream
 from ._array import is_cupy_array
 from ._checks import (check_boundary, check_connectivity, check_image, check_thresholds, linear_thresholds,
                       same_array_type)
@@ -10,7 +14,8 @@ __all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expec
            "soft_ect"]
 
 
-def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
+def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=None,
+        max_slab_bytes=None):
     """Exact Euler characteristic curve of the sublevel filtration of an image.
 
     Entry k of the result is the Euler characteristic of the sublevel set
@@ -46,11 +51,42 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
         once every pixel is in.
         Every spatial axis must have length >= 3 (with 1 or 2 the torus complex
         degenerates). NumPy inputs only for now: CuPy inputs raise NotImplementedError.
+    device : {None, "cpu", "cuda"}, optional
+        Where a host input is computed. ``None`` (default): where it lives (NumPy arrays,
+        memmaps and other host array-likes on the CPU, CuPy arrays on their GPU). ``"cuda"``:
+        a host input is streamed through the current GPU (see Out-of-core inputs); the result
+        is still a NumPy array. ``"cpu"`` with a CuPy array raises TypeError.
+    max_slab_bytes : int, optional
+        Stream a host input in slabs that take at most this many bytes (see Out-of-core
+        inputs); given for an in-memory NumPy array, it bounds the working memory of the
+        CPU path. Default: 256 MiB on the CPU, 512 MiB on the GPU, for inputs that stream.
 
     Returns
     -------
     curve : ndarray of int64, shape (*batch, T)
-        Same array type as ``image``.
+        Same array type as ``image`` (NumPy for every streamed host input).
+
+    Out-of-core inputs
+    ------------------
+    A ``numpy.memmap``, or any object that has ``shape``, ``dtype`` and NumPy-style slicing
+    through ``__getitem__`` but is not an in-memory NumPy or CuPy array (a Zarr array, an h5py
+    dataset, ...), is **streamed**: read in slabs of planes along the first spatial axis, each
+    with a one-plane halo on both sides, never whole. So is a NumPy array with
+    ``device="cuda"`` or with ``max_slab_bytes``. Each slab adds the contributions of the
+    pixels of its own planes to one integer histogram (the halo planes are only neighbours),
+    so the result equals the in-memory result exactly. Small images of a batch are read whole,
+    several per slab. A threshold count costs one more pass (the minimum and maximum).
+
+    Memory bound, with ``S = max_slab_bytes``: on the CPU a slab's input plus its keys (2 bytes
+    per pixel, 4 with 65535 thresholds or more) take at most S, and the sub-slab temporaries
+    about 64 MiB more. On the GPU a slab's input takes at most S; the call allocates two device
+    slab buffers and two pinned host buffers of that size (fewer bytes when the input is
+    smaller), plus the (*batch, T) int64 histogram; a source that is already pinned
+    (``cupyx.empty_pinned``) is copied to the device directly, without the host buffers. While
+    the GPU histograms slab k, slab k + 1 is copied (pinned memory, second CUDA stream) and
+    slab k + 2 read into pinned memory by host threads. A slab needs at least one plane besides
+    its two halo planes: a smaller S raises ValueError. Periodic boundaries stream on the CPU
+    only.
 
     Notes
     -----
@@ -86,6 +122,16 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     >>> cutopo.ecc(ring, [0, 1], boundary="periodic")   # a full row wraps into a circle
     array([0, 0])
 
+    A volume on disk, streamed in slabs of at most 1 MiB (the result is the in-memory one):
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "vol.u8")
+    >>> vol = np.memmap(path, dtype=np.uint8, mode="w+", shape=(64, 128, 128))
+    >>> vol[:] = np.random.default_rng(0).integers(0, 4, vol.shape)
+    >>> curve = cutopo.ecc(vol, [0, 1, 2, 3], max_slab_bytes=1 << 20)
+    >>> bool((curve == cutopo.ecc(np.asarray(vol), [0, 1, 2, 3])).all())
+    True
+
     References
     ----------
     .. [1] H. Wang, H. Wagner, C. Chen, "GPU computation of the Euler characteristic curve for
@@ -93,6 +139,9 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     .. [2] J. Ohser, W. Nagel, K. Schladitz, "The Euler number of discretized sets - on the
        choice of adjacency in homogeneous lattices", 2002.
     """
+    streamed, backend, slab = _stream.route(image, device, max_slab_bytes, op="ecc")
+    if streamed:
+        return _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab)
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
     periodic = check_boundary(boundary, image, ndim)
@@ -101,6 +150,20 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     if is_cupy_array(image):
         return _ecc_cupy.ecc(image, t, ndim, tconn)
     return _ecc_numpy.ecc(image, t, ndim, tconn, periodic)
+
+
+def _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab):
+    """ecc of a host source read in slabs (cutopo._stream); same checks as the in-memory call."""
+    src = _stream.check_source(image, ndim)
+    tconn = check_connectivity(connectivity, src.ndim)
+    periodic = check_boundary(boundary, types.SimpleNamespace(shape=src.shape, ndim=len(src.shape)),
+                              src.ndim)
+    same_array_type(image, [("thresholds", thresholds)])
+    probe = np.empty(0, dtype=src.dtype)
+    if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
+        thresholds = _stream.linear_thresholds(src, thresholds, slab)
+    t, _ = check_thresholds(thresholds, probe)
+    return _stream.ecc(src, t, tconn, periodic, backend, slab)
 
 
 def euler_contributions(image, *, ndim=None, connectivity=1, boundary="box"):

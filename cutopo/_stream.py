@@ -1,0 +1,525 @@
+"""Out-of-core ECC and ECT: a volume read in slabs along its first spatial axis.
+
+The exact ECC is a sum of per-pixel contributions c(p), and c(p) depends only on the keys of
+p's 3^ndim neighbourhood and on the direction of each neighbour (the C-order tie-break). A slab
+of planes [z0, z1) read together with the planes z0 - 1 and z1 (its one-plane halo) therefore
+gives the contributions of its own planes exactly; the halo planes are counted by the slabs
+that own them. Every slab's histogram is added into one integer histogram, whose cumulative sum
+is the curve: equal to the in-memory result, bit for bit.
+
+Sources (:func:`is_out_of_core`): a ``numpy.memmap``, or any object with ``shape``, ``dtype``
+and NumPy-style ``__getitem__`` slicing that is not an in-memory NumPy or CuPy array (a Zarr
+array, an h5py dataset, ...). Small images of a batch are read whole, several per slab, without
+a halo.
+
+Backends: the NumPy path (:func:`cutopo._ecc_numpy.owned_histogram`), or the GPU: two pinned
+host buffers and two device buffers, a copy stream and a compute stream, so that reading slab
+k + 1 into pinned memory (host threads), copying slab k to the device and the histogram kernel
+on slab k - 1 overlap (``ecc_histogram_masked`` of ``cuda_src/ecc.cu`` counts only the owned
+planes and adds into the shared histogram).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import operator
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _ecc_numpy
+from ._array import is_cupy_array
+from ._checks import IMAGE_DTYPES
+
+DEFAULT_CPU_SLAB_BYTES = 256 << 20
+DEFAULT_GPU_SLAB_BYTES = 512 << 20
+DEVICES = ("cpu", "cuda")
+# Sub-slab of the NumPy path (elements): its temporaries take about 60 bytes per element.
+CPU_STEP_ELEMENTS = 1 << 20
+# Host threads that fill a pinned buffer (NumPy copies release the GIL).
+READ_THREADS = min(8, os.cpu_count() or 1)
+
+
+def is_out_of_core(x) -> bool:
+    """True for a ``numpy.memmap`` and for array-likes that are not NumPy or CuPy arrays but have
+    ``shape``, ``dtype`` and ``__getitem__`` (Zarr arrays, h5py datasets, ...)."""
+    if isinstance(x, np.memmap):
+        return True
+    if isinstance(x, np.ndarray) or is_cupy_array(x):
+        return False
+    return all(hasattr(x, a) for a in ("shape", "dtype", "__getitem__"))
+
+
+def check_device(device):
+    """None, "cpu" or "cuda"."""
+    if device is None:
+        return None
+    if not isinstance(device, str):
+        raise TypeError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def check_max_slab_bytes(value):
+    """None or a positive int."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"max_slab_bytes must be a positive int or None, got {value!r}")
+    if value < 1:
+        raise ValueError(f"max_slab_bytes must be positive, got {value}")
+    return int(value)
+
+
+def route(image, device, max_slab_bytes, *, op):
+    """Whether a call streams: (stream?, backend "cpu"/"cuda"/None, max_slab_bytes).
+
+    CuPy arrays never stream (they are already on the device); host arrays stream when they are
+    out of core, when ``device="cuda"`` (the GPU computes, the data stay on the host) or when a
+    ``max_slab_bytes`` bound is asked for.
+    """
+    device = check_device(device)
+    max_slab_bytes = check_max_slab_bytes(max_slab_bytes)
+    if is_cupy_array(image):
+        if device == "cpu":
+            raise TypeError(f"{op}: device='cpu' but the input is a CuPy array: move it to the host "
+                            "first (cutopo never copies between devices on its own)")
+        if max_slab_bytes is not None:
+            raise ValueError(f"{op}: max_slab_bytes applies to host inputs that are streamed; the "
+                             "input is already a CuPy array")
+        return False, None, None
+    stream = is_out_of_core(image) or device == "cuda" or max_slab_bytes is not None
+    if not stream:
+        return False, None, None
+    backend = device or "cpu"
+    if backend == "cuda":
+        from ._array import gpu_available
+
+        if not gpu_available():
+            raise RuntimeError(f"{op}: device='cuda' was asked for, but CuPy sees no CUDA device")
+    if max_slab_bytes is None:
+        max_slab_bytes = DEFAULT_GPU_SLAB_BYTES if backend == "cuda" else DEFAULT_CPU_SLAB_BYTES
+    return True, backend, max_slab_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+class Source(NamedTuple):
+    """A validated host source of shape (*batch, *spatial)."""
+    data: object
+    shape: tuple
+    dtype: np.dtype
+    ndim: int
+
+    @property
+    def batch(self):
+        return self.shape[:len(self.shape) - self.ndim]
+
+    @property
+    def spatial(self):
+        return self.shape[len(self.shape) - self.ndim:]
+
+
+def check_source(image, ndim, *, name="image", dtypes=IMAGE_DTYPES, mask=False) -> Source:
+    """Validate a host source without reading its data (as check_image does for arrays)."""
+    try:
+        shape = tuple(operator.index(s) for s in image.shape)
+        dtype = np.dtype(image.dtype)
+    except Exception as exc:
+        raise TypeError(f"{name}: an out-of-core input needs integer shape and a NumPy dtype, got "
+                        f"{type(image).__name__}") from exc
+    if mask:
+        if dtype.kind not in "biu":
+            raise TypeError(f"{name}: dtype {dtype} is not bool or integer")
+    elif dtype not in dtypes:
+        names = ", ".join(d.name for d in dtypes)
+        raise TypeError(f"{name}: dtype {dtype} is not supported (use one of {names})")
+    if ndim is None:
+        if len(shape) not in (2, 3):
+            raise ValueError(f"{name}: with ndim=None the image must be 2-D or 3-D, got shape {shape}; "
+                             "pass ndim=2 or ndim=3 for batches")
+        ndim = len(shape)
+    else:
+        try:
+            ndim = operator.index(ndim)
+        except TypeError:
+            raise TypeError(f"ndim must be None, 2 or 3, got {ndim!r}") from None
+        if ndim not in (2, 3):
+            raise ValueError(f"ndim must be None, 2 or 3, got {ndim}")
+        if len(shape) < ndim:
+            raise ValueError(f"{name}: ndim={ndim} spatial axes asked for, but it has shape {shape}")
+    if any(s == 0 for s in shape[len(shape) - ndim:]):
+        raise ValueError(f"{name}: spatial shape {shape[len(shape) - ndim:]} has a zero-length axis")
+    return Source(image, shape, dtype, ndim)
+
+
+class Piece(NamedTuple):
+    """One read: images [f0, f1) of the flattened batch, planes ``ranges`` (contiguous (a, b)
+    ranges along the first spatial axis, concatenated; more than one only for periodic halos),
+    ``own0`` the owned planes of the read block and ``start`` its first plane's global index."""
+    lead: tuple        # batch index of the images (all batch axes but the last)
+    f0: int            # flattened image range
+    f1: int
+    b0: int            # range along the last batch axis (== f0, f1 without batch axes)
+    b1: int
+    ranges: tuple
+    own0: np.ndarray
+    start: int
+
+    @property
+    def planes(self):
+        return sum(b - a for a, b in self.ranges)
+
+
+def plan_pieces(src: Source, bytes_per_voxel: float, max_slab_bytes: int, periodic=False,
+                what="max_slab_bytes"):
+    """The reads of a streamed pass, each at most ``max_slab_bytes`` (``bytes_per_voxel`` counts
+    what a voxel costs in memory: its input and keys). Whole images are grouped when they fit."""
+    batch, spatial = src.batch, src.spatial
+    n0 = spatial[0]
+    plane = math.prod(spatial[1:])
+    image_bytes = bytes_per_voxel * n0 * plane
+    last = batch[-1] if batch else 1
+    leads = list(np.ndindex(*batch[:-1])) if batch else [()]
+    pieces = []
+    per_group = int(max_slab_bytes // image_bytes) if image_bytes > 0 else last
+    if per_group >= 1 and not periodic:
+        for li, lead in enumerate(leads):
+            for b0 in range(0, last, per_group):
+                b1 = min(last, b0 + per_group)
+                pieces.append(Piece(lead, li * last + b0, li * last + b1, b0, b1, ((0, n0),),
+                                    np.ones(n0, dtype=bool), 0))
+        return pieces
+    rows = int(max_slab_bytes // (bytes_per_voxel * plane)) - 2
+    if rows < 1:
+        need = math.ceil(3 * bytes_per_voxel * plane)
+        raise ValueError(f"{what}={max_slab_bytes} is too small: a slab needs at least one plane and "
+                         f"its two halo planes, {need} bytes here (spatial shape {spatial})")
+    for li, lead in enumerate(leads):
+        for b in range(last):
+            f = li * last + b
+            for z0 in range(0, n0, rows):
+                z1 = min(n0, z0 + rows)
+                if periodic:
+                    # Halo planes z0 - 1 and z1 taken modulo n0 (n0 >= 3 on the torus).
+                    planes = [(z % n0) for z in range(z0 - 1, z1 + 1)]
+                    ranges = _runs(planes)
+                    own0 = np.zeros(len(planes), dtype=bool)
+                    own0[1:-1] = True
+                    start = z0 - 1
+                else:
+                    a, c = max(z0 - 1, 0), min(z1 + 1, n0)
+                    ranges = ((a, c),)
+                    own0 = np.zeros(c - a, dtype=bool)
+                    own0[z0 - a:z1 - a] = True
+                    start = a
+                pieces.append(Piece(lead, f, f + 1, b, b + 1, ranges, own0, start))
+    return pieces
+
+
+def _runs(planes):
+    """Contiguous (a, b) ranges covering the list of plane indices in order."""
+    runs = []
+    for z in planes:
+        if runs and runs[-1][1] == z:
+            runs[-1][1] = z + 1
+        else:
+            runs.append([z, z + 1])
+    return tuple((a, b) for a, b in runs)
+
+
+def _index(src: Source, piece: Piece, a, b):
+    """The __getitem__ key of planes [a, b) of a piece's images."""
+    if src.batch:
+        head = piece.lead + (slice(piece.b0, piece.b1),)
+    else:
+        head = ()
+    return head + (slice(a, b),) + (slice(None),) * (src.ndim - 1)
+
+
+def piece_shape(src: Source, piece: Piece):
+    """(images, planes, *spatial[1:]) of a piece's block."""
+    return (piece.f1 - piece.f0, piece.planes) + tuple(src.spatial[1:])
+
+
+def read_piece(src: Source, piece: Piece, out=None, pool=None):
+    """The block of a piece as a host array of shape :func:`piece_shape` (into ``out`` when
+    given, split across ``pool``'s threads); without ``out`` a single memmap or array range is
+    returned as the source's own view where it has one."""
+    shape = piece_shape(src, piece)
+    if out is None and len(piece.ranges) == 1:
+        a, b = piece.ranges[0]
+        block = src.data[_index(src, piece, a, b)]
+        block = block if isinstance(block, np.ndarray) else np.asarray(block)
+        return block.reshape(shape)
+    if out is None:
+        out = np.empty(shape, dtype=src.dtype)
+    else:
+        out = out.reshape(shape)
+    jobs = []
+    offset = 0
+    for a, b in piece.ranges:
+        # Split each range into parts of about equal size, one per thread.
+        parts = max(1, min(READ_THREADS if pool is not None else 1, b - a))
+        cuts = np.linspace(a, b, parts + 1).astype(int)
+        for c0, c1 in zip(cuts[:-1], cuts[1:]):
+            if c1 > c0:
+                jobs.append((offset + c0 - a, offset + c1 - a, c0, c1))
+        offset += b - a
+    flat_out = out.reshape((-1,) + shape[1:]) if shape[0] else out
+
+    def copy(job):
+        o0, o1, c0, c1 = job
+        part = np.asarray(src.data[_index(src, piece, c0, c1)])
+        flat_out[:, o0:o1] = part.reshape((shape[0], c1 - c0) + shape[2:])
+
+    if pool is None or len(jobs) == 1:
+        for job in jobs:
+            copy(job)
+    else:
+        list(pool.map(copy, jobs))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Thresholds of a streamed source
+
+
+def stream_min_max(src: Source, max_slab_bytes: int, *, finite=True):
+    """(min, max) over the finite values of a source, read slab by slab (None when none is)."""
+    lo = hi = None
+    pieces = plan_pieces(src, src.dtype.itemsize * 2, max_slab_bytes)
+    for piece in pieces:
+        own = piece.own0
+        block = read_piece(src, piece)
+        block = block[:, own] if not own.all() else block
+        if block.dtype.kind == "f" and finite:
+            ok = np.isfinite(block)
+            if not ok.any():
+                continue
+            bmin = float(np.min(block, where=ok, initial=np.inf))
+            bmax = float(np.max(block, where=ok, initial=-np.inf))
+        else:
+            bmin, bmax = float(block.min()), float(block.max())
+        lo = bmin if lo is None else min(lo, bmin)
+        hi = bmax if hi is None else max(hi, bmax)
+    return lo, hi
+
+
+def linear_thresholds(src: Source, n: int, max_slab_bytes: int):
+    """cutopo.linear_thresholds of a streamed source (one extra pass over it)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"thresholds: a count must be an int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"thresholds: the count must be at least 1, got {n}")
+    lo, hi = stream_min_max(src, max_slab_bytes)
+    if lo is None:
+        raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
+    if src.dtype.kind == "f":
+        return np.linspace(lo, hi, int(n)).astype(src.dtype)
+    return np.linspace(lo, hi, int(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# ECC
+
+
+def ecc(src: Source, t, tconn, periodic, backend, max_slab_bytes):
+    """int64 (*batch, T) ECC of a streamed source; ``t`` sorted, in the comparison dtype."""
+    T = int(t.size)
+    nimg = math.prod(src.batch)
+    if nimg == 0:
+        return np.zeros(src.batch + (T,), dtype=np.int64)
+    if backend == "cuda":
+        if periodic:
+            raise NotImplementedError("periodic boundaries have no CUDA kernel yet: stream them "
+                                      "on the CPU (device='cpu')")
+        hist = _gpu_histogram(src, t, tconn, max_slab_bytes)
+    else:
+        hist = _cpu_histogram(src, t, tconn, periodic, max_slab_bytes)
+    return np.cumsum(hist, axis=1).reshape(src.batch + (T,))
+
+
+def _cpu_histogram(src: Source, t, tconn, periodic, max_slab_bytes):
+    T = int(t.size)
+    key_bytes = 2 if T + 1 <= np.iinfo(np.uint16).max else 4
+    pieces = plan_pieces(src, src.dtype.itemsize + key_bytes, max_slab_bytes, periodic)
+    hist = np.zeros((math.prod(src.batch), T), dtype=np.int64)
+    n0 = src.spatial[0]
+    for piece in pieces:
+        block = read_piece(src, piece)
+        own = [piece.own0] + [np.ones(n, dtype=bool) for n in src.spatial[1:]]
+        hist[piece.f0:piece.f1] += _ecc_numpy.owned_histogram(
+            block, t, src.ndim, tconn, own, periodic=periodic, start=piece.start, n0=n0,
+            step_elements=CPU_STEP_ELEMENTS)
+    return hist
+
+
+def pinned_pointer(array) -> bool:
+    """True when a host NumPy array lives in page-locked memory that CUDA knows (then it is
+    copied to the device directly, without a staging copy)."""
+    import cupy
+
+    if not isinstance(array, np.ndarray) or isinstance(array, np.memmap) or array.size == 0:
+        return False
+    try:
+        attrs = cupy.cuda.runtime.pointerGetAttributes(array.ctypes.data)
+    except Exception:  # pageable memory on old drivers raises
+        return False
+    return getattr(attrs, "type", 0) in (1, 3)  # cudaMemoryTypeHost, cudaMemoryTypeManaged
+
+
+class _DeviceMasks:
+    """uint8 device masks per (length, owned range), uploaded once per call."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def get(self, own):
+        import cupy
+
+        key = (own.size, own.tobytes())
+        m = self.cache.get(key)
+        if m is None:
+            m = self.cache[key] = cupy.asarray(own.astype(np.uint8))
+        return m
+
+
+def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
+    """The streamed histogram on the current GPU (see the module docstring), as a host array."""
+    import cupy
+    import cupyx
+
+    from . import _ecc_cupy
+
+    ndim, itemsize = src.ndim, src.dtype.itemsize
+    T = int(t.size)
+    nimg = math.prod(src.batch)
+    pieces = plan_pieces(src, itemsize, max_slab_bytes)
+    cap = max(math.prod(piece_shape(src, p)) for p in pieces)
+    view_dtype = _ecc_cupy._INPUT_VIEW.get(src.dtype, src.dtype)
+    direct = (isinstance(src.data, np.ndarray) and src.data.flags.c_contiguous
+              and pinned_pointer(src.data))
+    masks = _DeviceMasks()
+    copy_stream = cupy.cuda.Stream(non_blocking=True)
+    comp_stream = cupy.cuda.Stream(non_blocking=True)
+    # Plans (and kernel compiles) before the pipeline starts: a compile mid-stream would stall it.
+    plans = {}
+    for p in pieces:
+        shape = piece_shape(src, p)
+        key = shape
+        if key not in plans:
+            plans[key] = _ecc_cupy.histogram_plan(_Shape(shape[:1] + shape[1:], src.dtype), t,
+                                                  ndim, tconn, masked=True)
+    with comp_stream:
+        hist = cupy.zeros((nimg, T), dtype=np.int64)
+        ones = [masks.get(np.ones(n, dtype=bool)) for n in src.spatial[1:]]
+        unit = masks.get(np.ones(1, dtype=bool))
+        bufs = [cupy.empty(cap, dtype=view_dtype) for _ in range(2)]
+    host = None if direct else [cupyx.empty_pinned(cap, dtype=src.dtype) for _ in range(2)]
+    copied = [None, None]
+    computed = [None, None]
+    pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS) if READ_THREADS > 1 else None
+    try:
+        for k, piece in enumerate(pieces):
+            i = k % 2
+            shape = piece_shape(src, piece)
+            n = math.prod(shape)
+            if direct:
+                a, b = piece.ranges[0]
+                view = src.data[_index(src, piece, a, b)]
+                src_ptr = view.ctypes.data
+            else:
+                if copied[i] is not None:
+                    copied[i].synchronize()  # the copy of step k - 2 has left host[i]
+                read_piece(src, piece, out=host[i][:n], pool=pool)
+                src_ptr = host[i].ctypes.data
+            if computed[i] is not None:
+                copy_stream.wait_event(computed[i])  # the kernel of step k - 2 is done with bufs[i]
+            cupy.cuda.runtime.memcpyAsync(bufs[i].data.ptr, src_ptr, n * itemsize,
+                                          cupy.cuda.runtime.memcpyHostToDevice, copy_stream.ptr)
+            copied[i] = copy_stream.record()
+            comp_stream.wait_event(copied[i])
+            with comp_stream:
+                own0 = masks.get(piece.own0)
+                axis_masks = ([unit, own0] + ones) if ndim == 2 else ([own0] + ones)
+                plans[shape].add_masked(bufs[i][:n].reshape((shape[0],) + shape[1:]),
+                                        hist[piece.f0:piece.f1], *axis_masks)
+            computed[i] = comp_stream.record()
+        with comp_stream:
+            out = hist.get(stream=comp_stream)
+        comp_stream.synchronize()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+        copy_stream.synchronize()
+        comp_stream.synchronize()
+    return out
+
+
+class _Shape(NamedTuple):
+    """What histogram_plan reads of an array: shape and dtype."""
+    shape: tuple
+    dtype: np.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# ECT
+
+# Memory per pixel of a slab that the ECT's contribution passes take (keys, contributions and,
+# per direction, float64 heights; see cutopo._ect and cutopo._band_cupy).
+ECT_CPU_BYTES_PER_PIXEL = 48
+ECT_GPU_BYTES_PER_PIXEL = 64
+
+
+def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_bytes):
+    """int64 (*batch, D, T) exact ECT of a streamed host mask (arguments as for cutopo.ect)."""
+    import types
+
+    from . import _ect
+    from ._checks import check_boundary, check_connectivity, same_array_type
+
+    same_array_type(mask, [("directions", directions), ("thresholds", thresholds)],
+                    anchor_name="mask", op="ect")
+    directions, dirs64 = _ect._check_directions(directions)
+    ndim = dirs64.shape[1]
+    src = check_source(mask, ndim, name="mask", mask=True)
+    tconn = check_connectivity(connectivity, ndim)
+    periodic = check_boundary(boundary, types.SimpleNamespace(shape=src.shape, ndim=len(src.shape)),
+                              ndim)
+    coords = _ect._axis_coordinates(src.spatial)
+    reach, _, _ = _ect._reach(coords, dirs64)
+    if not math.isfinite(reach):
+        raise ValueError("directions: too large, the pixel heights overflow float64")
+    t, _ = _ect._check_thresholds(thresholds, coords, dirs64)
+    D, T = dirs64.shape[0], t.size
+    nimg = math.prod(src.batch)
+    out = np.zeros((nimg, D, T), dtype=np.int64)
+    if backend == "cuda" and periodic:
+        raise NotImplementedError("periodic boundaries have no CUDA kernel yet: stream them on "
+                                  "the CPU (device='cpu')")
+    per_pixel = ECT_GPU_BYTES_PER_PIXEL if backend == "cuda" else ECT_CPU_BYTES_PER_PIXEL
+    n0 = src.spatial[0]
+    for piece in plan_pieces(src, per_pixel, max_slab_bytes, periodic):
+        block = np.asarray(read_piece(src, piece))
+        block = block if block.dtype == np.bool_ else block != 0
+        planes = np.concatenate([np.arange(a, b) for a, b in piece.ranges])
+        block_coords = [coords[0][planes]] + list(coords[1:])
+        own = [piece.own0] + [np.ones(n, dtype=bool) for n in src.spatial[1:]]
+        if backend == "cuda":
+            import cupy
+
+            from . import _band_cupy
+
+            part, _ = _band_cupy.ect_forward(cupy.asarray(block), dirs64, block_coords, t, tconn,
+                                             soft=False, own=own)
+            out[piece.f0:piece.f1] += part.get()
+        else:
+            out[piece.f0:piece.f1] += _ect.curves(
+                block, dirs64, block_coords, t, tconn, own, periodic,
+                (piece.start, n0) if periodic else None)
+    return out.reshape(src.batch + (D, T))
