@@ -1,0 +1,181 @@
+"""GPU tests of the out-of-core path and of cutopo.dask with CuPy chunks: every result must equal
+the in-memory one exactly (integers).
+
+    pytest -m gpu tests/test_stream_gpu.py                 # all but the 8 GiB volume
+    pytest -m "gpu and slow" tests/test_stream_gpu.py      # the 2048^3 uint8 (8 GiB) volume alone
+
+The 8 GiB case needs about 17 GiB of host memory and 10 GiB of device memory.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cutopo
+from cutopo import _ecc_cupy, _ecc_numpy, _stream
+from gpu_support import cupy_module
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["bool", "uint8", "uint16", "int16", "int32", "float16", "float32", "float64"]
+
+
+def image_of(rng, shape, dtype, levels=5):
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    img = rng.integers(0, levels, size=shape).astype(dtype)
+    if dtype.kind == "f":
+        img[rng.random(shape) < 0.02] = np.nan
+    return img
+
+
+def plane_bytes(shape, ndim, itemsize):
+    return math.prod(shape[len(shape) - ndim + 1:]) * itemsize
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ndim,shape", [(3, (37, 45, 70)), (2, (300, 130)), (2, (6, 40, 33))])
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_streamed_from_host_equals_in_memory(rng, dtype, ndim, shape, conn):
+    connectivity = 1 if conn == "V" else ndim
+    img = image_of(rng, shape, dtype)
+    t = np.array([0, 1, 2, 3]) if dtype != "bool" else np.array([0, 1])
+    want = cutopo.ecc(img, t, ndim=ndim, connectivity=connectivity)
+    plane = plane_bytes(shape, ndim, img.itemsize)
+    for slab in (3 * plane, 8 * plane, 1 << 26):  # a slab per plane, a few planes, whole images
+        got = cutopo.ecc(img, t, ndim=ndim, connectivity=connectivity, device="cuda",
+                         max_slab_bytes=slab)
+        assert isinstance(got, np.ndarray) and got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)
+
+
+def test_memmap_zarr_and_pinned_sources(tmp_path, rng):
+    cp = cupy_module()
+    import cupyx
+
+    img = image_of(rng, (64, 96, 80), "float32", levels=50)
+    t = np.linspace(0, 49, 64).astype(np.float32)
+    want = cutopo.ecc(cp.asarray(img), cp.asarray(t)).get()
+    mm = np.memmap(tmp_path / "v.f4", dtype=img.dtype, mode="w+", shape=img.shape)
+    mm[:] = img
+    slab = plane_bytes(img.shape, 3, 4) * 10
+    np.testing.assert_array_equal(cutopo.ecc(mm, t, device="cuda", max_slab_bytes=slab), want)
+    pinned = cupyx.empty_pinned(img.shape, dtype=img.dtype)
+    pinned[:] = img
+    assert _stream.pinned_pointer(pinned) and not _stream.pinned_pointer(img)
+    np.testing.assert_array_equal(cutopo.ecc(pinned, t, device="cuda", max_slab_bytes=slab), want)
+    zarr = pytest.importorskip("zarr")
+    z = zarr.open_array(str(tmp_path / "v.zarr"), mode="w", shape=img.shape, chunks=(16, 96, 80),
+                        dtype=img.dtype)
+    z[:] = img
+    np.testing.assert_array_equal(cutopo.ecc(z, t, device="cuda", max_slab_bytes=slab), want)
+    np.testing.assert_array_equal(cutopo.ecc(z, 64, device="cuda", max_slab_bytes=slab),
+                                  cutopo.ecc(img, 64))
+
+
+@pytest.mark.parametrize("T", [7, 300, 40000])  # 40000 bins: 32-bit keys, the scalar sweep
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_masked_kernel_matches_numpy(rng, T, ndim, conn):
+    """ecc_histogram_masked counts exactly the marked pixels, as owned_histogram does."""
+    cp = cupy_module()
+    tconn = conn == "T"
+    shape = (2, 21, 70, 67) if ndim == 3 else (2, 150, 133)
+    img = rng.standard_normal(shape).astype(np.float32)
+    img[:, 5] = img[:, 4]  # ties across a plane
+    t = np.sort(rng.standard_normal(T).astype(np.float32))
+    own = [rng.random(n) < 0.7 for n in shape[1:]]
+    want = _ecc_numpy.owned_histogram(img, t, ndim, tconn, own)
+    hist = cp.zeros((2, T), dtype=np.int64)
+    _ecc_cupy.masked_histogram(cp.asarray(img), t, ndim, tconn, own, hist)
+    np.testing.assert_array_equal(hist.get(), want)
+
+
+def test_moderately_large_volume_streams_through_bounded_buffers(rng):
+    """512^3 uint8 (128 MiB) in 8 MiB slabs (about 17 slabs) equals the in-memory result."""
+    cp = cupy_module()
+    g = cp.random.default_rng(7).integers(0, 256, size=(512, 512, 512), dtype=cp.uint8)
+    t = np.arange(0, 256, 2)
+    for connectivity in (1, 3):
+        want = cutopo.ecc(g, cp.asarray(t), connectivity=connectivity).get()
+        host = g.get()
+        got = cutopo.ecc(host, t, connectivity=connectivity, device="cuda", max_slab_bytes=8 << 20)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_2048_cubed_uint8_streamed_from_host():
+    """The 8 GiB volume of the issue: streamed from host memory through 512 MiB device buffers;
+    the device memory the call takes stays within the bound of the docstring."""
+    cp = cupy_module()
+    n, slab = 2048, 512 << 20
+    pool = cp.get_default_memory_pool()
+    g = cp.random.default_rng(11).integers(0, 256, size=(n, n, n), dtype=cp.uint8)
+    t = np.arange(256)
+    want = cutopo.ecc(g, cp.asarray(t)).get()
+    host = np.empty((n, n, n), dtype=np.uint8)
+    g.get(out=host)
+    del g
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    got = cutopo.ecc(host, t, device="cuda", max_slab_bytes=slab)
+    used = pool.total_bytes() - before  # the pool keeps every block the call allocated
+    np.testing.assert_array_equal(got, want)
+    assert used <= 2 * slab + (64 << 20), f"{used / 2**20:.0f} MiB of device memory"
+
+
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_streamed_ect_on_the_gpu(tmp_path, rng, conn):
+    mask = rng.random((30, 40, 35)) < 0.6
+    dirs = np.concatenate([[[1.0, 0.0, 0.0]], rng.normal(size=(5, 3))])
+    connectivity = 1 if conn == "V" else 3
+    want = cutopo.ect(mask, dirs, 17, connectivity=connectivity)
+    mm = np.memmap(tmp_path / "m.u1", dtype=np.uint8, mode="w+", shape=mask.shape)
+    mm[:] = mask
+    got = cutopo.ect(mm, dirs, 17, connectivity=connectivity, device="cuda",
+                     max_slab_bytes=plane_bytes(mask.shape, 3, _stream.ECT_GPU_BYTES_PER_PIXEL) * 6)
+    np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# cutopo.dask with CuPy chunks on one GPU
+
+
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_dask_cupy_chunks(rng, conn):
+    cp = cupy_module()
+    da = pytest.importorskip("dask.array")
+    import cutopo.dask as cd
+
+    img = image_of(rng, (70, 90, 100), "float32", levels=4)
+    img[30] = img[29]  # ties across a chunk face
+    g = cp.asarray(img)
+    d = da.from_array(g, chunks=((30, 40), (45, 45), 100), asarray=False)
+    connectivity = 1 if conn == "V" else 3
+    t = np.array([0.0, 1.0, 2.0, 3.0])
+    got = cd.ecc(d, t, connectivity=connectivity).compute()
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_array_equal(got.get(), cutopo.ecc(img, t, connectivity=connectivity))
+    mask = d > 1
+    dirs = rng.normal(size=(4, 3))
+    gm = cd.ect(mask, dirs, 9, connectivity=connectivity).compute()
+    np.testing.assert_array_equal(cp.asnumpy(gm), cutopo.ect(img > 1, dirs, 9, connectivity=connectivity))
+
+
+def test_dask_cuda_cluster(rng):
+    """One worker per GPU (dask_cuda.LocalCUDACluster), CuPy chunks made on the workers."""
+    cp = cupy_module()
+    dask_cuda = pytest.importorskip("dask_cuda")
+    distributed = pytest.importorskip("distributed")
+    da = pytest.importorskip("dask.array")
+    import cutopo.dask as cd
+
+    img = image_of(rng, (64, 80, 72), "uint8", levels=6)
+    t = np.arange(6)
+    with dask_cuda.LocalCUDACluster(n_workers=1) as cluster, distributed.Client(cluster) as client:
+        d = da.from_array(img, chunks=(20, 40, 72)).map_blocks(cp.asarray)
+        got = client.compute(cd.ecc(d, t, connectivity=3)).result()
+    np.testing.assert_array_equal(cp.asnumpy(got), cutopo.ecc(img, t, connectivity=3))
