@@ -449,7 +449,8 @@ def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=
         spatial axis with a one-plane halo, and every slab's positions are its positions in
         the volume, so the result equals the in-memory one exactly. A slab takes at most
         this many bytes, counted as 48 bytes per pixel on the CPU and 64 on the GPU (the
-        contribution passes' temporaries); default 256 MiB (CPU) or 512 MiB (GPU).
+        contribution passes' temporaries); default 256 MiB (CPU) or 128 MiB (GPU), or 8
+        planes if that is more.
 
     Returns
     -------

@@ -32,8 +32,12 @@ from . import _ecc_numpy
 from ._array import is_cupy_array
 from ._checks import IMAGE_DTYPES
 
+# Default slab bounds. On the GPU several slabs keep the pipeline busy: the first slab's read
+# is not overlapped with anything, so it should be a small part of the volume.
 DEFAULT_CPU_SLAB_BYTES = 256 << 20
-DEFAULT_GPU_SLAB_BYTES = 512 << 20
+DEFAULT_GPU_SLAB_BYTES = 128 << 20
+# ... unless a plane is so large that a slab would hold few: then at least this many planes.
+DEFAULT_MIN_PLANES = 8
 DEVICES = ("cpu", "cuda")
 # Sub-slab of the NumPy path (elements): its temporaries take about 60 bytes per element.
 CPU_STEP_ELEMENTS = 1 << 20
@@ -99,9 +103,17 @@ def route(image, device, max_slab_bytes, *, op):
 
         if not gpu_available():
             raise RuntimeError(f"{op}: device='cuda' was asked for, but CuPy sees no CUDA device")
-    if max_slab_bytes is None:
-        max_slab_bytes = DEFAULT_GPU_SLAB_BYTES if backend == "cuda" else DEFAULT_CPU_SLAB_BYTES
     return True, backend, max_slab_bytes
+
+
+def slab_bytes(max_slab_bytes, backend, src, bytes_per_voxel):
+    """The slab bound of a call: the one given, or the backend's default (at least
+    DEFAULT_MIN_PLANES planes of ``bytes_per_voxel``)."""
+    if max_slab_bytes is not None:
+        return max_slab_bytes
+    default = DEFAULT_GPU_SLAB_BYTES if backend == "cuda" else DEFAULT_CPU_SLAB_BYTES
+    plane = math.prod(src.spatial[1:]) * bytes_per_voxel
+    return int(max(default, DEFAULT_MIN_PLANES * plane))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +346,7 @@ def ecc(src: Source, t, tconn, periodic, backend, max_slab_bytes):
     nimg = math.prod(src.batch)
     if nimg == 0:
         return np.zeros(src.batch + (T,), dtype=np.int64)
+    max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, src.dtype.itemsize + 4)
     if backend == "cuda":
         if periodic:
             raise NotImplementedError("periodic boundaries have no CUDA kernel yet: stream them "
@@ -503,6 +516,7 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
         raise NotImplementedError("periodic boundaries have no CUDA kernel yet: stream them on "
                                   "the CPU (device='cpu')")
     per_pixel = ECT_GPU_BYTES_PER_PIXEL if backend == "cuda" else ECT_CPU_BYTES_PER_PIXEL
+    max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, per_pixel)
     n0 = src.spatial[0]
     for piece in plan_pieces(src, per_pixel, max_slab_bytes, periodic):
         block = np.asarray(read_piece(src, piece))

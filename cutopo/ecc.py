@@ -59,7 +59,8 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     max_slab_bytes : int, optional
         Stream a host input in slabs that take at most this many bytes (see Out-of-core
         inputs); given for an in-memory NumPy array, it bounds the working memory of the
-        CPU path. Default: 256 MiB on the CPU, 512 MiB on the GPU, for inputs that stream.
+        CPU path. Default, for inputs that stream: 256 MiB on the CPU, 128 MiB on the GPU (so
+        that several slabs keep the copy/compute pipeline busy), or 8 planes if that is more.
 
     Returns
     -------
@@ -161,7 +162,8 @@ def _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab
     same_array_type(image, [("thresholds", thresholds)])
     probe = np.empty(0, dtype=src.dtype)
     if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
-        thresholds = _stream.linear_thresholds(src, thresholds, slab)
+        thresholds = _stream.linear_thresholds(
+            src, thresholds, _stream.slab_bytes(slab, "cpu", src, 2 * src.dtype.itemsize))
     t, _ = check_thresholds(thresholds, probe)
     return _stream.ecc(src, t, tconn, periodic, backend, slab)
 
