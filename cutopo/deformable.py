@@ -50,6 +50,7 @@ class _Config(NamedTuple):
     boundary: int           # 0: "sparse4d", 1: "zeros"
     deterministic: bool
     gpu: bool
+    memo: object = None     # the call kind's _Memo (see _configure), None when not memoized
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +238,91 @@ def _prepare(features, spatial_shapes, level_start_index, sampling_locations, we
 
 
 # ---------------------------------------------------------------------------------------------
+# Memoized validation: a training loop calls the op with the same shapes, dtypes, tables and
+# options every step, and at batch 1 on the GPU the checks above cost more than the kernel.
+
+
+class _Memo:
+    """What validating one kind of call found: ``head`` and ``tail``, the fields of its
+    _Config around the arrays (features | head | loc, weights | tail), and ``plans``, where the
+    CUDA path keeps launch plans for calls of this kind (keyed by what else they depend on)."""
+
+    __slots__ = ("head", "tail", "plans")
+
+    def __init__(self, cfg: _Config):
+        self.head = tuple(cfg[1:6])
+        self.tail = tuple(cfg[8:-1]) + (self,)
+        self.plans = {}
+
+
+_MEMO: dict = {}
+_MEMO_SIZE = 256  # call kinds remembered (the oldest is dropped first)
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_ndarray():
+    """cupy.ndarray, or a class nothing is an instance of when CuPy is missing."""
+    try:
+        import cupy
+    except ImportError:
+        return type("_NoCupy", (), {})
+    return cupy.ndarray
+
+
+def _call_key(features, spatial_shapes, level_start_index, loc, weights, boundary,
+              deterministic, level_layout):
+    """What _prepare's outcome depends on, as a hashable key, or None for calls left to the
+    full checks every time (per-level features, array-likes, array subclasses, CuPy tables).
+
+    The key holds the array types, shapes, dtypes and devices, the tables' values (their
+    bytes: NumPy tables only, so building it needs no device-to-host copy) and the options.
+    _prepare reads nothing else from its arguments, so a call with a known key passes it.
+    """
+    kind = type(features)
+    if type(loc) is not kind or type(weights) is not kind:
+        return None
+    if kind is np.ndarray:
+        devices = None
+    elif kind is _cupy_ndarray():
+        devices = (features.device.id, loc.device.id, weights.device.id)
+    else:
+        return None
+    if type(spatial_shapes) is not np.ndarray or type(level_start_index) is not np.ndarray:
+        return None
+    if type(boundary) is not str or type(level_layout) is not str or type(deterministic) is not bool:
+        return None
+    return (kind, devices, features.shape, features.dtype, loc.shape, loc.dtype, weights.shape,
+            weights.dtype, spatial_shapes.dtype, spatial_shapes.shape, spatial_shapes.tobytes(),
+            level_start_index.dtype, level_start_index.shape, level_start_index.tobytes(),
+            boundary, deterministic, level_layout)
+
+
+def _configure(features, spatial_shapes, level_start_index, sampling_locations, weights,
+               boundary, deterministic, level_layout) -> _Config:
+    """_prepare, memoized per kind of call (_call_key): a repeated call only builds its key.
+    Same results and errors as _prepare (failing calls are never remembered)."""
+    key = _call_key(features, spatial_shapes, level_start_index, sampling_locations, weights,
+                    boundary, deterministic, level_layout)
+    if key is not None:
+        memo = _MEMO.get(key)
+        if memo is not None:
+            return tuple.__new__(_Config, (features,) + memo.head + (sampling_locations, weights)
+                                 + memo.tail)
+    cfg = _prepare(features, spatial_shapes, level_start_index, sampling_locations, weights,
+                   boundary, deterministic, level_layout)
+    if key is not None:
+        # the host tables are shared by every later call of this kind
+        cfg.shapes.flags.writeable = False
+        cfg.starts.flags.writeable = False
+        memo = _Memo(cfg)
+        cfg = cfg._replace(memo=memo)
+        while len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.pop(next(iter(_MEMO)), None)
+        _MEMO[key] = memo
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
 # NumPy path
 
 
@@ -415,8 +501,8 @@ def _empty(cfg: _Config):
 
 def _forward(features, spatial_shapes, level_start_index, sampling_locations, weights, *,
              boundary="sparse4d", deterministic=False, level_layout="channels_first"):
-    cfg = _prepare(features, spatial_shapes, level_start_index, sampling_locations, weights,
-                   boundary, deterministic, level_layout)
+    cfg = _configure(features, spatial_shapes, level_start_index, sampling_locations, weights,
+                     boundary, deterministic, level_layout)
     if cfg.gpu:
         if _empty(cfg):
             import cupy

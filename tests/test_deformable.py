@@ -525,6 +525,89 @@ def test_chunked_numpy_path_matches(rng, monkeypatch):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+# ---------------------------------------------------------------------------------------------
+# Memoized validation (the per-call host cost at small sizes)
+
+
+def test_repeated_calls_validate_once(rng, monkeypatch):
+    from cutopo import deformable as mod
+
+    feats, sh, starts, loc, w = make_problem(rng)
+    seen = []
+    original = mod._prepare
+
+    def spy(*args):
+        seen.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(mod, "_prepare", spy)
+    monkeypatch.setattr(mod, "_MEMO", {})
+    first = deformable_aggregation(feats, sh, starts, loc, w)
+    for _ in range(3):  # same kind of call, other arrays: no new validation, same results
+        loc2, w2 = loc.copy(), w.copy()
+        np.testing.assert_array_equal(deformable_aggregation(feats, sh, starts, loc2, w2), first)
+        _, pb = cutopo.vjp(deformable_aggregation, feats.copy(), sh.copy(), starts.copy(), loc2, w2)
+    assert len(seen) == 1
+    # each of these is another kind of call, validated anew
+    others = [dict(boundary="zeros"), dict(deterministic=True), dict(level_layout="channels_last")]
+    for kw in others:
+        deformable_aggregation(feats, sh, starts, loc, w, **kw)
+    deformable_aggregation(feats.astype(np.float32), sh, starts, loc, w)
+    deformable_aggregation(feats[:1], sh, starts, loc[:1], w[:1])
+    deformable_aggregation(feats, sh.astype(np.int32), starts, loc, w)
+    assert len(seen) == 1 + len(others) + 3
+    # array-likes, NumPy booleans and subclasses take the full checks every time
+    n = len(seen)
+    deformable_aggregation(feats, sh.tolist(), starts, loc, w)
+    deformable_aggregation(feats, sh, starts, loc, w, deterministic=np.bool_(False))
+    deformable_aggregation(feats, sh, starts, loc, w, deterministic=np.bool_(False))
+    assert len(seen) == n + 3
+    cfg = mod._configure(feats, sh, starts, loc, w, "sparse4d", False, "channels_first")
+    assert cfg.features is feats and cfg.loc is loc and cfg.weights is w
+    assert not cfg.shapes.flags.writeable  # shared by the later calls of this kind
+
+
+def test_memoized_validation_sees_new_table_values_and_keeps_failing(rng, monkeypatch):
+    from cutopo import deformable as mod
+
+    monkeypatch.setattr(mod, "_MEMO", {})
+    feats, sh, starts, loc, w = make_problem(rng)
+    deformable_aggregation(feats, sh, starts, loc, w)
+    bad = starts.copy()
+    bad[1, 1] += 1000
+    for _ in range(2):  # a failing call is never remembered
+        with pytest.raises(ValueError, match="level_start_index"):
+            deformable_aggregation(feats, sh, bad, loc, w)
+    starts[1, 1] += 1000  # the same table object, modified in place: its values are the key
+    with pytest.raises(ValueError, match="level_start_index"):
+        deformable_aggregation(feats, sh, starts, loc, w)
+    starts[1, 1] -= 1000
+    deformable_aggregation(feats, sh, starts, loc, w)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="weights"):
+            deformable_aggregation(feats, sh, starts, loc, w[..., :1].repeat(3, axis=-1))
+
+
+def test_memo_is_bounded_and_holds_no_arrays(rng, monkeypatch):
+    import gc
+    import weakref
+
+    from cutopo import deformable as mod
+
+    monkeypatch.setattr(mod, "_MEMO", {})
+    monkeypatch.setattr(mod, "_MEMO_SIZE", 3)
+    feats, sh, starts, loc, w = make_problem(rng)
+    for A in range(1, 6):
+        deformable_aggregation(feats, sh, starts, loc[:, :A], w[:, :A])
+    assert len(mod._MEMO) == 3
+    f2, l2, w2 = feats.copy(), loc.copy(), w.copy()
+    refs = [weakref.ref(a) for a in (f2, l2, w2)]
+    deformable_aggregation(f2, sh, starts, l2, w2)
+    del f2, l2, w2
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_doctests():
     mod = importlib.import_module("cutopo.deformable")
     failures, _ = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)

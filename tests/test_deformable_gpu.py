@@ -201,6 +201,68 @@ def test_non_contiguous_inputs(rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# Repeated calls: memoized validation and launch plans
+
+
+@pytest.mark.parametrize("vector_mode", [None, "scalar"], indirect=True)
+def test_repeated_calls_reuse_the_forward_plan(rng, vector_mode, monkeypatch):
+    cp = _cp()
+    from cutopo import deformable as mod
+
+    monkeypatch.setattr(mod, "_MEMO", {})  # count this test's plans only
+    feats, sh, starts, loc, w = problem(rng, C=32, G=4, visibility="uniform")
+    ref = deformable_aggregation(feats, sh, starts, loc, w)
+    f_g, l_g, w_g = _to_gpu(feats, loc, w)
+    outs = [deformable_aggregation(f_g, sh, starts, l_g, w_g) for _ in range(3)]
+    for out in outs:
+        assert_close(out, ref, np.float32, "out (repeated)")
+        np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(outs[0]))
+    memo = mod._configure(f_g, sh, starts, l_g, w_g, "sparse4d", False, "channels_first").memo
+    assert sum(k[0] == "forward" for k in memo.plans) == 1
+    # the same kind of call with a misaligned view of the features (no vector loads), with
+    # non-contiguous weights (copied: no plan kept), and with fresh arrays: same values
+    big = cp.empty(f_g.size + 1, dtype=f_g.dtype)
+    big[1:] = f_g.reshape(-1)
+    odd = big[1:].reshape(f_g.shape)
+    strided_w = cp.asfortranarray(w_g)
+    for _ in range(2):
+        assert_close(deformable_aggregation(odd, sh, starts, l_g, w_g), ref, np.float32, "out (odd view)")
+        assert_close(deformable_aggregation(f_g, sh, starts, l_g, strided_w), ref, np.float32,
+                     "out (strided weights)")
+        assert_close(deformable_aggregation(*_to_gpu(feats, sh, starts, loc, w)), ref, np.float32,
+                     "out (CuPy tables)")
+    assert sum(k[0] == "forward" for k in memo.plans) == 2
+    # bfloat16 features (kernel views of their bits) through the plan
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    fb = feats.astype(ml_dtypes.bfloat16)
+    ref_b = deformable_aggregation(fb, sh, starts, loc, w)
+    for _ in range(3):
+        assert_close(deformable_aggregation(cp.asarray(fb), sh, starts, l_g, w_g), ref_b, np.float32,
+                     "out (bfloat16 features)")
+
+
+def test_repeated_forward_has_no_host_synchronisation(rng):
+    """After a first call of its kind (NumPy tables), the forward is capturable in a CUDA graph:
+    no device-to-host copy, no synchronisation."""
+    cp = _cp()
+    feats, sh, starts, loc, w = problem(rng, C=64, G=8)
+    ref = deformable_aggregation(feats, sh, starts, loc, w)
+    f_g, l_g, w_g = _to_gpu(feats, loc, w)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        deformable_aggregation(f_g, sh, starts, l_g, w_g)  # validation, tables, plan, pool block
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            out = deformable_aggregation(f_g, sh, starts, l_g, w_g)
+        finally:
+            graph = stream.end_capture()  # raises when the call synchronised
+        graph.launch(stream)
+        stream.synchronize()
+    assert_close(out, ref, np.float32, "out (graph replay)")
+
+
+# ---------------------------------------------------------------------------------------------
 # Determinism
 
 

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from .._array import _cupy
 from .compile import get_function
 
 # Declared parameter kinds: "ptr:<numpy dtype>" for arrays, a numpy dtype name for scalars.
@@ -47,21 +48,39 @@ def device_attribute(name: str) -> int:
     return _device_attributes(cupy.cuda.Device().id)[name]
 
 
-def _convert(value, kind: str, index: int, sig: Signature):
-    import cupy
+@functools.lru_cache(maxsize=None)
+def _pointer_dtype(kind: str):
+    """The NumPy dtype of a "ptr:<dtype>" parameter kind, None for a scalar kind (memoized:
+    parsing a dtype name at every launch is measurable at small sizes)."""
+    return np.dtype(kind[4:]) if kind.startswith("ptr:") else None
 
-    if kind.startswith("ptr:"):
-        dtype = np.dtype(kind[4:])
-        if not isinstance(value, cupy.ndarray):
-            raise LaunchError(f"{sig.name}: argument {index} must be a cupy.ndarray, got {type(value)}")
-        if value.dtype != dtype:
-            raise LaunchError(f"{sig.name}: argument {index} has dtype {value.dtype}, kernel expects {dtype}")
-        if not value.flags.c_contiguous:
-            raise LaunchError(f"{sig.name}: argument {index} is not C-contiguous; kernels ignore strides")
-        if value.size and value.device.id != cupy.cuda.Device().id:
+
+def _check_array(value, dtype, index: int, sig: Signature, device=None):
+    """``value`` if it is a C-contiguous CuPy array of ``dtype`` on the current device
+    (``device``, read here when None), else a LaunchError."""
+    if not isinstance(value, _cupy().ndarray):
+        raise LaunchError(f"{sig.name}: argument {index} must be a cupy.ndarray, got {type(value)}")
+    if value.dtype != dtype:
+        raise LaunchError(f"{sig.name}: argument {index} has dtype {value.dtype}, kernel expects {dtype}")
+    if not value.flags.c_contiguous:
+        raise LaunchError(f"{sig.name}: argument {index} is not C-contiguous; kernels ignore strides")
+    if value.size:
+        if device is None:
+            device = _current_device()
+        if value.device.id != device:
             raise LaunchError(f"{sig.name}: argument {index} lives on device {value.device.id}, "
-                              f"launching on device {cupy.cuda.Device().id}")
-        return value
+                              f"launching on device {device}")
+    return value
+
+
+def _current_device() -> int:
+    return _cupy().cuda.runtime.getDevice()
+
+
+def _convert(value, kind: str, index: int, sig: Signature):
+    dtype = _pointer_dtype(kind)
+    if dtype is not None:
+        return _check_array(value, dtype, index, sig)
     if kind not in _SCALAR_KINDS:
         raise LaunchError(f"{sig.name}: unknown parameter kind {kind!r}")
     dtype = np.dtype(kind)
@@ -125,6 +144,11 @@ class PreparedLaunch:
             raise LaunchError(f"{sig.name}: {len(args)} arguments given, signature has {len(sig.params)}")
         self.sig, self.grid, self.block, self.shared_mem = sig, int(grid), int(block), int(shared_mem)
         self.slots = [i for i, a in enumerate(args) if a is None]
+        # per call-time slot: (index, array dtype or None for a scalar); the checks at call
+        # time are _convert's, with the dtypes parsed once and the current device read once
+        # per call (a PreparedLaunch exists only where a device does)
+        self._slot_kinds = [(i, _pointer_dtype(sig.params[i])) for i in self.slots]
+        self._has_arrays = any(d is not None for _, d in self._slot_kinds)
         self.args = [a if a is None else _convert(a, k, i, sig) for i, (a, k) in enumerate(zip(args, sig.params))]
         self.kernel = _checked_kernel(sig, self.grid, self.shared_mem, options) if self.grid > 0 else None
 
@@ -132,8 +156,28 @@ class PreparedLaunch:
         if len(values) != len(self.slots):
             raise LaunchError(f"{self.sig.name}: {len(values)} arguments given, {len(self.slots)} expected")
         args = list(self.args)
+        sig = self.sig
+        device = _current_device() if self._has_arrays else None
+        for (i, dtype), a in zip(self._slot_kinds, values):
+            args[i] = (_check_array(a, dtype, i, sig, device) if dtype is not None
+                       else _convert(a, sig.params[i], i, sig))
+        if self.kernel is None:
+            return
+        self.kernel((self.grid,), (self.block,), tuple(args), shared_mem=self.shared_mem)
+        _after_launch(self.sig)
+
+    def call_prechecked(self, *values) -> None:
+        """Launch like ``__call__``, without checking ``values`` again.
+
+        Only for a caller that passed arguments of the same kinds through ``__call__`` before
+        and has proved that these match them in everything the checks look at: array dtype,
+        C-contiguity and device (the current one), scalars already of their C types. A plan
+        memoized on exactly those properties is such a caller; anything else uses
+        ``__call__``.
+        """
+        args = list(self.args)
         for i, a in zip(self.slots, values):
-            args[i] = _convert(a, self.sig.params[i], i, self.sig)
+            args[i] = a
         if self.kernel is None:
             return
         self.kernel((self.grid,), (self.block,), tuple(args), shared_mem=self.shared_mem)
