@@ -196,3 +196,74 @@ def read_thresholds(path) -> np.ndarray:
         raise ValueError(f"{name}: thresholds must be sorted in non-decreasing order "
                          f"(value {k + 1} is {values[k]}, value {k + 2} is {values[k + 1]})")
     return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Out-of-core files
+
+ZARR_EXTENSIONS = (".zarr",)
+LAZY_EXTENSIONS = NPY_EXTENSIONS + TIFF_EXTENSIONS + ZARR_EXTENSIONS
+
+
+class LazyFile:
+    """A 2-D image or 3-D stack on disk, read only where it is sliced (``cutopo.ecc`` streams it).
+
+    ``.npy`` files are memory-mapped (``numpy.load(mmap_mode="r")``); TIFF files are memory-mapped
+    when their data are contiguous and uncompressed (``tifffile.memmap``), else read through
+    tifffile's Zarr store, page by page; ``.zarr`` folders are opened with ``zarr.open_array``.
+    The object holds the path only: it pickles small, so Dask workers reopen the file where they
+    run (the path must be readable there). Leading length-1 axes of data with more than 3 axes
+    are dropped; colour TIFFs and dtypes the ops do not take raise ValueError (read those into
+    memory instead, without streaming).
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        data = self._open()
+        shape = tuple(int(s) for s in data.shape)
+        self._lead = 0
+        while len(shape) - self._lead > 3 and shape[self._lead] == 1:
+            self._lead += 1
+        self.shape = shape[self._lead:]
+        self.dtype = np.dtype(data.dtype)
+        self.ndim = len(self.shape)
+        if self.ndim not in (2, 3):
+            raise ValueError(f"{self.path}: expected a 2-D image or a 3-D stack, got shape {shape}")
+        if self.dtype not in IMAGE_DTYPES:
+            raise ValueError(f"{self.path}: dtype {self.dtype} cannot be streamed (cutopo.ecc takes "
+                             f"{', '.join(d.name for d in IMAGE_DTYPES)}); read it into memory instead")
+
+    def _open(self):
+        ext = _extension(self.path)
+        if ext in NPY_EXTENSIONS:
+            return np.load(self.path, mmap_mode="r", allow_pickle=False)
+        if ext in ZARR_EXTENSIONS:
+            import zarr
+
+            return zarr.open_array(self.path, mode="r")
+        if ext in TIFF_EXTENSIONS:
+            import tifffile
+
+            with tifffile.TiffFile(self.path) as tif:
+                if "S" in tif.series[0].axes:
+                    raise ValueError(f"{self.path}: colour TIFFs cannot be streamed; read them into "
+                                     "memory instead")
+            try:
+                return tifffile.memmap(self.path, mode="r")
+            except ValueError:  # compressed or scattered pages: read through the Zarr store
+                import zarr
+
+                return zarr.open(tifffile.imread(self.path, aszarr=True), mode="r")
+        raise ValueError(f"{self.path}: unsupported file type {ext or '(no extension)'!r} for streaming "
+                         f"(use {', '.join(LAZY_EXTENSIONS)})")
+
+    def __getitem__(self, key):
+        data = self._open()
+        key = key if isinstance(key, tuple) else (key,)
+        return np.asarray(data[(0,) * self._lead + key])
+
+    def __reduce__(self):
+        return (LazyFile, (self.path,))
+
+    def __repr__(self):
+        return f"LazyFile({self.path!r}, shape={self.shape}, dtype={self.dtype})"

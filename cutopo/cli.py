@@ -179,6 +179,12 @@ def add_ecc_parser(subparsers) -> argparse.ArgumentParser:
                         "T construction (8-/26-connected). Default 1")
     c.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto: the GPU when CuPy sees one, else NumPy (default auto)")
+    c.add_argument("--stream", action="store_true",
+                   help="read .npy, .tif/.tiff and .zarr inputs in slabs instead of loading them "
+                        "(for stacks larger than memory); always on for .zarr and --scheduler")
+    c.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="compute with cutopo.dask on this dask.distributed scheduler (e.g. "
+                        "tcp://host:8786; needs cutopo[dask]); the workers read the files by path")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"output folder for ecc_curves.png and ecc.csv (default {DEFAULT_OUT}/)")
@@ -239,6 +245,8 @@ def _check_paths(paths) -> None:
     for path in paths:
         if not os.path.exists(path):
             raise CLIError(f"{path}: no such file")
+        if os.path.isdir(path) and path.rstrip("/\\").lower().endswith(".zarr"):
+            continue  # a Zarr array is a folder
         if not os.path.isfile(path):
             raise CLIError(f"{path}: not a file")
         ext = os.path.splitext(path)[1].lower()
@@ -271,6 +279,76 @@ def _compute(name, image, spec: _Thresholds, connectivity: str, device: str, *, 
     return _Result(name=name, shape=tuple(image.shape), dtype=image.dtype, thresholds=np.asarray(values),
                    curve=np.asarray(curve, dtype=np.int64), seconds=seconds, device=device,
                    connectivity=conn)
+
+
+def _streams(path, args) -> bool:
+    """Whether a file is read in slabs: --stream, --scheduler, or a Zarr folder."""
+    return (args.stream or args.scheduler is not None
+            or path.rstrip("/\\").lower().endswith(".zarr"))
+
+
+def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, scheduler) -> _Result:
+    """The ECC of a file read in slabs (cutopo.ecc streaming), or with cutopo.dask on a
+    dask.distributed scheduler when ``scheduler`` is an address."""
+    import cutopo
+    from . import _stream
+    from ._array import to_numpy
+    from ._io import LazyFile
+
+    name = os.fspath(path)
+    try:
+        src = LazyFile(name)
+    except ImportError as exc:
+        raise CLIError(f"{name}: {exc} (pip install zarr)") from None
+    conn = 1 if connectivity == "1" else src.ndim
+    start = time.perf_counter()
+    try:
+        if scheduler is not None:
+            curve, values = _compute_on_scheduler(src, spec, conn, device, scheduler)
+        else:
+            values = spec.values
+            if not spec.shared:
+                source = _stream.check_source(src, None)
+                values = _stream.linear_thresholds(
+                    source, spec.count,
+                    _stream.slab_bytes(None, "cpu", source, 2 * src.dtype.itemsize))
+            curve = cutopo.ecc(src, values, connectivity=conn,
+                               device="cuda" if device == "gpu" else "cpu")
+    except (ValueError, TypeError) as exc:
+        raise CLIError(f"{name}: {exc}") from None
+    return _Result(name=name, shape=tuple(src.shape), dtype=src.dtype, thresholds=np.asarray(values),
+                   curve=np.asarray(to_numpy(curve), dtype=np.int64),
+                   seconds=time.perf_counter() - start, device=device, connectivity=conn)
+
+
+def _compute_on_scheduler(src, spec: _Thresholds, conn: int, device: str, scheduler):
+    """(curve, thresholds) of a LazyFile with cutopo.dask on a dask.distributed scheduler."""
+    try:
+        import dask.array as da
+        import distributed
+
+        import cutopo.dask as cd
+    except ImportError as exc:
+        raise CLIError(f"--scheduler needs Dask: pip install 'cutopo[dask]' ({exc})") from None
+    try:
+        client = distributed.Client(scheduler, timeout="30s")
+    except OSError as exc:
+        raise CLIError(f"--scheduler {scheduler}: cannot connect ({exc})") from None
+    with client:
+        return _scheduled_ecc(client, da, cd, src, spec, conn, device)
+
+
+def _scheduled_ecc(client, da, cd, src, spec: _Thresholds, conn: int, device: str):
+    plane = math.prod(src.shape[1:]) * src.dtype.itemsize
+    darr = da.from_array(src, chunks=(max(1, (128 << 20) // plane),) + tuple(src.shape[1:]),
+                         asarray=True, fancy=False)
+    if device == "gpu":  # CuPy chunks on the workers' GPUs
+        import cupy
+
+        darr = darr.map_blocks(cupy.asarray, meta=cupy.empty((0,) * src.ndim, dtype=src.dtype))
+    values = spec.values if spec.shared else cd._linear_thresholds(darr, spec.count)
+    curve = client.compute(cd.ecc(darr, values, connectivity=conn)).result()
+    return curve, values
 
 
 def _fmt_value(v, dtype) -> str:
@@ -386,6 +464,10 @@ def run_ecc(args) -> int:
         _check_paths(args.paths)
         with tqdm(args.paths, desc="ecc", unit="file", disable=args.quiet, file=sys.stderr) as bar:
             for path in bar:
+                if _streams(path, args):
+                    results.append(_compute_streamed(path, spec, args.connectivity, device,
+                                                     args.scheduler))
+                    continue
                 try:
                     image = read_image(path, note=rep.note)
                 except Exception as exc:  # decoders raise many kinds: report, exit 2
@@ -416,8 +498,15 @@ def run_ecc(args) -> int:
 # --------------------------------------------------------------------------------------------
 # Entry point
 
+def add_register_parser(subparsers) -> argparse.ArgumentParser:
+    """``cutopo register`` (CPAB registration), from its own module, imported when the parser is built."""
+    from ._cli_register import add_register_parser as add
+
+    return add(subparsers)
+
+
 #: Functions adding one subcommand each to the parser's subparsers (see the module docstring).
-COMMANDS: list[Callable] = [add_ecc_parser]
+COMMANDS: list[Callable] = [add_ecc_parser, add_register_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -228,3 +228,63 @@ def test_route():
     assert _stream.route(np.zeros((3, 3)), None, 4096, op="ecc") == (True, "cpu", 4096)
     assert _stream.is_out_of_core(ArrayLike(np.zeros((3, 3))))
     assert not _stream.is_out_of_core([[1, 2], [3, 4]])
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: stacks read in slabs, and a dask.distributed scheduler
+
+
+def test_cli_streams_npy_tiff_and_zarr(tmp_path, rng):
+    from cutopo.cli import main
+
+    tifffile = pytest.importorskip("tifffile")
+    zarr = pytest.importorskip("zarr")
+    img = rng.integers(0, 9, size=(20, 30, 40)).astype(np.uint8)
+    np.save(tmp_path / "a.npy", img)
+    tifffile.imwrite(tmp_path / "b.tif", img, compression="zlib")  # read page by page
+    z = zarr.open_array(str(tmp_path / "c.zarr"), mode="w", shape=img.shape, dtype=img.dtype,
+                        chunks=(5, 30, 40))
+    z[:] = img
+    paths = [str(tmp_path / n) for n in ("a.npy", "b.tif", "c.zarr")]
+    out = tmp_path / "curves.npy"
+    assert main(["ecc", *paths, "--stream", "--range", "0", "8", "--thresholds", "9",
+                 "--connectivity", "full", "--npy", str(out), "--no-plot", "--quiet"]) == 0
+    want = cutopo.ecc(img, np.linspace(0, 8, 9), connectivity=3)
+    np.testing.assert_array_equal(np.load(out), np.stack([want] * 3))
+    csv = tmp_path / "per_file.csv"  # a .zarr folder streams without --stream; its own thresholds
+    assert main(["ecc", paths[2], "--thresholds", "5", "--csv", str(csv), "--no-plot", "--quiet"]) == 0
+    rows = csv.read_text().splitlines()
+    assert rows[2].split(",")[4:] == [str(v) for v in cutopo.ecc(img, 5)]
+
+
+def test_cli_scheduler(tmp_path, rng):
+    from cutopo.cli import main
+
+    distributed = pytest.importorskip("distributed")
+    pytest.importorskip("dask.array")
+    img = rng.integers(0, 5, size=(24, 16, 18)).astype(np.uint16)
+    np.save(tmp_path / "a.npy", img)
+    out = tmp_path / "c.npy"
+    with distributed.LocalCluster(n_workers=1, processes=False, threads_per_worker=2,
+                                  dashboard_address=None) as cluster:
+        assert main(["ecc", str(tmp_path / "a.npy"), "--scheduler", cluster.scheduler_address,
+                     "--range", "0", "4", "--thresholds", "5", "--npy", str(out), "--no-plot",
+                     "--quiet", "--device", "cpu"]) == 0
+    np.testing.assert_array_equal(np.load(out)[0], cutopo.ecc(img, np.linspace(0, 4, 5)))
+
+
+
+def test_cli_scheduler_unreachable(tmp_path, rng, monkeypatch, capsys):
+    from cutopo.cli import main
+
+    distributed = pytest.importorskip("distributed")
+    pytest.importorskip("dask.array")
+
+    def refuse(address, timeout=None):
+        raise OSError(f"Timed out trying to connect to {address}")
+
+    monkeypatch.setattr(distributed, "Client", refuse)
+    np.save(tmp_path / "a.npy", rng.integers(0, 5, size=(6, 7, 8)).astype(np.uint8))
+    assert main(["ecc", str(tmp_path / "a.npy"), "--scheduler", "tcp://127.0.0.1:1", "--no-plot",
+                 "--quiet"]) == 2
+    assert "--scheduler tcp://127.0.0.1:1: cannot connect" in capsys.readouterr().err
