@@ -433,6 +433,11 @@ def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
         ones = [masks.get(np.ones(n, dtype=bool)) for n in src.spatial[1:]]
         unit = masks.get(np.ones(1, dtype=bool))
         bufs = [cupy.empty(cap, dtype=view_dtype) for _ in range(2)]
+        for p in pieces:  # every owned-plane pattern uploaded before the pipeline starts
+            masks.get(p.own0)
+    # The plans' threshold tables were copied on the default stream, which the non-blocking
+    # streams do not wait for.
+    cupy.cuda.Device().synchronize()
     host = None if direct else [cupyx.empty_pinned(cap, dtype=src.dtype) for _ in range(2)]
     copied = [None, None]
     computed = [None, None]
