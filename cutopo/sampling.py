@@ -2,8 +2,10 @@
 
 ``out[n, c, *p] = interpolation of image[n, c] at the point grid[n, *p]`` (normalised
 coordinates in [-1, 1], x first), exactly as ``torch.nn.functional.grid_sample``. NumPy arrays
-take the vectorised NumPy path below, chunked over output points; CuPy arrays have no kernel
-yet. The VJP with respect to the image and the grid goes through :func:`cutopo.vjp`.
+take the vectorised NumPy path below, chunked over output points (the CPU fallback and the
+oracle of the GPU tests); CuPy arrays the kernels of ``cuda_src/sampling.cu``
+(:mod:`cutopo._sampling_cupy`). The VJP with respect to the image and the grid goes through
+:func:`cutopo.vjp`.
 """
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ _CHUNK_VALUES = 1 << 18
 
 
 class _Config(NamedTuple):
-    image: np.ndarray       # (N, C, S): S the flattened spatial axes (a view where possible)
-    grid: np.ndarray        # (N * P, ndim): P the flattened output points, x first
+    image: np.ndarray       # (N, C, S): S the flattened spatial axes (a view where possible;
+                            # CuPy: C-contiguous, storage dtype)
+    grid: np.ndarray        # (N * P, ndim): P the flattened output points, x first (CuPy:
+                            # C-contiguous, computation dtype)
     N: int
     C: int
     P: int
@@ -39,6 +43,12 @@ class _Config(NamedTuple):
     nearest: bool
     padding: str
     align_corners: bool
+    deterministic: bool     # CuPy: sorted (not atomic) image cotangent; NumPy: no effect
+    gpu: bool
+
+
+_GRID_NOT_FINITE = "grid must be finite (found NaN or inf)"
+_IMAGE_NOT_FINITE = "image must be finite (found NaN or inf)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,25 +65,36 @@ def _choice(value, name, choices):
 
 def _float_array(x, name):
     x = as_array(x, name)
-    if is_cupy_array(x):
-        raise NotImplementedError("grid_sample has no CUDA kernel yet: pass NumPy arrays "
-                                  f"({name} is a CuPy array; cupy.asnumpy moves it to the host)")
     if x.dtype.name not in _FLOAT_NAMES:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported (use float16, float32 or float64)")
     return x
+
+
+def _kind(x) -> str:
+    """The array type, for messages: "numpy.ndarray" or "cupy.ndarray"."""
+    return f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
 
 
 def _out_dtype(image_dtype, grid_dtype) -> np.dtype:
     return np.result_type(image_dtype, grid_dtype)
 
 
-def _prepare(image, grid, mode, padding_mode, align_corners) -> _Config:
+def _prepare(image, grid, mode, padding_mode, align_corners, deterministic=False) -> _Config:
     _choice(mode, "mode", MODES)
     _choice(padding_mode, "padding_mode", PADDING_MODES)
     if not isinstance(align_corners, (bool, np.bool_)):
         raise TypeError(f"align_corners must be True or False, got {align_corners!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     image = _float_array(image, "image")
     grid = _float_array(grid, "grid")
+    gpu = is_cupy_array(image)
+    if is_cupy_array(grid) != gpu:
+        raise TypeError("image and grid must both be NumPy or both CuPy arrays "
+                        f"(image: {_kind(image)}, grid: {_kind(grid)})")
+    if gpu and image.device.id != grid.device.id:
+        raise ValueError(f"image and grid must be on one device (image on {image.device.id}, "
+                         f"grid on {grid.device.id})")
     if image.ndim not in (4, 5):
         raise ValueError(f"image must have shape (N, C, H, W) or (N, C, D, H, W), got {image.shape}")
     ndim = image.ndim - 2
@@ -87,17 +108,27 @@ def _prepare(image, grid, mode, padding_mode, align_corners) -> _Config:
     spatial = tuple(int(s) for s in image.shape[2:])
     if any(s == 0 for s in spatial):
         raise ValueError(f"image: spatial shape {spatial} has a zero-length axis")
-    if not np.isfinite(grid).all():
-        raise ValueError("grid must be finite (found NaN or inf)")
-    if not np.isfinite(image).all():  # a NaN pixel would spoil every sample that reads it
-        raise ValueError("image must be finite (found NaN or inf)")
+    # A NaN pixel would spoil every sample that reads it. CuPy arrays are checked on the device
+    # (_forward): the grid by the sampling kernel itself, the image by one extra pass, one flag
+    # copied back.
+    if not gpu and not np.isfinite(grid).all():
+        raise ValueError(_GRID_NOT_FINITE)
+    if not gpu and not np.isfinite(image).all():
+        raise ValueError(_IMAGE_NOT_FINITE)
     dtype = _out_dtype(image.dtype, grid.dtype)
     real = np.dtype(np.float64 if dtype == np.float64 else np.float32)
     out = tuple(int(s) for s in grid.shape[1:-1])
     P = int(np.prod(out, dtype=np.int64))
     S = int(np.prod(spatial, dtype=np.int64))
-    return _Config(image.reshape(N, C, S), grid.reshape(N * P, ndim), N, C, P, spatial,
-                   (N, C) + out, dtype, real, mode == "nearest", padding_mode, bool(align_corners))
+    image, grid = image.reshape(N, C, S), grid.reshape(N * P, ndim)
+    if gpu:  # the kernels read the image in its storage dtype and the grid in the computation's
+        import cupy
+
+        with image.device:
+            image = cupy.ascontiguousarray(image)
+            grid = cupy.ascontiguousarray(grid, dtype=real)
+    return _Config(image, grid, N, C, P, spatial, (N, C) + out, dtype, real, mode == "nearest",
+                   padding_mode, bool(align_corners), bool(deterministic), gpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,16 +288,31 @@ def _backward_numpy(cfg: _Config, g, needs):
 # Forward and backward (registered with cutopo.vjp)
 
 
-def _forward(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=False):
-    cfg = _prepare(image, grid, mode, padding_mode, align_corners)
-    return _forward_numpy(cfg), cfg
+def _forward(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=False,
+             deterministic=False):
+    cfg = _prepare(image, grid, mode, padding_mode, align_corners, deterministic)
+    if not cfg.gpu:
+        return _forward_numpy(cfg), cfg
+    from . import _sampling_cupy
+
+    out, flags = _sampling_cupy.forward(cfg)
+    if flags & _sampling_cupy.GRID_NONFINITE:
+        raise ValueError(_GRID_NOT_FINITE)
+    if flags & _sampling_cupy.IMAGE_NONFINITE:
+        raise ValueError(_IMAGE_NOT_FINITE)
+    return out, cfg
 
 
 def _backward(cfg: _Config, g, needs):
-    return _backward_numpy(cfg, g, needs)
+    if not cfg.gpu:
+        return _backward_numpy(cfg, g, needs)
+    from . import _sampling_cupy
+
+    return _sampling_cupy.backward(cfg, g, needs)
 
 
-def _meta(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=False):
+def _meta(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=False,
+          deterministic=False):
     """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec):
     (N, C, *grid.shape[1:-1]) in the result dtype of image and grid."""
     return ((image.shape[0], image.shape[1]) + tuple(grid.shape[1:-1]),
@@ -275,7 +321,8 @@ def _meta(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=F
 
 @register(name="grid_sample", forward=_forward, backward=_backward, arg_names=("image", "grid"),
           differentiable=("image", "grid"), meta=_meta)
-def grid_sample(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=False):
+def grid_sample(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=False,
+                deterministic=False):
     r"""Sample images at the points of a grid: ``torch.nn.functional.grid_sample``'s semantics.
 
     ``out[n, c, *p]`` is the value of ``image[n, c]`` at the point ``grid[n, *p]``, interpolated
@@ -301,22 +348,29 @@ def grid_sample(image, grid, *, mode="bilinear", padding_mode="zeros", align_cor
         with ``align_corners=False``).
     align_corners : bool, keyword-only
         Whether -1 and 1 are the centres of the corner pixels (True) or their outer corners.
+    deterministic : bool, keyword-only
+        CuPy arrays: compute the image cotangent of the VJP without atomics (the (point,
+        corner) entries sorted by the pixel they add to, then summed in that fixed order),
+        bitwise reproducible from run to run. The default scatters it with atomic additions
+        (faster; the order of the sums, hence the last bits, vary). The forward and the grid
+        cotangent are always deterministic; so is the whole NumPy path, where this changes
+        nothing.
 
     Returns
     -------
     out : ndarray, shape (N, C, H_out, W_out) or (N, C, D_out, H_out, W_out)
-        dtype ``numpy.result_type(image, grid)`` (torch requires equal dtypes; mixed ones are
-        promoted here).
+        Of the inputs' array type (NumPy or CuPy). dtype ``numpy.result_type(image, grid)``
+        (torch requires equal dtypes; mixed ones are promoted here).
 
     Raises
     ------
     ValueError
         Shapes that disagree (batch, the grid's last axis against the image's spatial axes), an
         empty spatial axis, a non-finite grid or image, an unknown ``mode`` or ``padding_mode``.
+        On CuPy arrays also image and grid on different devices.
     TypeError
-        Non-float dtypes, a non-string mode or padding mode, a non-bool ``align_corners``.
-    NotImplementedError
-        CuPy arrays (no CUDA kernel yet).
+        Non-float dtypes, a non-string mode or padding mode, a non-bool ``align_corners`` or
+        ``deterministic``, one NumPy and one CuPy argument.
 
     Notes
     -----
@@ -334,6 +388,20 @@ def grid_sample(image, grid, *, mode="bilinear", padding_mode="zeros", align_cor
     clamp has derivative 0 outside ``[0, size - 1]``, reflection flips its sign on reflected
     stretches, and ``mode="nearest"`` gives zero. At the kinks (pixel boundaries, the edges of
     clamping or reflection) it is one-sided, as in torch.
+
+    CUDA (CuPy arrays): one thread per output point (and group of channels, when the points
+    alone cannot fill the device) sets up the cell once and loops over the channels, storing
+    coalesced rows of each channel plane; the coordinate map, the weights and the sums round
+    as the NumPy path does (no fused multiply-add), so both backends see the same cells. The
+    finiteness of the image costs one extra read of it per call and one device-to-host copy
+    of a flag (the call waits for the kernels). Index arithmetic is 64-bit. The VJP gives each
+    point to one thread that sums the grid cotangent over the channels in registers (plain
+    stores) and scatters the image cotangent with atomic additions, or, with
+    ``deterministic=True``, sorts the (point, corner) entries by pixel and sums each pixel's
+    entries in one thread. Images are read in their storage dtype (float16 computes in
+    float32); grids are cast to the computation dtype, non-contiguous arrays copied.
+    Cotangents are accumulated in the computation dtype (float64 on the NumPy path) and
+    returned in their argument's dtype.
 
     Convention
     ----------
@@ -360,4 +428,5 @@ def grid_sample(image, grid, *, mode="bilinear", padding_mode="zeros", align_cor
        Networks", NeurIPS 2015 (differentiable bilinear sampling).
     .. [2] PyTorch, ``torch.nn.functional.grid_sample`` (the semantics reproduced here).
     """
-    return _forward(image, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners)[0]
+    return _forward(image, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners,
+                    deterministic=deterministic)[0]
