@@ -2,8 +2,9 @@
 
 This module imports neither framework. It lists the public ops that the adapters wrap (every op
 of :data:`cutopo.vjp.REGISTRY`, plus the few non-differentiable ones below), with their shape
-rules and how each batches over leading axes, and it turns static (non-array) arguments into
-hashable keys, and it writes the adapted functions' docstrings.
+rules, how each batches over leading axes and which positional arguments are always static; it
+turns static (non-array) arguments into hashable keys, and it writes the adapted functions'
+docstrings.
 """
 from __future__ import annotations
 
@@ -38,20 +39,34 @@ def _is_count(thresholds) -> bool:
     return isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
 
 
-def _ecc_meta(image, thresholds, *, ndim=None, connectivity=1, boundary="box"):
+# The other keyword arguments (connectivity, boundary, device, max_slab_bytes, ...) do not
+# change the result's shape: the rules take them as ``**_``, so that a new option of an op
+# does not break its adapters.
+
+def _ecc_meta(image, thresholds, *, ndim=None, **_):
     spatial = image.ndim if ndim is None else ndim
     T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
     return tuple(image.shape[:image.ndim - spatial]) + (T,), np.dtype(np.int64)
 
 
-def _contributions_meta(image, *, ndim=None, connectivity=1, boundary="box"):
+def _contributions_meta(image, **_):
     return tuple(image.shape), np.dtype(np.int8)
 
 
-def _ect_meta(mask, directions, thresholds, *, connectivity=1):
+def _ect_meta(mask, directions, thresholds, **_):
     D, ndim = directions.shape
     T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
     return tuple(mask.shape[:mask.ndim - ndim]) + (D, T), np.dtype(np.int64)
+
+
+# ----------------------------------------------------------------------------- static arguments
+# Positional arguments that are always static values, never arrays, although they may look
+# like array-likes (a tuple of ints): the adapters pass them to the op as given (a list as a
+# tuple) instead of converting them to tensors or JAX arrays. By registry name.
+
+_STATIC_ARGUMENTS = {
+    "cpab_transform_grid": frozenset({"shape"}),   # the grid's size, which sets the output shape
+}
 
 
 # ----------------------------------------------------------------------------- batching rules
@@ -110,6 +125,7 @@ class AdaptedOp:
     meta: Callable | None
     native_batch: Callable | None
     keyword_defaults: dict
+    static_arguments: frozenset = frozenset()  # positional arguments never converted to arrays
 
     @property
     def qualified_name(self) -> str:
@@ -164,12 +180,18 @@ def adapted_ops() -> tuple[AdaptedOp, ...]:
             continue
         ops.append(AdaptedOp(spec.name, family, public, spec.function, spec.arg_names,
                              spec.differentiable, spec.meta, _NATIVE_BATCH.get(spec.name),
-                             defaults))
+                             defaults, _STATIC_ARGUMENTS.get(spec.name, frozenset())))
     for module, name, arg_names, meta in _NON_DIFFERENTIABLE:
         function = getattr(importlib.import_module(module), name)
         ops.append(AdaptedOp(name, None, name, function, arg_names, frozenset(), meta,
                              _NATIVE_BATCH.get(name), _keyword_defaults(function, arg_names)))
     return tuple(ops)
+
+
+def static_value(value):
+    """A static positional argument as the op gets it: lists become tuples (hashable, so that
+    the adapters can key compiled functions on them)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def bind(op: AdaptedOp, args, kwargs):

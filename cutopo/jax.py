@@ -8,14 +8,15 @@ composition. They are generated when this module is imported, by one generic ada
 (``ecc``, ``ect``, ``euler_contributions``), like :mod:`cutopo.torch`; an op registered later is
 adapted on first access, and needs a shape rule (``OpSpec.meta``) here::
 
-    soft_ecc, soft_ect, expected_euler, deformable_aggregation, ecc, ect, euler_contributions,
-    cpab.integrate
+    soft_ecc, soft_ect, expected_euler, deformable_aggregation, grid_sample, ecc, ect,
+    euler_contributions, cpab.integrate, cpab.transform_grid, cpab.transform_image
 
 How it works
 ------------
 A call sorts the arguments into *dynamic* ones (JAX arrays and tracers; NumPy arrays and lists
 are converted) and *static* ones (Python scalars such as a float ``scale`` or an int threshold
-count, keyword arguments, a ``Tessellation``). For each combination of op, static values and
+count, keyword arguments, a ``Tessellation``, and arguments that are always static values:
+``cpab.transform_grid``'s ``shape``, a tuple or list of ints). For each combination of op, static values and
 argument shapes/dtypes it builds (once) a ``jax.custom_vjp`` function of the dynamic arguments
 whose forward and backward are callbacks into cutopo: the output's shape and dtype come from the
 op's shape rule (``OpSpec.meta``), the backward calls :func:`cutopo.vjp` (the one VJP mechanism)
@@ -386,6 +387,11 @@ def _public(op: _adapters.AdaptedOp):
         values, static = _adapters.bind(op, args, kwargs)
         dyn, template, avals, key = [], [], [], []
         for name, v in zip(op.arg_names, values):
+            if name in op.static_arguments:  # e.g. a grid's shape: static, never an array
+                v = _adapters.static_value(v)
+                template.append(v)
+                key.append(_adapters.freeze(v))
+                continue
             if isinstance(v, np.ndarray):
                 if v.dtype == np.float64 and not _x64():
                     raise ValueError(f"{op.qualified_name.replace('cutopo.', 'cutopo.jax.')}: "

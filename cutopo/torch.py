@@ -7,8 +7,8 @@ generic adapter, from :data:`cutopo.vjp.REGISTRY` (the differentiable ops) and a
 non-differentiable ones (``ecc``, ``ect``, ``euler_contributions``); an op registered later is
 adapted on first access (``cutopo.torch.<registry name>``)::
 
-    soft_ecc, soft_ect, expected_euler, deformable_aggregation, ecc, ect, euler_contributions,
-    cpab.integrate
+    soft_ecc, soft_ect, expected_euler, deformable_aggregation, grid_sample, ecc, ect,
+    euler_contributions, cpab.integrate, cpab.transform_grid, cpab.transform_image
 
 How it works
 ------------
@@ -28,7 +28,8 @@ a table and passed as its integer key. Differentiable ops get a second custom op
   CUDA stream (CuPy runs its kernels on ``torch.cuda.current_stream()``), on the tensor's device.
 * Array-likes (NumPy arrays, lists) given for array arguments become tensors; they get no
   gradient. Sequences *of tensors* (such as per-level feature lists) are not passed yet: a
-  TypeError says so.
+  TypeError says so. Arguments that are always static values (``cpab.transform_grid``'s
+  ``shape``, a tuple or list of ints, or a ``torch.Size``) stay Python values.
 * The output has exactly the shape and dtype of the cutopo op's result (int64 for ``ecc``,
   float32 or float64 by the op's dtype rules; a Python float ``scale`` is weakly typed there
   too), and lives on the device of the op's first tensor argument.
@@ -44,10 +45,11 @@ a table and passed as its integer key. Differentiable ops get a second custom op
 
 ``torch.compile``: every op is one opaque node; ``torch.compile(fn, fullgraph=True)`` of a
 function that calls these ops and differentiates through them compiles without graph breaks
-(tested on CPU with the ``"eager"``, ``"aot_eager"`` and ``"inductor"`` backends; the inductor
-backend needs a C++ compiler). Static arguments (Python scalars, keywords) are constants of the
-graph: a new value recompiles (pass a changing ``scale`` as a 0-d tensor instead). Dynamic
-shapes (``dynamic=True``) work. The ops have no ``torch.func`` (vmap) rules. An op registered
+(tested on CPU with the ``"eager"``, ``"aot_eager"`` and ``"inductor"`` backends, every op
+above; the inductor backend needs a C++ compiler). Static arguments (Python scalars,
+keywords, a grid's shape) are constants of the graph: a new value recompiles (pass a changing
+``scale`` as a 0-d tensor instead). Dynamic shapes (``dynamic=True``) work; a static argument
+taken from a symbolic shape (``image.shape``) is specialised (guarded) to its value. The ops have no ``torch.func`` (vmap) rules. An op registered
 later without a shape rule still works, but runs outside the compiled graph (a graph break).
 
 Cost per call: the op, plus about 0.1 ms of Python (argument handling and torch's dispatch of a
@@ -146,21 +148,28 @@ _STATICS: list = []
 def _intern(name: str, slots: tuple, keywords: tuple, *values) -> int:
     """The id of a static configuration, interned on first sight.
 
-    ``slots[i]`` is the tensor index of positional argument i, or -1 when ``values[i]`` is its
-    value; the keyword values follow the positional ones in ``values``. Everything is passed as
-    a flat list of plain values because torch.compile runs this function at trace time
-    (``assume_constant_result``: it mutates module state, which dynamo would otherwise defer until
-    after the graph that needs the id) and can hand it only values it can turn into constants.
+    ``slots[i]`` is the tensor index of positional argument i (its entry in ``values`` is
+    None), -1 when the next entry of ``values`` is its value, or -2 - n when it is a tuple
+    whose n items are the next n entries; the keyword values follow the positional ones.
+    Everything is passed as a flat list of plain values because torch.compile runs this
+    function at trace time (``assume_constant_result``: it mutates module state, which dynamo
+    would otherwise defer until after the graph that needs the id) and can hand it only values
+    it can turn into constants (a tuple built during tracing, such as a shape, is not one).
     """
-    n = len(slots)
+    positional, i = [], 0
+    for s in slots:
+        n = -2 - s if s <= -2 else 1
+        positional.append(tuple(values[i:i + n]) if s <= -2 else values[i])
+        i += n
+    kw_values = values[i:]
     key = (name,
-           tuple(("tensor", s) if s >= 0 else _adapters.freeze(v) for s, v in zip(slots, values)),
-           tuple((k, _adapters.freeze(v)) for k, v in zip(keywords, values[n:])))
+           tuple(("tensor", s) if s >= 0 else _adapters.freeze(v) for s, v in zip(slots, positional)),
+           tuple((k, _adapters.freeze(v)) for k, v in zip(keywords, kw_values)))
     found = _STATIC_IDS.get(key)
     if found is None:
         found = len(_STATICS)
-        template = tuple(_Slot(s) if s >= 0 else v for s, v in zip(slots, values))
-        _STATICS.append((template, dict(zip(keywords, values[n:]))))
+        template = tuple(_Slot(s) if s >= 0 else v for s, v in zip(slots, positional))
+        _STATICS.append((template, dict(zip(keywords, kw_values))))
         _STATIC_IDS[key] = found
     return found
 
@@ -315,6 +324,18 @@ def _define_vjp(op, forward):
     forward.register_autograd(backward, setup_context=setup_context)
 
 
+def _static(value):
+    """A static positional argument (``AdaptedOp.static_arguments``) as a graph constant:
+    lists become tuples, and symbolic ints in them (torch.compile with dynamic shapes, e.g. a
+    shape taken from a tensor) are made concrete (guarded)."""
+    value = _adapters.static_value(value)
+    if isinstance(value, tuple):
+        # (under dynamo a symbolic int passes isinstance(e, int), as in _public's scalars)
+        return tuple(_guard_scalar(e) if isinstance(e, (int, torch.SymInt)) and not isinstance(e, bool)
+                     else e for e in value)
+    return value
+
+
 def _public(op: _adapters.AdaptedOp, forward):
     """The user-facing function: sorts the arguments into tensors and static values."""
 
@@ -322,6 +343,15 @@ def _public(op: _adapters.AdaptedOp, forward):
         values, static = _adapters.bind(op, args, kwargs)
         tensors, slots, plain = [], [], []
         for name, v in zip(op.arg_names, values):
+            if name in op.static_arguments:  # e.g. a grid's shape: a constant, never a tensor
+                v = _static(v)
+                if isinstance(v, tuple):  # item by item: see _intern
+                    slots.append(-2 - len(v))
+                    plain.extend(v)
+                else:
+                    slots.append(-1)
+                    plain.append(v)
+                continue
             if isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in v):
                 raise TypeError(f"cutopo.torch: {op.qualified_name} argument {name} is a sequence "
                                 "of tensors, which the adapter does not pass; give one tensor")

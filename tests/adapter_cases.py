@@ -20,7 +20,8 @@ from cutopo.cpab import Tessellation
 
 # Every public op the adapters wrap, by path (cutopo.<path>).
 OP_PATHS = ("soft_ecc", "soft_ect", "expected_euler", "cpab.integrate", "ecc",
-            "euler_contributions", "ect")
+            "euler_contributions", "ect", "grid_sample", "deformable_aggregation",
+            "cpab.transform_grid", "cpab.transform_image")
 
 
 @dataclasses.dataclass
@@ -58,6 +59,19 @@ class Case:
 
 def resolve(module, path):
     return functools.reduce(getattr, path.split("."), module)
+
+
+def skip_without_cuda_kernel(case):
+    """Skip the calling (GPU) test when the op refuses CuPy arrays (NotImplementedError: no
+    CUDA kernel yet). Asked of the op itself, so that a kernel added later is tested at once."""
+    import cupy
+    import pytest
+
+    args = [cupy.asarray(a) if isinstance(a, np.ndarray) else a for a in case.args]
+    try:
+        case.function(*args, **case.kwargs)
+    except NotImplementedError as exc:
+        pytest.skip(f"{case.path} has no CUDA kernel: {exc}")
 
 
 def cases(float64=True):
@@ -98,10 +112,63 @@ def cases(float64=True):
         Case("ect", (mask, dirs.astype(np.float32), np.linspace(-1, 1, 5).astype(np.float32)), {},
              "ect"),
         Case("ect", (masks, dirs.astype(np.float32), 4), {"connectivity": 2}, "ect-batch-count"),
+        *_sampling_cases(rng, tess, theta),
     ]
     if float64:
         return out
     return [c for c in out if not _wide(c)]
+
+
+def _sampling_cases(rng, tess, theta):
+    """grid_sample, deformable_aggregation and the CPAB warps (small: the adapters' tests call
+    them many times). Sample points avoid pixel centres and image edges (kinks of the bilinear
+    interpolant), so finite differences of these cases see one smooth piece."""
+    image = rng.standard_normal((2, 3, 5, 6))
+    grid = np.stack([_off_centre(rng, (2, 4, 3), (6,)), _off_centre(rng, (2, 4, 3), (5,))], axis=-1)
+    volume = rng.standard_normal((1, 2, 3, 4, 5)).astype(np.float32)
+    grid3 = rng.uniform(-1.1, 1.1, (1, 2, 3, 2, 3)).astype(np.float32)
+    # deformable: 2 cameras, 2 scales, C 4 in 2 groups; flat maps camera-major
+    shapes = np.array([[[4, 5], [2, 3]], [[3, 4], [2, 2]]], dtype=np.int64)
+    pix = shapes[..., 0] * shapes[..., 1]
+    starts = (np.cumsum(pix.reshape(-1)) - pix.reshape(-1)).reshape(2, 2)
+    feats = rng.standard_normal((2, int(pix.sum()), 4))
+    loc = np.stack([_off_centre(rng, (2, 3, 2, 2), (5, 3, 4, 2), unit=True),   # u against W
+                    _off_centre(rng, (2, 3, 2, 2), (4, 2, 3), unit=True)], axis=-1)  # v against H
+    loc[0, 0, 0, 1] = (1.3, 0.5)  # outside camera 1: contributes nothing
+    weights = rng.standard_normal((2, 3, 2, 2, 2, 2))
+    picture = rng.random((1, 2, 6, 5))
+    return [
+        Case("grid_sample", (image, grid), {}, "grid_sample-2d-f64"),
+        Case("grid_sample", (image[:1].astype(np.float32), grid[:1].astype(np.float32)),
+             {"padding_mode": "border", "align_corners": True}, "grid_sample-2d-border-f32"),
+        Case("grid_sample", (volume, grid3), {"padding_mode": "reflection"}, "grid_sample-3d-f32"),
+        Case("deformable_aggregation", (feats, shapes, starts, loc, weights), {},
+             "deformable-f64"),
+        Case("deformable_aggregation", (feats.astype(np.float32), shapes, starts,
+                                        loc.astype(np.float32), weights.astype(np.float32)),
+             {"boundary": "zeros"}, "deformable-zeros-f32"),
+        Case("cpab.transform_grid", (theta, tess, (4, 5)), {"n_steps": 8}, "cpab-grid-f64"),
+        Case("cpab.transform_grid", (np.stack([theta, -theta]).astype(np.float32), tess, (3, 4)),
+             {"n_steps": 6}, "cpab-grid-batch-f32"),
+        Case("cpab.transform_image", (picture, theta, tess), {"n_steps": 8}, "cpab-image-f64"),
+        Case("cpab.transform_image", (picture.astype(np.float32), theta.astype(np.float32), tess),
+             {"n_steps": 6, "padding_mode": "zeros"}, "cpab-image-zeros-f32"),
+    ]
+
+
+def _off_centre(rng, shape, sizes, unit=False, margin=0.15):
+    """Coordinates t in (0.05, 0.95) of the image width whose pixel position t n - 1/2 stays
+    ``margin`` pixel from every pixel centre on axes of each of the ``sizes`` n: as
+    deformable_aggregation's u, v (``unit``), or as grid_sample's 2 t - 1 (align_corners
+    False)."""
+    t = np.empty(int(np.prod(shape)))
+    todo = np.arange(t.size)
+    while todo.size:
+        t[todo] = rng.uniform(0.05, 0.95, todo.size)
+        frac = np.stack([(t[todo] * n - 0.5) % 1.0 for n in sizes])
+        todo = todo[~np.all((frac > margin) & (frac < 1 - margin), axis=0)]
+    t = t.reshape(shape)
+    return t if unit else 2 * t - 1
 
 
 def _wide(case) -> bool:

@@ -17,7 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 import cutopo  # noqa: E402
 import cutopo.jax as cj  # noqa: E402
 from adapter_cases import (cases, check_namespace, import_without, record_wrt,  # noqa: E402
-                           resolve, run_docstring_examples, toy_backward, toy_forward, toy_meta)
+                           resolve, run_docstring_examples, skip_without_cuda_kernel,
+                           toy_backward, toy_forward, toy_meta)
 from cutopo.cpab import Tessellation  # noqa: E402
 
 
@@ -229,6 +230,40 @@ def test_grad_in_float64_matches_finite_differences():
     np.testing.assert_allclose(np.sum(g * direction), fd, rtol=1e-6)
 
 
+@pytest.mark.parametrize("case_id", ["grid_sample-2d-f64", "deformable-f64", "cpab-grid-f64",
+                                     "cpab-image-f64"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_grad_of_sampling_and_warps_matches_finite_differences(case_id, jit):
+    """jax.grad (reverse mode) of grid_sample, deformable_aggregation and the CPAB warps against
+    central differences (x64; the cases keep sample points off the bilinear kinks)."""
+    from jax.test_util import check_grads
+
+    case = next(c for c in CASES if c.id == case_id)
+    positions = case.grad_positions()
+    fn = resolve(cj, case.path)
+
+    def f(*diff):
+        args = [to_jax(a) for a in case.args]
+        for i, d in zip(positions, diff):
+            args[i] = d
+        return fn(*args, **case.kwargs)
+
+    check_grads(jax.jit(f) if jit else f, tuple(jnp.asarray(case.args[i]) for i in positions),
+                order=1, modes=("rev",), eps=1e-6)
+
+
+def test_transform_grid_shape_is_static():
+    """The grid's shape is a static argument (a tuple or list of ints), never a JAX array."""
+    theta, tess, shape = next(c for c in CASES if c.id == "cpab-grid-f64").args
+    expected = cutopo.cpab.transform_grid(theta, tess, shape, n_steps=8)
+    th = jnp.asarray(theta)
+    for s in (shape, list(shape)):
+        np.testing.assert_array_equal(np.asarray(cj.cpab.transform_grid(th, tess, s, n_steps=8)),
+                                      expected)
+        f = jax.jit(lambda t, s=s: cj.cpab.transform_grid(t, tess, s, n_steps=8))
+        np.testing.assert_array_equal(np.asarray(f(th)), expected)
+
+
 def test_a_newly_registered_op_is_adapted_generically():
     """A toy op registered after cutopo.jax was imported is adapted on first access; with a
     shape rule it works under jit, grad and vmap (looping: it has no native batching rule)."""
@@ -389,6 +424,7 @@ def _jax_gpu():
 @pytest.mark.skipif(not _jax_gpu(), reason="JAX has no GPU backend")
 @pytest.mark.parametrize("case", [c for c in CASES if c.path != "cpab.integrate"], ids=lambda c: c.id)
 def test_gpu_values_and_gradients_match_the_numpy_path(case):
+    skip_without_cuda_kernel(case)
     expected = case.function(*case.args, **case.kwargs)
     out = call(case, jax.jit)
     assert out.devices().pop().platform == "gpu" and out.dtype == expected.dtype

@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 import cutopo  # noqa: E402
 import cutopo.torch as ct  # noqa: E402
 from adapter_cases import (cases, check_namespace, import_without, record_wrt,  # noqa: E402
-                           resolve, run_docstring_examples, toy_backward, toy_forward)
+                           resolve, run_docstring_examples, skip_without_cuda_kernel,
+                           toy_backward, toy_forward)
 from cutopo.cpab import Tessellation  # noqa: E402
 
 CASES = cases()
@@ -241,6 +242,29 @@ def test_gradcheck_cpab_integrate():
                                     (points, theta))
 
 
+def _case(case_id):
+    return next(c for c in CASES if c.id == case_id)
+
+
+@pytest.mark.parametrize("case_id", ["grid_sample-2d-f64", "deformable-f64", "cpab-grid-f64",
+                                     "cpab-image-f64"])
+def test_gradcheck_sampling_and_warps(case_id):
+    """grid_sample, deformable_aggregation and the CPAB warps, in every float argument at once
+    (the cases keep sample points off pixel centres, where the bilinear interpolant has kinks)."""
+    case = _case(case_id)
+    positions = case.grad_positions()
+    fn = resolve(ct, case.path)
+    inputs = [to_torch(case.args[i], requires_grad=True) for i in positions]
+
+    def f(*diff):
+        args = [to_torch(a) for a in case.args]
+        for i, d in zip(positions, diff):
+            args[i] = d
+        return fn(*args, **case.kwargs)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
 def test_opcheck():
     image = torch.rand(6, 6, dtype=torch.float64, requires_grad=True)
     t = torch.linspace(0, 1, 4, dtype=torch.float64, requires_grad=True)
@@ -296,6 +320,59 @@ def test_torch_compile_fullgraph(backend):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", [
+    "eager", "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(not _compiler_available(),
+                                                      reason="inductor needs a C++ compiler")),
+])
+def test_torch_compile_sampling_and_warps(backend):
+    """grid_sample, deformable_aggregation and the CPAB warps in one compiled loss (fullgraph:
+    no graph breaks), values and gradients equal to eager; the grid's shape of transform_grid
+    is a static (constant) argument."""
+    torch._dynamo.reset()
+    grid_case, deform, warp_grid, warp = (_case(i) for i in (
+        "grid_sample-2d-f64", "deformable-f64", "cpab-grid-f64", "cpab-image-f64"))
+    feats, shapes, starts, loc, weights = deform.args
+    picture, theta, tess = warp.args
+    shapes_t, starts_t = torch.from_numpy(shapes), torch.from_numpy(starts)
+
+    def loss(image, grid, f, lo, w, th, pic):
+        return (ct.grid_sample(image, grid).square().sum()
+                + ct.deformable_aggregation(f, shapes_t, starts_t, lo, w).sum()
+                + ct.cpab.transform_grid(th, tess, warp_grid.args[2], n_steps=8).square().sum()
+                + ct.cpab.transform_image(pic, th, tess, n_steps=8).sum())
+
+    values = (*grid_case.args, feats, loc, weights, theta, picture)
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    inputs = [torch.from_numpy(v).requires_grad_() for v in values]
+    eager = [torch.from_numpy(v).requires_grad_() for v in values]
+    got, want = compiled(*inputs), loss(*eager)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    got.backward()
+    want.backward()
+    for a, b in zip(inputs, eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_transform_grid_shape_is_static():
+    """The grid's shape never becomes a tensor: a tuple or a list of ints, also under
+    torch.compile with dynamic shapes taken from a tensor."""
+    case = _case("cpab-grid-f64")
+    theta, tess, shape = case.args
+    th = torch.from_numpy(theta)
+    expected = cutopo.cpab.transform_grid(theta, tess, shape, n_steps=8)
+    for s in (shape, list(shape), torch.Size(shape)):
+        np.testing.assert_array_equal(ct.cpab.transform_grid(th, tess, s, n_steps=8).numpy(), expected)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t, image: ct.cpab.transform_grid(t, tess, image.shape, n_steps=8),
+                      fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in (4, 6):
+        out = f(th, torch.zeros(n, 5))
+        assert out.shape == (n, 5, 2)
+        np.testing.assert_array_equal(
+            out.numpy(), cutopo.cpab.transform_grid(theta, tess, (n, 5), n_steps=8))
+
+
 def test_torch_compile_dynamic_shapes():
     torch._dynamo.reset()
     t = torch.linspace(0, 1, 5)
@@ -319,6 +396,7 @@ def _cuda_ready():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 @pytest.mark.parametrize("case", [c for c in CASES if c.path != "cpab.integrate"], ids=lambda c: c.id)
 def test_cuda_values_and_gradients_match_the_cpu(case):
+    skip_without_cuda_kernel(case)
     positions = case.grad_positions()
     cpu = [to_torch(a, requires_grad=i in positions) for i, a in enumerate(case.args)]
     gpu = [a.detach().cuda().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
