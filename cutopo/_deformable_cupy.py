@@ -6,6 +6,10 @@ width and the lane layout, builds the per-map descriptor table (memoized on the 
 launches on CuPy's current stream. The deterministic feature cotangent sorts the
 (entry, corner) pairs by feature row with ``cupy.argsort`` (stable) before one warp sums each
 row in that order.
+
+Repeated forwards of one kind of call (``cfg.memo``: the validation memoized in
+:mod:`cutopo.deformable`) reuse a :class:`_ForwardPlan`: at batch 1 the host's preparation of
+a call, not the kernel, set the pace (0.25 ms per call for 0.12 ms of device work on the H200).
 """
 from __future__ import annotations
 

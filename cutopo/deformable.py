@@ -601,7 +601,9 @@ def deformable_aggregation(features, spatial_shapes, level_start_index, sampling
     spatial_shapes : integer array (K, S, 2)
         (H, W) of every camera's map at every scale; cameras may differ. Per-level form: None
         (derived from the arrays) or equal to the derived shapes. NumPy is best for CuPy
-        features too: a CuPy table costs a device-to-host copy per call for its validation.
+        features too: a CuPy table costs a device-to-host copy (a synchronisation) per call
+        for its validation, while with NumPy tables a repeated call (same shapes, dtypes,
+        tables and options) skips the checks and, on CUDA, the launch planning.
     level_start_index : integer array (K, S)
         First row of every map in ``features`` (flattened form). Per-level form: None, or the
         camera-major flattening ``feature_maps_format`` would produce (checked).
