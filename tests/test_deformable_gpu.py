@@ -64,7 +64,7 @@ def _to_gpu(*arrays):
 def assert_close(gpu, ref, dtype, what, rtol=None):
     cp = _cp()
     got = cp.asnumpy(gpu).astype(np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
+    ref = cp.asnumpy(ref).astype(np.float64)                 # NumPy or CuPy reference
     assert got.shape == ref.shape, what
     assert np.all(np.isfinite(got)), f"{what}: non-finite values (unwritten output?)"
     tol = (rtol or TOL[np.dtype(dtype)]) * max(1.0, float(np.max(np.abs(ref), initial=0.0)))
