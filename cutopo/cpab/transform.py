@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._array import is_cupy_array
+from .._array import array_module
 from ..sampling import grid_sample
 from ..vjp import register
 from ._checks import check_count
@@ -72,11 +72,10 @@ _GRID_SAMPLE = grid_sample.__cutopo_op__
 
 def _grid_forward(theta, tess, shape, *, n_steps=50):
     shape = _check_shape(shape, tess, "transform_grid")
-    if is_cupy_array(theta):
-        raise NotImplementedError("cpab.transform_grid has no CUDA kernel yet")
-    theta_dtype = np.asarray(theta).dtype
-    points = pixel_centres(shape, _theta_dtype(theta_dtype) if theta_dtype.kind in "fiu"
-                           else np.float64)
+    xp = array_module(theta)                 # CuPy theta: the centres go to the device too
+    theta_dtype = theta.dtype if hasattr(theta, "dtype") else np.asarray(theta).dtype
+    points = xp.asarray(pixel_centres(shape, _theta_dtype(theta_dtype)
+                                      if theta_dtype.kind in "fiu" else np.float64))
     phi, residuals = _INTEGRATE.forward(points, theta, tess, n_steps=n_steps)
     out_shape = phi.shape[:-2] + shape + (tess.ndim,)                    # (B,)? + shape + (K,)
     return phi.reshape(out_shape), (residuals, phi.shape)
@@ -86,7 +85,7 @@ def _grid_backward(residuals, cotangent, needs):
     inner, phi_shape = residuals
     if not needs[0]:
         return None, None, None
-    _, d_theta, _ = _INTEGRATE.backward(inner, np.reshape(cotangent, phi_shape),
+    _, d_theta, _ = _INTEGRATE.backward(inner, cotangent.reshape(phi_shape),
                                         (False, True, False))
     return d_theta, None, None
 
@@ -129,7 +128,8 @@ def transform_grid(theta, tess, shape, *, n_steps=50):
     TypeError
         ``tess`` not a :class:`Tessellation`, ``shape`` not a sequence of ints.
     NotImplementedError
-        A CuPy theta (no CUDA kernel yet).
+        A CuPy theta while :func:`~cutopo.cpab.integrate` has no CUDA kernel (the grid then
+        runs on the device, the pixel centres moved there).
 
     Notes
     -----
@@ -165,22 +165,19 @@ def transform_grid(theta, tess, shape, *, n_steps=50):
 # -- transform_image -------------------------------------------------------------------------------
 
 def _check_image(image, theta, tess):
-    """image as a NumPy array with 2 + tess.ndim axes; (batch of the result, theta's batch)."""
-    if is_cupy_array(image) or is_cupy_array(theta):
-        raise NotImplementedError("cpab.transform_image has no CUDA kernel yet")
+    """image as an array with 2 + tess.ndim axes; (batch of the result, theta's batch)."""
     if not isinstance(tess, Tessellation):
         raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
     if tess.ndim not in (2, 3):
         raise ValueError(f"cpab.transform_image: images are 2-D or 3-D, the tessellation is "
                          f"{tess.ndim}-D")
-    image = np.asarray(image)
+    image = array_module(image).asarray(image)
     if image.ndim != 2 + tess.ndim:
         want = "(N, C, H, W)" if tess.ndim == 2 else "(N, C, D, H, W)"
         raise ValueError(f"cpab.transform_image: image must have shape {want} for a "
                          f"{tess.ndim}-D tessellation, got {image.shape}")
-    theta = np.asarray(theta)
     N = image.shape[0]
-    Bt = theta.shape[0] if theta.ndim == 2 else 1
+    Bt = np.shape(theta)[0] if np.ndim(theta) == 2 else 1
     if Bt != N and 1 not in (Bt, N):
         raise ValueError(f"cpab.transform_image: image and theta have batch sizes {N} and {Bt}")
     return image, max(N, Bt) if 1 in (N, Bt) else N
@@ -193,12 +190,13 @@ def _sum_to(g, n):
 
 def _image_forward(image, theta, tess, *, n_steps=50, mode="bilinear", padding_mode="border"):
     image, B = _check_image(image, theta, tess)
-    theta2 = np.asarray(theta)
+    theta2 = array_module(theta).asarray(theta)
     theta2 = theta2[None] if theta2.ndim == 1 else theta2
     spatial = image.shape[2:]
     phi, grid_res = _grid_forward(theta2, tess, spatial, n_steps=n_steps)  # (Bt, *spatial, K)
-    grid = np.broadcast_to(_to_normalised(phi), (B,) + phi.shape[1:])
-    sample_image = np.broadcast_to(image, (B,) + image.shape[1:])
+    xp = array_module(image)
+    grid = array_module(phi).broadcast_to(_to_normalised(phi), (B,) + phi.shape[1:])
+    sample_image = xp.broadcast_to(image, (B,) + image.shape[1:])
     out, sample_res = _GRID_SAMPLE.forward(sample_image, grid, mode=mode,
                                            padding_mode=padding_mode, align_corners=False)
     return out, (grid_res, sample_res, len(image), len(phi), np.ndim(theta))
@@ -270,7 +268,8 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
     TypeError
         ``tess`` not a :class:`Tessellation`, a non-float image.
     NotImplementedError
-        CuPy inputs (no CUDA kernel yet).
+        CuPy inputs while :func:`~cutopo.cpab.integrate` or :func:`cutopo.grid_sample` has no
+        CUDA kernel (with both, image and theta both on the device run there).
 
     Notes
     -----
