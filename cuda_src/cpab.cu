@@ -81,6 +81,23 @@ __device__ __forceinline__ int sign_of_sum(const T (&t)[N]) {
     return 0;
 }
 
+// The sign of a sum of N terms with magnitudes <= 2 (the cell tests), filtered: the sum in T is
+// within 3 N ulp(4) of the exact one, so beyond a bound its sign is certain; only sums closer to
+// 0 take the exact expansion. Same signs as sign_of_sum, a fraction of the work.
+template <typename T> struct SignBound;
+template <> struct SignBound<float> { static __device__ __forceinline__ float value() { return 0x1p-16f; } };
+template <> struct SignBound<double> { static __device__ __forceinline__ double value() { return 0x1p-45; } };
+
+template <typename T, int N>
+__device__ __forceinline__ int filtered_sign(const T (&t)[N]) {
+    T s = t[0];
+    #pragma unroll
+    for (int i = 1; i < N; ++i) s = add_rn(s, t[i]);
+    if (s > SignBound<T>::value()) return 1;
+    if (s < -SignBound<T>::value()) return -1;
+    return sign_of_sum(t);
+}
+
 // Cells per axis; axis 0 varies fastest in the box number.
 struct Grid {
     int n[3];
@@ -120,8 +137,14 @@ __device__ __forceinline__ i64 cell_of(const T (&x)[K], const Grid& g) {
     }
     int simplex = 0;
     if (K == 2) {
-        const T t[3] = {local[0], local[K - 1], T(-1)};
-        const bool above_anti = sign_of_sum(t) > 0;
+        // x + y > 1? Rounding is monotone, so fl(x + y) > 1 implies x + y > 1 and fl(x + y) < 1
+        // implies x + y < 1: only fl(x + y) == 1 needs the exact sign.
+        const T sum = add_rn(local[0], local[K - 1]);
+        bool above_anti = sum > T(1);
+        if (sum == T(1)) {
+            const T t[3] = {local[0], local[K - 1], T(-1)};
+            above_anti = sign_of_sum(t) > 0;
+        }
         if (local[0] < local[K - 1]) simplex = above_anti ? 2 : 3;
         else simplex = above_anti ? 1 : 0;
     } else if (K == 3) {
@@ -130,13 +153,34 @@ __device__ __forceinline__ i64 cell_of(const T (&x)[K], const Grid& g) {
         for (int s = 0; s < 4; ++s) {
             const signed char* a = TET_TESTS[p][s];
             const T t[4] = {T(a[0]) * local[0], T(a[1]) * local[1 % K], T(a[2]) * local[2 % K], T(a[3])};
-            if (sign_of_sum(t) >= 0) {
+            if (filtered_sign(t) >= 0) {
                 simplex = s + 1;
                 break;
             }
         }
     }
     return (i64)Simplices<K>::value * box_number + simplex;
+}
+
+// A cell's K (K+1) matrix entries in 8- or 16-byte loads (rows start at multiples of
+// K (K+1) elements, so every row is aligned for its vector width).
+template <typename T, int W> struct Vec;
+template <> struct Vec<float, 2> { typedef float2 type; };
+template <> struct Vec<float, 4> { typedef float4 type; };
+template <> struct Vec<double, 2> { typedef double2 type; };
+
+template <typename T, int K>
+__device__ __forceinline__ void load_cell(const T* __restrict__ p, T (&r)[K * (K + 1)]) {
+    constexpr int W = (sizeof(T) == 4 && K == 3) ? 4 : 2;
+    typedef typename Vec<T, W>::type V;
+    const V* v = reinterpret_cast<const V*>(p);
+    #pragma unroll
+    for (int i = 0; i < K * (K + 1) / W; ++i) {
+        const V t = __ldg(v + i);
+        const T* e = reinterpret_cast<const T*>(&t);
+        #pragma unroll
+        for (int j = 0; j < W; ++j) r[i * W + j] = e[j];
+    }
 }
 
 // A thread's (batch item, point) and where its inputs live. Points are (Bp, N, K) with Bp 1
@@ -185,7 +229,8 @@ velocity(const T* __restrict__ points, const T* __restrict__ A, T* __restrict__ 
         const T v = points[it.point_row * K + k];
         x[k] = v > T(0) ? (v < T(1) ? v : T(1)) : T(0);
     }
-    const T* a = A + (it.cell_offset + cell_of<T, K>(x, g)) * (K * (K + 1));
+    T a[K * (K + 1)];
+    load_cell<T, K>(A + (it.cell_offset + cell_of<T, K>(x, g)) * (K * (K + 1)), a);
     #pragma unroll
     for (int k = 0; k < K; ++k) {
         T v = a[k * (K + 1) + K];
@@ -203,7 +248,8 @@ template <typename T, int K, bool PROJECT>
 __device__ __forceinline__ i64 step(T (&x)[K], const T* __restrict__ E, i64 cell_offset,
                                     const Grid& g, int& inside) {
     const i64 flat = cell_offset + cell_of<T, K>(x, g);
-    const T* e = E + flat * (K * (K + 1));
+    T e[K * (K + 1)];
+    load_cell<T, K>(E + flat * (K * (K + 1)), e);
     T y[K];
     #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -362,7 +408,8 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
             #pragma unroll
             for (int k = 0; k < K; ++k)
                 mu[k] = (!PROJECT || ((insides[i] >> k) & 1)) ? lam[k] : 0.0;
-            const T* e = E + flats[i] * (K * (K + 1));
+            T e[K * (K + 1)];
+            load_cell<T, K>(E + flats[i] * (K * (K + 1)), e);
             #pragma unroll
             for (int q = 0; q < K; ++q) {
                 double v = 0.0;
@@ -395,6 +442,24 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
         for (int k = 0; k < K; ++k)
             grad_points[it.idx * K + k] = ((inside0 >> k) & 1) ? lam[k] : 0.0;
     }
+}
+
+// -- the sparse basis: A = B theta and dL/dtheta = B^T dL/dA -----------------------------------
+
+// y[b, r] = sum_j val[r, j] x[b, idx[r, j]] in float64, in the order of the CSR rows (ELL layout:
+// every row padded to R entries with zeros). B has at most K + 1 entries per row, B^T at most
+// (K + 1) times the cells around a vertex, so one thread per output row and batch item.
+template <typename T>
+__global__ void __launch_bounds__(THREADS)
+ell_product(const int* __restrict__ idx, const double* __restrict__ val, const T* __restrict__ x,
+            double* __restrict__ y, i64 rows, i64 cols, i64 batch, int R) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * batch) return;
+    const i64 b = i / rows, r = i - b * rows;
+    const T* xb = x + b * cols;
+    double acc = 0.0;
+    for (int j = 0; j < R; ++j) acc += val[r * R + j] * convert<double>(xb[idx[r * R + j]]);
+    y[i] = acc;
 }
 
 // -- per-cell matrix exponentials --------------------------------------------------------------

@@ -77,18 +77,31 @@ def _current_device() -> int:
     return _cupy().cuda.runtime.getDevice()
 
 
-def _convert(value, kind: str, index: int, sig: Signature):
-    dtype = _pointer_dtype(kind)
-    if dtype is not None:
-        return _check_array(value, dtype, index, sig)
+@functools.lru_cache(maxsize=None)
+def _scalar_kind(kind: str):
+    """(dtype, smallest, largest) of a scalar parameter kind (None, None for floats); memoized,
+    as np.iinfo costs microseconds per launch argument."""
     if kind not in _SCALAR_KINDS:
-        raise LaunchError(f"{sig.name}: unknown parameter kind {kind!r}")
+        return None
     dtype = np.dtype(kind)
     if dtype.kind == "i":
+        info = np.iinfo(dtype)
+        return dtype, int(info.min), int(info.max)
+    return dtype, None, None
+
+
+def _convert(value, kind: str, index: int, sig: Signature, device=None):
+    dtype = _pointer_dtype(kind)
+    if dtype is not None:
+        return _check_array(value, dtype, index, sig, device)
+    scalar = _scalar_kind(kind)
+    if scalar is None:
+        raise LaunchError(f"{sig.name}: unknown parameter kind {kind!r}")
+    dtype, lo, hi = scalar
+    if lo is not None:
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise LaunchError(f"{sig.name}: argument {index} must be an integer, got {value!r}")
-        info = np.iinfo(dtype)
-        if not info.min <= int(value) <= info.max:
+        if not lo <= int(value) <= hi:
             raise LaunchError(f"{sig.name}: argument {index} = {value} overflows {kind}")
         return dtype.type(int(value))
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -96,15 +109,25 @@ def _convert(value, kind: str, index: int, sig: Signature):
     return dtype.type(value)
 
 
-def _checked_kernel(sig: Signature, grid: int, shared_mem: int, options: tuple[str, ...]):
-    if grid > device_attribute("MaxGridDimX"):
+def _checked_kernel(sig: Signature, grid: int, shared_mem: int, options: tuple[str, ...],
+                    device=None):
+    device = _current_device() if device is None else device
+    if grid > _device_attributes(device)["MaxGridDimX"]:
         raise LaunchError(f"{sig.name}: grid of {grid} blocks exceeds the device limit")
+    if shared_mem <= 48 * 1024:
+        return _kernel(device, sig, options)
     kernel = get_function(sig.family, sig.name, options)
     if shared_mem > 48 * 1024:
         if shared_mem > device_attribute("MaxSharedMemoryPerBlockOptin"):
             raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
         kernel.max_dynamic_shared_size_bytes = shared_mem
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_id: int, sig: Signature, options: tuple[str, ...]):
+    """The compiled kernel of ``sig`` on a device (memoized: a launch then costs a lookup)."""
+    return get_function(sig.family, sig.name, options)
 
 
 def _after_launch(sig: Signature) -> None:
@@ -122,10 +145,11 @@ def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: in
     """Check and convert ``args`` against ``sig``, then launch a 1-D grid on the current stream."""
     if len(args) != len(sig.params):
         raise LaunchError(f"{sig.name}: {len(args)} arguments given, signature has {len(sig.params)}")
-    converted = tuple(_convert(a, k, i, sig) for i, (a, k) in enumerate(zip(args, sig.params)))
+    device = _current_device()
+    converted = tuple(_convert(a, k, i, sig, device) for i, (a, k) in enumerate(zip(args, sig.params)))
     if grid <= 0:
         return  # nothing to do; CuPy would clamp the grid to 1 block
-    kernel = _checked_kernel(sig, grid, shared_mem, options)
+    kernel = _checked_kernel(sig, grid, shared_mem, options, device)
     kernel((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
     _after_launch(sig)
 

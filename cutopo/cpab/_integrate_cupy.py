@@ -1,9 +1,9 @@
 """CuPy path of the CPA ops: launches of ``cuda_src/cpab.cu`` (its header describes the kernels).
 
-Per call: A = B theta on the device (``cupyx.scipy.sparse``), the step-size guard (one scalar
-copied to the host), E_c = expm(h A~_c) per cell (``expm_cells``), then one thread per
+Per call: A = B theta on the device (an ELL product of the memoized sparse basis), the
+step-size guard (read on the host together with the finiteness checks: one synchronisation), E_c = expm(h A~_c) per cell (``expm_cells``), then one thread per
 (batch item, point) for the trajectory. The VJP runs ``integrate_backward`` (per-cell moments
-G_c by warp-pooled float64 atomics), ``frechet_cells`` (dL/dA_c) and B^T on the device. The
+G_c by warp-pooled float64 atomics), ``frechet_cells`` (dL/dA_c) and B^T (ELL) on the device. The
 callers in :mod:`cutopo.cpab.integrate` and :mod:`cutopo.cpab.velocity` shape the results.
 """
 from __future__ import annotations
@@ -53,12 +53,20 @@ def _expm_sig(t, K):
                      ("ptr:float64", f"ptr:{t}", "int64", "float64"))
 
 
+def _ell_sig(t):
+    return Signature(FAMILY, f"cutopo::cpab::ell_product<{_CTYPE[t]}>",
+                     ("ptr:int32", "ptr:float64", f"ptr:{t}", "ptr:float64", "int64", "int64", "int64",
+                      "int32"))
+
+
 def _frechet_sig(K):
     return Signature(FAMILY, f"cutopo::cpab::frechet_cells<{K}>",
                      ("ptr:float64", "ptr:float64", "ptr:float64", "int64", "float64"))
 
 
 def _instances():
+    for t in _CTYPE:
+        yield _ell_sig(t).name
     for K in (1, 2, 3):
         yield _frechet_sig(K).name
         for t in _CTYPE:
@@ -106,27 +114,77 @@ class Plan:
     tess: object
 
 
+def _ell(csr):
+    """A scipy CSR matrix as device ELL tables: (indices (rows, R) int32, values (rows, R)
+    float64, R), rows padded with zeros (pointing at column 0)."""
+    import cupy
+
+    csr = csr.tocsr()
+    csr.sort_indices()
+    counts = np.diff(csr.indptr)
+    R = max(int(counts.max(initial=0)), 1)
+    rows = np.repeat(np.arange(csr.shape[0]), counts)
+    slot = np.arange(csr.nnz) - np.repeat(csr.indptr[:-1], counts)
+    idx = np.zeros((csr.shape[0], R), dtype=np.int32)
+    val = np.zeros((csr.shape[0], R))
+    idx[rows, slot] = csr.indices
+    val[rows, slot] = csr.data
+    return cupy.asarray(idx), cupy.asarray(val), R
+
+
+def _basis_tables(tess):
+    """(B, B^T) as ELL tables on the current device, memoized on the tessellation: cupyx's
+    sparse products cost ~0.15 ms of host work per call; these are one small kernel each."""
+    import cupy
+
+    key = ("ell", cupy.cuda.Device().id)
+    if key not in tess._device_bases:
+        tess._device_bases[key] = (_ell(tess.basis), _ell(tess.basis.T))
+    return tess._device_bases[key]
+
+
+def _ell_product(table, x, rows):
+    """(batch, rows) float64 = table @ x[b] for every row b of the C-contiguous x (batch, cols)."""
+    import cupy
+
+    idx, val, R = table
+    batch, cols = x.shape
+    y = cupy.empty((batch, rows), dtype=np.float64)
+    launch(_ell_sig(x.dtype.name), _blocks(batch * rows), THREADS,
+           (idx, val, x, y, rows, cols, batch, R))
+    return y
+
+
 def affine_maps(tess, theta2):
     """A = B theta on the device: (Bt C, K, K+1) float64 from theta (Bt, d)."""
     import cupy
 
-    basis = tess.basis_for(cupy)
-    flat = theta2.astype(np.float64, copy=False)
-    A = cupy.ascontiguousarray((basis @ flat.T).T)
+    if theta2.dtype not in (np.float32, np.float64):
+        theta2 = theta2.astype(np.float64)
+    basis, _ = _basis_tables(tess)
+    A = _ell_product(basis, cupy.ascontiguousarray(theta2), tess.basis.shape[0])
     return A.reshape(len(theta2) * tess.n_cells, tess.ndim, tess.ndim + 1)
 
 
-def setup(points, theta, tess, n_steps, name, dtype) -> Plan:
-    """The plan of one integrate/log_jacobian call; arguments already checked."""
+def setup(points, theta, tess, n_steps, name, dtype, *, pending=()) -> Plan:
+    """The plan of one integrate/log_jacobian call; arguments already checked, except for the
+    device-side finiteness reductions in ``pending`` (see velocity.check_points_theta), which
+    are read together with the step-size guard's norm: one host synchronisation per call."""
     import cupy
+
+    from .velocity import raise_not_finite
 
     K, C = tess.ndim, tess.n_cells
     P = points if points.ndim == 3 else points[None]
     T2 = theta if theta.ndim == 2 else theta[None]
     Bp, Bt = len(P), len(T2)
     A = affine_maps(tess, T2)
-    largest = float(cupy.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max()) if len(A) else 0.0
-    check_step_size(largest, n_steps, name)
+    norms = cupy.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2)))
+    largest = norms.max(keepdims=True) if len(A) else cupy.zeros(1)
+    values = cupy.concatenate(list(pending) + [largest]).get()
+    if len(pending):
+        raise_not_finite(values[:2])
+    check_step_size(float(values[-1]), n_steps, name)
     h = 1.0 / n_steps
     E = cupy.empty(A.shape, dtype=dtype)
     launch(_expm_sig(dtype.name, K), _blocks(len(A), 128), 128, (A, E, len(A), h))
@@ -184,8 +242,8 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
         cells = len(G)
         dA = cupy.empty_like(G)
         launch(_frechet_sig(K), _blocks(cells, 64), 64, (plan.A, G, dA, cells, plan.h))
-        basis = plan.tess.basis_for(cupy)
-        grad_theta = cupy.ascontiguousarray((basis.T @ dA.reshape(plan.n_theta, -1).T).T)
+        _, basis_t = _basis_tables(plan.tess)
+        grad_theta = _ell_product(basis_t, dA.reshape(plan.n_theta, -1), plan.tess.n_params)
     return (grad_points if need_points else None), grad_theta
 
 

@@ -16,11 +16,16 @@ def _real_array(x, name, xp):
     return x
 
 
-def check_points_theta(points, theta, tess, name):
+def check_points_theta(points, theta, tess, name, *, pending=None):
     """Validate the (points, theta, tess) arguments of a CPA op; return points and theta as
     real arrays of one array type (NumPy, or CuPy when either is a CuPy array: then both must
     be) and the computation dtype. points: (N, K) or (B, N, K); theta: (d,) or (B, d); batch
-    sizes equal or one of them 1 (broadcast)."""
+    sizes equal or one of them 1 (broadcast).
+
+    On the device the finiteness of both is one reduction read on the host; a caller that has
+    more device-side checks passes a list as ``pending``: the reduction is appended to it
+    (float64 (2,): 1 where points, theta are finite) and the caller reads everything at once
+    and calls :func:`raise_not_finite`."""
     on_device = is_cupy_array(points) or is_cupy_array(theta)
     if on_device and not (is_cupy_array(points) and is_cupy_array(theta)):
         which = "points" if is_cupy_array(points) else "theta"
@@ -46,12 +51,24 @@ def check_points_theta(points, theta, tess, name):
     if dtype not in (np.float32, np.float64):
         dtype = np.dtype(np.float64)
     points = points.astype(dtype, copy=False)
-    # one host sync per argument on the device: the kernels must never see NaN or inf
-    if not bool(xp.isfinite(points).all()):
-        raise ValueError("points must be finite")
-    if not bool(xp.isfinite(theta).all()):
-        raise ValueError("theta must be finite")
+    # the kernels must never see NaN or inf
+    if xp is np:
+        raise_not_finite((np.isfinite(points).all(), np.isfinite(theta).all()))
+    else:
+        finite = xp.stack([xp.isfinite(points).all(), xp.isfinite(theta).all()]).astype(np.float64)
+        if pending is None:
+            raise_not_finite(finite.get())                              # one host sync
+        else:
+            pending.append(finite)
     return points, theta, dtype
+
+
+def raise_not_finite(finite):
+    """ValueError unless ``finite`` (points finite, theta finite) holds."""
+    if not finite[0]:
+        raise ValueError("points must be finite")
+    if not finite[1]:
+        raise ValueError("theta must be finite")
 
 
 def velocity(points, theta, tess):

@@ -1,0 +1,87 @@
+"""Where the time of a CPAB integrate call goes: each stage of the CuPy path timed alone.
+
+    python benchmarks/profile_cpab.py [--case 2d|3d] [--reps N]
+
+Stages: the argument checks (a finiteness reduction read on the host), A = B theta (ELL
+product), the step-size guard (one scalar to the host; in a call it is read together with the
+finiteness checks), expm_cells, the forward kernel with and without checkpoints, the backward
+kernel, frechet_cells, B^T (ELL), and the whole forward and VJP calls. Kernel rows time the launch alone (CUDA events around repeated launches
+on prepared arrays); host rows time the Python call including its synchronisations.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpab import LARGEST, T_STEPS, Case  # noqa: E402
+from bench_ecc import time_gpu  # noqa: E402
+
+import cutopo  # noqa: E402
+from cutopo.cpab import _integrate_cupy as icp  # noqa: E402
+from cutopo.cpab.integrate import integrate  # noqa: E402
+from cutopo.cpab.velocity import check_points_theta  # noqa: E402
+
+CASES = {"2d": Case("2d b32 256^2 tess 16", 32, (256, 256), (16, 16)),
+         "3d": Case("3d 128^3 tess 10", 1, (128, 128, 128), (10, 10, 10))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", default="2d,3d")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    if not cutopo.gpu_available():
+        print("profile_cpab: no CUDA device visible to CuPy")
+        return 0
+    import cupy as cp
+
+    for key in args.case.split(","):
+        case = CASES[key]
+        tess, points, theta = case.inputs(cp, seed=1)
+        K = tess.ndim
+        dt = np.dtype(np.float32)
+        plan = icp.setup(points, theta, tess, T_STEPS, "integrate", dt)
+        rows = []
+
+        def row(name, fn, reps=args.reps):
+            rows.append((name, time_gpu(cp, fn, reps)))
+
+        row("checks (host, 1 sync)", lambda: check_points_theta(points, theta, tess, "integrate"))
+        row("A = B theta (ELL)", lambda: icp.affine_maps(tess, theta[None] if theta.ndim == 1 else theta))
+        A = plan.A
+        row("guard (1 sync)", lambda: float(cp.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max()))
+        E = cp.empty(A.shape, dtype=dt)
+        row("expm_cells", lambda: icp.launch(icp._expm_sig(dt.name, K), icp._blocks(len(A), 128), 128,
+                                             (A, E, len(A), plan.h)))
+        row("setup (all of the above)", lambda: icp.setup(points, theta, tess, T_STEPS, "integrate", dt))
+        row("forward kernel", lambda: icp.integrate(plan))
+        row("forward kernel + checkpoints", lambda: icp.integrate(plan, checkpoint_every=4))
+        _, chk, _ = icp.integrate(plan, checkpoint_every=4)
+        out = icp.integrate(plan)[0]
+        cot = cp.ones(out.shape, dtype=cp.float64)
+        row("backward kernel + frechet + B^T", lambda: icp.backward(plan, chk, 4, cot, False, True))
+        row("backward, points only", lambda: icp.backward(plan, chk, 4, cot, True, False))
+        G = cp.random.default_rng(0).random((len(A), K * (K + 1)))
+        dA = cp.empty_like(G)
+        row("frechet_cells", lambda: icp.launch(icp._frechet_sig(K), icp._blocks(len(A), 64), 64,
+                                                (A, G, dA, len(A), plan.h)))
+        _, basis_t = icp._basis_tables(tess)
+        row("B^T dA (ELL)", lambda: icp._ell_product(basis_t, dA.reshape(plan.n_theta, -1), tess.n_params))
+        row("integrate call", lambda: integrate(points, theta, tess, n_steps=T_STEPS))
+        _, pb = cutopo.vjp(integrate, points, theta, tess, wrt="theta", n_steps=T_STEPS)
+        cot32 = cp.ones(out.shape, dtype=cp.float32)
+        row("pullback call", lambda: pb(cot32))
+        print(f"\n## {case.name}: {tess.n_cells} cells, batch {case.batch}, {points.shape[0]} points, "
+              f"T = {T_STEPS}, max ||A|| = {LARGEST}")
+        print("| stage | ms |\n|---|---|")
+        for name, ms in rows:
+            print(f"| {name} | {ms:.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Host-side (Python) cost of repeated op calls on CuPy arrays: cProfile of N calls.
+
+    python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|grid_sample_stages] [--calls N]
+
+Prints the functions with the largest own time; ``grid_sample_stages`` instead times the
+forward's pieces (argument preparation, the image check kernel, the sampling kernel, the whole
+call) with CUDA events. Synchronising calls (a flag or a norm read on
+the host) show up as time in ``get``/``synchronize``: that is the wait for the GPU, not Python.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+
+import numpy as np
+
+import cutopo
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+def _grid_sample_inputs(cp):
+    rng = cp.random.default_rng(0)
+    image = rng.standard_normal((8, 16, 256, 256), dtype=cp.float32)
+    grid = rng.uniform(-1.1, 1.1, (8, 256, 256, 2), dtype=cp.float32)
+    return image, grid
+
+
+def _cpab_inputs(cp):
+    from cutopo.cpab import Tessellation
+
+    tess = Tessellation((16, 16))
+    theta = cp.asarray(tess.sample(32, length_scale=0.25, rng=0).astype(np.float32))
+    axes = [(np.arange(256) + 0.5) / 256] * 2
+    pts = np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 2).astype(np.float32)
+    return cp.asarray(pts), theta, tess
+
+
+def make_call(cp, which):
+    from cutopo.cpab import integrate
+
+    if which.startswith("grid_sample"):
+        image, grid = _grid_sample_inputs(cp)
+        if which == "grid_sample":
+            return lambda: cutopo.grid_sample(image, grid)
+        out, pb = cutopo.vjp(cutopo.grid_sample, image, grid)
+        g = cp.ones_like(out)
+        return lambda: pb(g)
+    pts, theta, tess = _cpab_inputs(cp)
+    if which == "integrate":
+        return lambda: integrate(pts, theta, tess)
+    out, pb = cutopo.vjp(integrate, pts, theta, tess, wrt="theta")
+    g = cp.ones_like(out)
+    return lambda: pb(g)
+
+
+def grid_sample_stages(cp, reps=50):
+    """Median ms of each piece of a CuPy grid_sample forward (bilinear, zeros)."""
+    from bench_ecc import time_gpu
+
+    from cutopo import _sampling_cupy as sc
+    from cutopo import sampling
+
+    image, grid = _grid_sample_inputs(cp)
+    cfg = sampling._prepare(image, grid, "bilinear", "zeros", False)
+    dev = cp.cuda.Device().id
+    NP = cfg.N * cfg.P
+    groups, per = sc.channel_groups(NP, cfg.C)
+    t, r = cfg.image.dtype.name, cfg.real.name
+    plan = sc._prepared(dev, sc._forward_sig(t, r, np.dtype(cfg.dtype).name, 2, False), groups * NP,
+                        (NP, cfg.P, cfg.C, per) + sc._common(cfg))
+    out = cp.empty(cfg.out_shape, dtype=cfg.dtype)
+    flags = cp.zeros(1, dtype=np.int32)
+    n = cfg.image.size
+    blocks = min(-(-n // sc.THREADS), sc.FILL * sc._device_threads() // sc.THREADS)
+    check = sc._prepared_blocks(dev, sc._check_sig(t), blocks, n)
+    rows = [("_prepare (host)", time_gpu(cp, lambda: sampling._prepare(image, grid, "bilinear", "zeros", False), reps)),
+            ("check_image kernel", time_gpu(cp, lambda: check(cfg.image, flags), reps)),
+            (f"forward kernel ({groups} channel groups)", time_gpu(cp, lambda: plan(cfg.image, cfg.grid, out, flags), reps)),
+            ("_sampling_cupy.forward (both + flag read)", time_gpu(cp, lambda: sc.forward(cfg), reps)),
+            ("grid_sample call", time_gpu(cp, lambda: cutopo.grid_sample(image, grid), reps))]
+    print("\n## grid_sample forward stages: image (8, 16, 256, 256) float32, grid uniform in (-1.1, 1.1)")
+    print("| stage | ms |\n|---|---|")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.4f} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("which", nargs="?", default="grid_sample")
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--top", type=int, default=18)
+    args = p.parse_args(argv)
+    if not cutopo.gpu_available():
+        print("profile_host: no CUDA device visible to CuPy")
+        return 0
+    import cupy as cp
+
+    for which in args.which.split(","):
+        if which == "grid_sample_stages":
+            grid_sample_stages(cp)
+            continue
+        call = make_call(cp, which)
+        for _ in range(3):
+            call()
+        cp.cuda.Device().synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            call()
+        cp.cuda.Device().synchronize()
+        prof.disable()
+        print(f"\n## {which}: {args.calls} calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
