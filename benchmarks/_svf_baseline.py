@@ -21,9 +21,10 @@ cutopo's CPAB convention throughout, so that the maps compare directly with
 array axis k, pixel ``(i_0, ..., i_{K-1})`` of a grid of ``shape`` at ``((i_0 + 1/2) / shape[0],
 ...)``. A velocity field has VoxelMorph's layout (B, K, *spatial), component k (along array
 axis k) on channel k, in unit-box lengths per unit time; phi has the same shape, in unit-box
-positions (``numpy.moveaxis(phi, 1, -1)`` is transform_grid's layout). Sampling uses ``align_corners=False`` and ``border``
-padding (VoxelMorph's ``SpatialTransformer`` pads with zeros, which pulls a displacement
-towards 0 outside the image; the border keeps it constant, as cutopo's warps do).
+positions (``numpy.moveaxis(phi, 1, -1)`` is transform_grid's layout). Sampling uses
+``align_corners=False`` and ``border`` padding (VoxelMorph's ``SpatialTransformer`` pads with
+zeros, which pulls a displacement towards 0 outside the image; the border keeps it constant,
+as cutopo's warps do).
 
 References
 ----------

@@ -17,9 +17,9 @@ Cases (issue 6, the FG-CPAB paper's synthetic protocol):
 Inputs: fixed = skimage.data.binary_blobs(length, n_dim, volume_fraction=0.5, rng=seed),
 Gaussian-smoothed (sigma length / 128 pixels) and scaled to [0, 1], float32; theta_true drawn
 from the tessellation's prior (length scale 0.3, scale --theta-scale, default 0.03: largest
-displacements near 7 % of the image); moving = transform_image(fixed, -theta_true), so the registration should find
-theta_true. No-slip boundary, T = --n-steps integration steps (50), bilinear warps with border
-padding, no smoothness term for either method.
+displacements near 7 % of the image); moving = transform_image(fixed, -theta_true), so the
+registration should find theta_true. No-slip boundary, T = --n-steps integration steps (50),
+bilinear warps with border padding, no smoothness term for either method.
 
 Methods, timed the same way (wall time of the whole optimisation, device synchronised at the
 end, after one short warm-up run that compiles the kernels):
@@ -182,7 +182,8 @@ def main(argv=None):
     p.add_argument("--numpy", action="store_true", help="run the NumPy path (small sizes, no GPU)")
     p.add_argument("--steps", type=int, default=0, help="Adam steps (default: the case's)")
     p.add_argument("--n-steps", type=int, default=50, help="CPAB integration steps (default 50)")
-    p.add_argument("--cpab-lr", type=float, default=0.005, help="Adam step size for theta (default 0.005)")
+    p.add_argument("--cpab-lr", type=float, default=0.005,
+                   help="Adam step size for theta (default 0.005)")
     p.add_argument("--theta-scale", type=float, default=0.03,
                    help="prior scale of the synthetic theta_true (default 0.03)")
     p.add_argument("--svf-lr", type=float, default=0.001, help="Adam step size for v (default 0.001)")

@@ -1,4 +1,5 @@
-"""Adam on one NumPy or CuPy array: the optimiser of :func:`cutopo.cpab.register` and its benchmarks."""
+"""Adam on one NumPy or CuPy array: the optimiser of :func:`cutopo.cpab.register` and of its
+benchmarks."""
 from __future__ import annotations
 
 import math

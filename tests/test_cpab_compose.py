@@ -76,7 +76,8 @@ def test_batched_points_and_shapes(rng):
     out = compose(points, thetas, tess, n_steps=T)
     assert out.shape == (3, 4, 2)
     spec = compose.__cutopo_op__
-    for p, th in ((points, thetas), (points[0], thetas), (points, thetas[:, 0]), (points[0], thetas[:, 0])):
+    for p, th in ((points, thetas), (points[0], thetas), (points, thetas[:, 0]),
+                  (points[0], thetas[:, 0])):
         got = compose(p, th, tess, n_steps=T)
         assert spec.meta(p, th, tess, n_steps=T) == (got.shape, got.dtype)
     f32 = compose(points.astype(np.float32), thetas.astype(np.float32), tess, n_steps=T)

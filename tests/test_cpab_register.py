@@ -346,7 +346,8 @@ def test_adam_matches_torch(rng):
     torch = pytest.importorskip("torch")
     x = rng.normal(size=6)
     t = torch.tensor(x.copy(), requires_grad=True)
-    ours, theirs = Adam(x, lr=0.05, betas=(0.8, 0.99)), torch.optim.Adam([t], lr=0.05, betas=(0.8, 0.99))
+    ours = Adam(x, lr=0.05, betas=(0.8, 0.99))
+    theirs = torch.optim.Adam([t], lr=0.05, betas=(0.8, 0.99))
     for _ in range(25):
         ours.step(np.sin(3 * x) + x)
         theirs.zero_grad()
@@ -367,3 +368,60 @@ def test_exports_and_docstrings():
     for fn in (register, prolong, refinement_factor, dirichlet_matrix, jacobian_determinant,
                folding_fraction, local_ncc, mse, Adam):
         run_docstring_examples(fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's dense SVF baseline (benchmarks/_svf_baseline.py, shared with bench_cpab.py)
+
+
+def _benchmarks():
+    import pathlib
+    import sys
+
+    path = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+@pytest.mark.parametrize("spatial", [(5, 4), (3, 4, 3)])
+def test_svf_baseline_vjp_matches_central_differences(spatial, rng):
+    _benchmarks()
+    from _svf_baseline import svf_forward, svf_warp
+
+    K = len(spatial)
+    v = 0.1 * rng.normal(size=(1, K) + spatial)
+    phi, pullback = svf_forward(v, 3)
+    w = rng.normal(size=phi.shape)
+    f = lambda x: float((svf_forward(x, 3)[0] * w).sum())  # noqa: E731
+    assert rel_err(pullback(w), central_differences(f, v, 1e-6)) < 1e-7
+    image = rng.random((1, 2) + spatial)
+    out, pullback = svf_warp(image, v, 3)
+    wo = rng.normal(size=out.shape)
+    d_image, d_v = pullback(wo)
+    g = lambda x: float((svf_warp(image, x, 3)[0] * wo).sum())  # noqa: E731
+    assert rel_err(d_v, central_differences(g, v, 1e-6)) < 1e-7
+    # v = 0 is the identity: the pixel centres
+    tess = Tessellation((1,) * K, zero_boundary=None)
+    np.testing.assert_allclose(np.moveaxis(svf_forward(np.zeros_like(v))[0][0], 0, -1),
+                               transform_grid(np.zeros(tess.n_params), tess, spatial), atol=1e-15)
+
+
+def test_svf_matches_cpab_and_bench_smoke(rng, capsys):
+    """The SVF of a CPA field integrates to the CPAB map (two integrators of one flow), and
+    bench_register.py runs end to end on NumPy."""
+    _benchmarks()
+    from _svf_baseline import identity_grid, svf_forward
+
+    import bench_register
+
+    tess = Tessellation((3, 3))
+    theta = tess.sample(1, length_scale=0.3, scale=0.05, rng=rng)[0]
+    x = identity_grid((32, 32), np, np.float64)
+    v = velocity(x.reshape(-1, 2), theta, tess).reshape(32, 32, 2)
+    phi = np.moveaxis(svf_forward(np.moveaxis(v, -1, 0)[None].copy())[0][0], 0, -1)
+    np.testing.assert_array_equal(identity_grid((32, 32), np, np.float64),
+                                  transform_grid(np.zeros(tess.n_params), tess, (32, 32)))
+    assert np.abs(phi - transform_grid(theta, tess, (32, 32), n_steps=100)).max() * 32 < 0.3
+    assert bench_register.main(["--numpy", "--quick", "--only", "2d"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 2d 48 | 48x48 |" in printed and "failed" not in printed

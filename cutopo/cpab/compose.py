@@ -1,4 +1,5 @@
-"""Cascades of CPAB transformations: ``phi_{theta_m} o ... o phi_{theta_1}``, differentiable in every theta.
+"""Cascades of CPAB transformations, ``phi_{theta_m} o ... o phi_{theta_1}``, differentiable in
+every theta.
 
 :func:`compose` moves points through m integrations in turn; :func:`compose_grid` and
 :func:`compose_image` are its pixel-grid and backward-warp forms (the cascade's counterparts of

@@ -76,14 +76,15 @@ class RegistrationResult:
         Wall time of the optimisation (levels, steps and the final warp; no diagnostics).
     """
 
-    theta: object
-    tess: Tessellation
-    warped: object
-    loss_history: np.ndarray
+    # the arrays stay out of the repr, which shows the scalars and the levels
+    theta: object = dataclasses.field(repr=False)
+    tess: Tessellation = dataclasses.field(repr=False)
+    warped: object = dataclasses.field(repr=False)
+    loss_history: np.ndarray = dataclasses.field(repr=False)
     final_loss: float
     folding_fraction: float | None
-    log_jacobian: object
-    phi: object
+    log_jacobian: object = dataclasses.field(repr=False)
+    phi: object = dataclasses.field(repr=False)
     level_shapes: tuple
     level_steps: tuple
     n_steps: int
@@ -108,7 +109,8 @@ def _check_image(x, name, K):
 
 
 def _check_pair(fixed, moving, tess):
-    """(fixed, moving) as (1, C, *spatial) arrays of the computation dtype."""
+    """(fixed, moving) as (1, C, *spatial) arrays of the computation dtype, that dtype, and
+    whether moving has a channel axis (the layout of the warped result)."""
     if not isinstance(tess, Tessellation):
         raise TypeError(f"tess must be a cutopo.cpab.Tessellation, got {type(tess).__name__}")
     K = tess.ndim
@@ -129,7 +131,7 @@ def _check_pair(fixed, moving, tess):
     dtype = np.result_type(fixed.dtype, moving.dtype, np.float32)
     dtype = dtype if dtype in (np.float32, np.float64) else np.dtype(np.float64)
     as4 = lambda x: x.reshape((1, channels[0]) + x.shape[-K:]).astype(dtype, copy=False)  # noqa: E731
-    return as4(fixed), as4(moving), dtype
+    return as4(fixed), as4(moving), dtype, moving.ndim == K + 1
 
 
 def _check_positive(value, name):
@@ -345,7 +347,7 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
        learning framework for deformable medical image registration", IEEE TMI 38(8), 2019
        (the NCC loss and the folding measure).
     """
-    fixed4, moving4, dtype = _check_pair(fixed, moving, tess)
+    fixed4, moving4, dtype, moving_channels = _check_pair(fixed, moving, tess)
     if not isinstance(loss, str) or loss not in LOSSES:
         raise ValueError(f"loss must be one of {', '.join(map(repr, LOSSES))}, got {loss!r}")
     lr = _check_positive(lr, "lr")
@@ -412,7 +414,7 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
         folding = _folding_fraction(phi)
         centres = xp.asarray(pixel_centres(spatial, dtype))
         log_det = _log_jacobian(centres, theta, tess, n_steps=n_steps).reshape(spatial)
-    warped = warped[0] if np.ndim(moving) == tess.ndim + 1 else warped[0, 0]
+    warped = warped[0] if moving_channels else warped[0, 0]
     return RegistrationResult(theta=theta, tess=tess, warped=warped, loss_history=history,
                               final_loss=final_loss, folding_fraction=folding,
                               log_jacobian=log_det, phi=phi,

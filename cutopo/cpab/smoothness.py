@@ -1,4 +1,5 @@
-"""The Dirichlet energy of a CPA velocity field, ``integral over [0, 1]^K of |grad v|^2``, as a quadratic form in theta.
+"""The Dirichlet energy ``integral over [0, 1]^K of |grad v|^2`` of a CPA velocity field, as a
+quadratic form in theta.
 
 On cell c the field is affine, ``v(x) = A_c [x; 1]``, so ``grad v = A_c,lin`` is constant and
 the energy is ``sum_c vol_c ||A_c,lin||_F^2``. With ``vec(A) = B theta`` (the tessellation's
