@@ -184,6 +184,6 @@ def prolong(theta, coarse, fine):
 
         P = cupyx.scipy.sparse.csr_matrix(P)
     batch = theta.shape[0] if theta.ndim == 2 else 1
-    columns = theta.reshape(batch, coarse.n_params).T.astype(np.float64)  # (d_c, B)
+    columns = xp.ascontiguousarray(theta.reshape(batch, coarse.n_params).T.astype(np.float64))
     out = (P @ columns).T.astype(dtype)
     return out.reshape(theta.shape[:-1] + (fine.n_params,))

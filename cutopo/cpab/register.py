@@ -211,9 +211,10 @@ def _raised_n_steps(theta, tess, n_steps):
     return max(n_steps + 1, math.ceil(1.25 * largest / MAX_STEP_NORM))
 
 
-def _dirichlet(tess, xp):
-    """The Dirichlet matrix of ``tess`` as a sparse matrix of the array module ``xp``."""
-    Q = dirichlet_matrix(tess)
+def _dirichlet(tess, xp, dtype):
+    """The Dirichlet matrix of ``tess`` as a sparse matrix of the array module ``xp``, in theta's
+    dtype (cuSPARSE multiplies matrices and vectors of one dtype)."""
+    Q = dirichlet_matrix(tess).astype(dtype)
     if xp is np:
         return Q
     import cupyx.scipy.sparse
@@ -384,13 +385,13 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
             if level:
                 theta = prolong(theta, chain[level - 1], t).astype(dtype, copy=False)
             optimiser = Adam(theta, lr, betas=betas)
-            Q = _dirichlet(t, xp) if smoothness else None
+            Q = _dirichlet(t, xp, dtype) if smoothness else None
             for _ in range(count):
                 warped, pullback = forward(t)
                 value, d_warped = objective(warped)
                 d_theta = pullback(d_warped)[1]
                 if smoothness:
-                    Q_theta = (Q @ theta).astype(dtype, copy=False)
+                    Q_theta = Q @ theta
                     value = value + smoothness * (theta * Q_theta).sum()
                     d_theta = d_theta + (2 * smoothness) * Q_theta
                 optimiser.step(d_theta)
@@ -399,7 +400,7 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     warped = forward(tess)[0]
     final = objective(warped)[0]
     if smoothness:
-        final = final + smoothness * (theta * (_dirichlet(tess, xp) @ theta)).sum()
+        final = final + smoothness * (theta * (_dirichlet(tess, xp, dtype) @ theta)).sum()
     final_loss = float(final)
     if history:
         history = to_numpy(xp.stack(history)).astype(np.float64)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._array import array_module
+from .._array import array_module, is_cupy_array
 from ..sampling import grid_sample
 from ..vjp import register
 from ._checks import check_count
@@ -104,7 +104,8 @@ def transform_grid(theta, tess, shape, *, n_steps=50):
     Parameters
     ----------
     theta : ndarray, shape (n_params,) or (B, n_params)
-        Vertex velocities, as for :func:`~cutopo.cpab.integrate`.
+        Vertex velocities, as for :func:`~cutopo.cpab.integrate`. A CuPy theta runs on the
+        device (the pixel centres are made there) and gives a CuPy result.
     tess : Tessellation
     shape : tuple of int
         The grid's size along each axis, ``tess.ndim`` positive ints (``(H, W)`` in 2D,
@@ -127,10 +128,6 @@ def transform_grid(theta, tess, shape, *, n_steps=50):
         errors (theta's shape, non-finite theta, ``n_steps`` too small).
     TypeError
         ``tess`` not a :class:`Tessellation`, ``shape`` not a sequence of ints.
-    NotImplementedError
-        A CuPy theta while :func:`~cutopo.cpab.integrate` has no CUDA kernel (the grid then
-        runs on the device, the pixel centres moved there).
-
     Notes
     -----
     This is :func:`~cutopo.cpab.integrate` at the pixel centres, reshaped; its VJP (registered
@@ -171,6 +168,10 @@ def _check_image(image, theta, tess):
     if tess.ndim not in (2, 3):
         raise ValueError(f"cpab.transform_image: images are 2-D or 3-D, the tessellation is "
                          f"{tess.ndim}-D")
+    if is_cupy_array(image) != is_cupy_array(theta):
+        which, other = ("image", "theta") if is_cupy_array(image) else ("theta", "image")
+        raise TypeError(f"cpab.transform_image: {which} is a CuPy array but {other} is not: move "
+                        f"both to one device")
     image = array_module(image).asarray(image)
     if image.ndim != 2 + tess.ndim:
         want = "(N, C, H, W)" if tess.ndim == 2 else "(N, C, D, H, W)"
@@ -237,7 +238,8 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
     ----------
     image : ndarray, shape (N, C, H, W) or (N, C, D, H, W)
         float16, float32 or float64 (as :func:`cutopo.grid_sample`), with ``tess.ndim``
-        spatial axes; finite.
+        spatial axes; finite. NumPy or CuPy, as theta (CuPy: integrate's and grid_sample's
+        CUDA kernels).
     theta : ndarray, shape (n_params,) or (B, n_params)
         Vertex velocities, as for :func:`~cutopo.cpab.integrate`: one field for every image,
         or one per image (B = N; a batch of 1 on either side broadcasts).
@@ -266,11 +268,8 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
         sizes that disagree, a non-finite image, unknown modes, and the errors of
         :func:`~cutopo.cpab.integrate` (theta's shape, ``n_steps`` too small).
     TypeError
-        ``tess`` not a :class:`Tessellation`, a non-float image.
-    NotImplementedError
-        CuPy inputs while :func:`~cutopo.cpab.integrate` or :func:`cutopo.grid_sample` has no
-        CUDA kernel (with both, image and theta both on the device run there).
-
+        ``tess`` not a :class:`Tessellation`, a non-float image, one of image and theta a CuPy
+        array and the other not.
     Notes
     -----
     ``transform_image(image, theta, tess) == grid_sample(image, 2 phi[..., ::-1] - 1,
