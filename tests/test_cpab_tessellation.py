@@ -640,7 +640,8 @@ def test_exports():
     import cutopo.cpab as cpab
 
     assert set(cpab.__all__) == {"Tessellation", "velocity", "integrate", "log_jacobian",
-                                 "transform_grid", "transform_image"}
+                                 "transform_grid", "transform_image", "compose", "compose_grid",
+                                 "compose_image", "prolong", "register", "RegistrationResult"}
 
 
 @pytest.mark.parametrize("module", ["cutopo.cpab.tessellation", "cutopo.cpab.velocity"])
