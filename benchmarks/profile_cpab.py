@@ -64,6 +64,10 @@ def main(argv=None):
         out = icp.integrate(plan)[0]
         cot = cp.ones(out.shape, dtype=cp.float64)
         row("backward kernel + frechet + B^T", lambda: icp.backward(plan, chk, 4, cot, False, True))
+        icp.POOL_MOMENTS = False
+        row("backward kernel + frechet + B^T, unpooled atomics",
+            lambda: icp.backward(plan, chk, 4, cot, False, True))
+        icp.POOL_MOMENTS = True
         row("backward, points only", lambda: icp.backward(plan, chk, 4, cot, True, False))
         G = cp.random.default_rng(0).random((len(A), K * (K + 1)))
         dA = cp.empty_like(G)

@@ -341,9 +341,16 @@ struct Moments {
 // Add the sums of every lane of the warp that flushes now into G: lanes flushing the same cell
 // pool their sums through shared memory and the lowest of them issues the atomics. `scratch`
 // is this warp's 32 * SIZE doubles.
-template <int K>
+template <int K, bool POOL>
 __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ G, double* scratch) {
     constexpr int SIZE = Moments<K>::SIZE;
+    if (!POOL) {  // every lane adds its own sums
+        if (m.cell >= 0)
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i)
+                if (m.g[i] != 0.0) atomicAdd(G + m.cell * SIZE + i, m.g[i]);
+        return;
+    }
     const unsigned active = __activemask();
     const int lane = threadIdx.x & 31;
     const unsigned group = __match_any_sync(active, (unsigned long long)m.cell);
@@ -369,15 +376,16 @@ __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ 
 
 // The backward: `cotangent` (B, N, K) float64 in, `grad_points` (B, N, K) float64 out
 // (m_0 lambda_0, not yet summed over a shared batch), `G` (Bt C, K (K+1)) float64 moments
-// accumulated when `need_theta`. Checkpoints as integrate_forward keeps them.
-template <typename T, int K, bool PROJECT>
+// accumulated when `need_theta`. Checkpoints as integrate_forward keeps them. POOL: the lanes
+// of a warp that flush one cell pool their sums first (else every lane issues its atomics).
+template <typename T, int K, bool PROJECT, bool POOL>
 __global__ void __launch_bounds__(THREADS)
 integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
                    const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
                    double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, i64 C,
                    int points_shared, int theta_shared, int n_steps, int S, int need_points,
                    int need_theta, int n0, int n1, int n2) {
-    __shared__ double scratch[WARPS * 32 * Moments<K>::SIZE];
+    __shared__ double scratch[POOL ? WARPS * 32 * Moments<K>::SIZE : 1];
     Item it;
     if (!item_of(B, N, points_shared, theta_shared, C, it)) return;
     double* my_scratch = scratch + (threadIdx.x / 32) * 32 * Moments<K>::SIZE;
@@ -419,7 +427,7 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
             }
             if (need_theta) {
                 if (flats[i] != m.cell) {
-                    if (m.cell >= 0) flush<K>(m, G, my_scratch);
+                    if (m.cell >= 0) flush<K, POOL>(m, G, my_scratch);
                     m.reset(flats[i]);
                 }
                 #pragma unroll
@@ -431,7 +439,7 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
             }
         }
     }
-    if (need_theta) flush<K>(m, G, my_scratch);
+    if (need_theta) flush<K, POOL>(m, G, my_scratch);
     if (need_points) {
         int inside0 = (1 << K) - 1;
         if (PROJECT) {

@@ -210,9 +210,17 @@ def test_vjp_float32_matches_numpy(rng):
         np.testing.assert_allclose(g.get(), w, rtol=1e-3, atol=1e-4 * np.abs(w).max())
 
 
-def test_vjp_pools_a_warp_in_one_cell(rng):
+@pytest.fixture(params=[True, False], ids=["pooled", "unpooled"])
+def pool_moments(request):
+    old = _integrate_cupy.POOL_MOMENTS
+    _integrate_cupy.POOL_MOMENTS = request.param
+    yield request.param
+    _integrate_cupy.POOL_MOMENTS = old
+
+
+def test_vjp_pools_a_warp_in_one_cell(rng, pool_moments):
     """Every point of a warp in the same cell (the warp-pooled flush path), and every point in
-    a different cell (the scattered path)."""
+    a different cell (the scattered path), with and without pooling."""
     cp = _cp()
     tess = Tessellation((8, 8))
     theta = draw_theta(tess, rng, largest=3.0)
