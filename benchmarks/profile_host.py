@@ -76,7 +76,14 @@ def grid_sample_stages(cp, reps=50):
     n = cfg.image.size
     blocks = min(-(-n // sc.THREADS), sc.FILL * sc._device_threads() // sc.THREADS)
     check = sc._prepared_blocks(dev, sc._check_sig(t), blocks, n)
-    rows = [("_prepare (host)", time_gpu(cp, lambda: sampling._prepare(image, grid, "bilinear", "zeros", False), reps)),
+    split = []
+    for per_group in (16, 8, 4, 2):
+        g = -(-cfg.C // per_group)
+        p = sc._prepared(dev, sc._forward_sig(t, r, np.dtype(cfg.dtype).name, 2, False), g * NP,
+                         (NP, cfg.P, cfg.C, per_group) + sc._common(cfg))
+        split.append((f"forward kernel, {per_group} channels per thread",
+                      time_gpu(cp, lambda: p(cfg.image, cfg.grid, out, flags), reps)))
+    rows = split + [("_prepare (host)", time_gpu(cp, lambda: sampling._prepare(image, grid, "bilinear", "zeros", False), reps)),
             ("check_image kernel", time_gpu(cp, lambda: check(cfg.image, flags), reps)),
             (f"forward kernel ({groups} channel groups)", time_gpu(cp, lambda: plan(cfg.image, cfg.grid, out, flags), reps)),
             ("_sampling_cupy.forward (both + flag read)", time_gpu(cp, lambda: sc.forward(cfg), reps)),
