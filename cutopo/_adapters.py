@@ -66,6 +66,7 @@ def _ect_meta(mask, directions, thresholds, **_):
 
 _STATIC_ARGUMENTS = {
     "cpab_transform_grid": frozenset({"shape"}),   # the grid's size, which sets the output shape
+    "cpab_compose_grid": frozenset({"shape"}),
 }
 
 

@@ -173,6 +173,25 @@ def test_registry_adapter_and_docstrings(rng):
     np.testing.assert_allclose(t_thetas.grad.numpy(), pullback(w)[1], rtol=1e-12, atol=1e-14)
 
 
+def test_compose_grid_under_jax_jit_and_grad(rng):
+    """compose_grid's shape is a static argument of the JAX adapter (it sets the output shape)."""
+    jax = pytest.importorskip("jax")
+    import cutopo.jax as cj
+
+    tess, thetas, _ = _inputs(rng, (2, 2), 2)
+    shape = (5, 6)
+    previous = jax.config.jax_enable_x64            # a global flag: restored afterwards
+    jax.config.update("jax_enable_x64", True)
+    try:
+        f = jax.jit(lambda t: (cj.cpab.compose_grid(t, tess, shape, n_steps=T) ** 2).sum())
+        value, grad = jax.value_and_grad(f)(jax.numpy.asarray(thetas))
+        ref, pullback = cutopo.vjp(compose_grid, thetas, tess, shape, n_steps=T)
+        np.testing.assert_allclose(float(value), (ref ** 2).sum(), rtol=1e-12)
+        np.testing.assert_allclose(np.asarray(grad), pullback(2 * ref)[0], rtol=1e-10, atol=1e-13)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+
+
 @pytest.mark.gpu
 def test_cupy_matches_numpy(rng):
     """CuPy points, thetas and images run integrate's and grid_sample's kernels stage by stage:
