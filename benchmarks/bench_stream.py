@@ -4,15 +4,24 @@ the overhead of cutopo.dask against the single-array call on one GPU.
     python benchmarks/bench_stream.py [--quick] [--only NAME] [--reps N] [--json FILE]
 
 Copy bandwidth (measured first, same run): a 1 GiB cudaMemcpyAsync host-to-device from pinned
-memory (``cupyx.empty_pinned``) and from pageable memory (a NumPy array), median of --reps.
+memory (``cupyx.empty_pinned``) and from pageable memory (a NumPy array), median of --reps; and
+what page-locking that pageable GiB in place costs (cudaHostRegister, then the copy, then
+cudaHostUnregister), which bounds the registered streaming rows.
 Streaming rows: ``cutopo.ecc(host_volume, thresholds, device="cuda")`` on a uint8 or float32
-volume in host memory (pageable NumPy array, or pinned), default slab size (512 MiB), 256
+volume in host memory (pageable NumPy array, or pinned), default slab size (128 MiB), 256
 thresholds; GB/s = input bytes / wall time of the whole call (median of --reps, first call
 excluded); "of pinned H2D" = that throughput over the pinned copy bandwidth (target >= 80 %).
+A pageable volume is page-locked in place chunk by chunk (cutopo._stream.HOST_REGISTER) and
+its registered slabs are copied directly; the "staged" rows turn that off (every slab through
+the pinned staging buffers, as before); "direct/staged" counts the slabs of the last call.
 Every row checks the result against the in-memory GPU call on the same volume where it fits.
 Dask rows: ``cutopo.dask.ecc(darr, t).compute()`` (threaded scheduler) on a CuPy-chunked Dask
 array already in GPU memory, against ``cutopo.ecc(cupy_volume, t)`` (both: wall time, device
-synchronised, median of --reps); ratio = Dask / single (target <= 1.3x at 1024^3).
+synchronised, median of --reps, graph construction included); ratio = Dask / single (target
+<= 1.3x at 1024^3); "build ms": constructing the lazy graph alone. The "masked" rows count the
+chunk interiors with the masked kernel instead of the plain one (cutopo.dask.INTERIOR), and the
+kernel rows time one masked launch over the whole volume (all-ones masks) against the plain
+single call: the per-pixel cost of the mask test.
 """
 from __future__ import annotations
 
@@ -59,12 +68,16 @@ def h2d_bandwidth(cp, host, reps):
 def stream_cases(quick):
     if quick:
         return [("1024^3 uint8", (1024,) * 3, "uint8", "pageable"),
+                ("1024^3 uint8 staged", (1024,) * 3, "uint8", "staged"),
                 ("1024^3 uint8 pinned", (1024,) * 3, "uint8", "pinned")]
     return [("1024^3 uint8", (1024,) * 3, "uint8", "pageable"),
+            ("1024^3 uint8 staged", (1024,) * 3, "uint8", "staged"),
             ("1024^3 uint8 pinned", (1024,) * 3, "uint8", "pinned"),
             ("1024^3 float32", (1024,) * 3, "float32", "pageable"),
+            ("1024^3 float32 staged", (1024,) * 3, "float32", "staged"),
             ("1024^3 float32 pinned", (1024,) * 3, "float32", "pinned"),
             ("2048^3 uint8", (2048,) * 3, "uint8", "pageable"),
+            ("2048^3 uint8 staged", (2048,) * 3, "uint8", "staged"),
             ("2048^3 uint8 pinned", (2048,) * 3, "uint8", "pinned")]
 
 
@@ -83,6 +96,36 @@ def device_volume(cp, shape, dtype, seed):
     if dtype == "uint8":
         return rs.integers(0, 256, size=shape, dtype=cp.uint8)
     return rs.random(shape, dtype=cp.float32)
+
+
+def register_cost(cp, host, reps):
+    """(register ms, copy ms, unregister ms) of page-locking ``host`` in place (median)."""
+    dev = cp.empty(host.nbytes, dtype=cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    rows = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        cp.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, 1)
+        t1 = time.perf_counter()
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, host.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        stream.synchronize()
+        t2 = time.perf_counter()
+        cp.cuda.runtime.hostUnregister(host.ctypes.data)
+        t3 = time.perf_counter()
+        rows.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+    return tuple(float(np.median([r[i] for r in rows])) for i in range(3))
+
+
+def masked_kernel_ms(cp, g, t, reps):
+    """One ecc_histogram_masked launch over the whole volume, all-ones masks (device ms)."""
+    from cutopo import _ecc_cupy
+    from cutopo._checks import check_thresholds
+
+    t, _ = check_thresholds(t, np.empty(0, dtype=g.dtype))  # as cutopo.ecc compares
+    hist = cp.zeros((1, t.size), dtype=np.int64)
+    own = [cp.ones(n, dtype=cp.uint8) for n in g.shape]
+    return wall_ms(cp, lambda: _ecc_cupy.masked_histogram(g, t, 3, False, own, hist), reps)
 
 
 def thresholds_for(dtype):
@@ -117,18 +160,25 @@ def main(argv=None):
     pageable_probe = np.ones(1 << 30, dtype=np.uint8)
     bw_pinned = h2d_bandwidth(cp, pinned_probe, reps)
     bw_pageable = h2d_bandwidth(cp, pageable_probe, reps)
+    reg_ms, reg_copy_ms, unreg_ms = register_cost(cp, pageable_probe, reps)
     del pinned_probe, pageable_probe
     cp.get_default_memory_pool().free_all_blocks()
     print(f"# GPU: {name}; host-to-device copy bandwidth {bw_pinned:.1f} GB/s pinned, "
           f"{bw_pageable:.1f} GB/s pageable (1 GiB, median of {reps})")
+    print(f"# page-locking 1 GiB of pageable memory in place: cudaHostRegister {reg_ms:.1f} ms "
+          f"({1.074 / reg_ms * 1e3:.0f} GB/s), copy {reg_copy_ms:.1f} ms "
+          f"({1.074 / reg_copy_ms * 1e3:.1f} GB/s), cudaHostUnregister {unreg_ms:.1f} ms")
     report = {"device": name, "h2d_pinned_gbs": bw_pinned, "h2d_pageable_gbs": bw_pageable,
-              "stream": [], "dask": []}
+              "host_register_ms": reg_ms, "host_registered_copy_ms": reg_copy_ms,
+              "host_unregister_ms": unreg_ms, "stream": [], "dask": []}
     targets = []
 
     print("\n# Streaming from host memory (cutopo.ecc(host, t, device='cuda'), default slabs)")
-    header = ("case", "GB", "call ms", "GB/s", "of pinned H2D", "equal")
+    header = ("case", "GB", "call ms", "GB/s", "of pinned H2D", "direct/staged", "equal")
     print_row(header)
     print("|" + "---|" * len(header))
+    from cutopo import _stream
+
     for case, shape, dtype, kind in stream_cases(args.quick):
         if not only(case):
             continue
@@ -139,14 +189,20 @@ def main(argv=None):
         g.get(out=host)
         del g
         cp.get_default_memory_pool().free_all_blocks()
-        got = cutopo.ecc(host, t, device="cuda")
-        ms = wall_ms(cp, lambda: cutopo.ecc(host, t, device="cuda"), reps, warmup=0)
+        _stream.HOST_REGISTER = kind != "staged"
+        try:
+            got = cutopo.ecc(host, t, device="cuda")
+            ms = wall_ms(cp, lambda h=host: cutopo.ecc(h, t, device="cuda"), reps, warmup=0)
+        finally:
+            _stream.HOST_REGISTER = True
+        last = dict(_stream.last_pipeline)
         gbs = host.nbytes / ms / 1e6
         equal = "yes" if np.array_equal(got, want) else "NO"
         print_row((case, f"{host.nbytes / 1e9:.2f}", f"{ms:.1f}", f"{gbs:.1f}", f"{gbs / bw_pinned:.0%}",
-                   equal))
-        report["stream"].append(dict(case=case, ms=ms, gbs=gbs, fraction=gbs / bw_pinned, equal=equal))
-        if shape[0] == 1024 and dtype == "uint8":
+                   f"{last.get('direct')}/{last.get('staged')}", equal))
+        report["stream"].append(dict(case=case, ms=ms, gbs=gbs, fraction=gbs / bw_pinned, equal=equal,
+                                     pipeline=last))
+        if shape[0] == 1024 and dtype == "uint8" and kind != "staged":
             targets.append((f"streaming >= 80% of pinned H2D ({case})", f"{gbs / bw_pinned:.0%}",
                             "MET" if gbs >= 0.8 * bw_pinned else "MISSED"))
         del host
@@ -162,30 +218,51 @@ def main(argv=None):
         da = None
     if da is not None:
         print("\n# Dask overhead on one GPU (CuPy chunks, threaded scheduler)")
-        header = ("case", "single ms", "dask ms", "ratio", "tasks", "equal")
+        header = ("case", "interiors", "single ms", "dask ms", "ratio", "build ms", "tasks", "equal")
         print_row(header)
         print("|" + "---|" * len(header))
+        kernel_rows = []
         for case, shape, dtype, chunks in dask_cases(args.quick):
             if not only(case):
                 continue
             g = device_volume(cp, shape, dtype, seed=3)
             t = thresholds_for(dtype)
             d = da.from_array(g, chunks=chunks, asarray=False)
-            lazy = cd.ecc(d, t)
             single = wall_ms(cp, lambda: cutopo.ecc(g, t), reps)
-            with dask.config.set(scheduler="threads"):
-                dms = wall_ms(cp, lambda: cd.ecc(d, t).compute(), reps)
-                got = lazy.compute()
-            equal = "yes" if bool(cp.all(got == cutopo.ecc(g, t))) else "NO"
-            ntasks = len(lazy.__dask_graph__())
-            print_row((case, f"{single:.2f}", f"{dms:.2f}", f"{dms / single:.2f}x", str(ntasks), equal))
-            report["dask"].append(dict(case=case, single_ms=single, dask_ms=dms, ratio=dms / single,
-                                       tasks=ntasks, equal=equal))
-            if shape[0] == 1024 and "256x1024" in case:
-                targets.append((f"Dask <= 1.3x single call ({case})", f"{dms / single:.2f}x",
-                                "MET" if dms <= 1.3 * single else "MISSED"))
-            del g, d, lazy, got
+            want = cutopo.ecc(g, t)
+            for interior in ("plain", "masked"):
+                cd.INTERIOR["cupy"] = interior
+                try:
+                    lazy = cd.ecc(d, t)
+                    with dask.config.set(scheduler="threads"):
+                        dms = wall_ms(cp, lambda: cd.ecc(d, t).compute(), reps)
+                        got = lazy.compute()
+                    build = wall_ms(cp, lambda: cd.ecc(d, t), reps)
+                finally:
+                    cd.INTERIOR["cupy"] = "plain"
+                equal = "yes" if bool(cp.all(got == want)) else "NO"
+                ntasks = len(lazy.__dask_graph__())
+                print_row((case, interior, f"{single:.2f}", f"{dms:.2f}", f"{dms / single:.2f}x",
+                           f"{build:.2f}", str(ntasks), equal))
+                report["dask"].append(dict(case=case, interiors=interior, single_ms=single, dask_ms=dms,
+                                           ratio=dms / single, build_ms=build, tasks=ntasks, equal=equal))
+                if shape[0] == 1024 and "256x1024" in case and interior == "plain":
+                    targets.append((f"Dask <= 1.3x single call ({case})", f"{dms / single:.2f}x",
+                                    "MET" if dms <= 1.3 * single else "MISSED"))
+            if dtype == "uint8" or "256x1024" in case:
+                kernel_rows.append((case.split(",")[0], single, masked_kernel_ms(cp, g, t, reps)))
+            del g, d, lazy, got, want
             cp.get_default_memory_pool().free_all_blocks()
+        print("\n# The mask test's cost: one masked launch over the whole volume vs the single call")
+        print_row(("volume", "single ms", "masked kernel ms", "ratio"))
+        print("|---|---|---|---|")
+        seen = set()
+        for vol, single, masked in kernel_rows:
+            if vol not in seen:
+                seen.add(vol)
+                print_row((vol, f"{single:.2f}", f"{masked:.2f}", f"{masked / single:.2f}x"))
+                report.setdefault("masked_kernel", []).append(dict(volume=vol, single_ms=single,
+                                                                   masked_ms=masked))
 
     print("\n# Targets")
     print("| target | measured | status |\n|---|---|---|")

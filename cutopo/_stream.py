@@ -16,14 +16,22 @@ Backends: the NumPy path (:func:`cutopo._ecc_numpy.owned_histogram`), or the GPU
 host buffers and two device buffers, a copy stream and a compute stream, so that reading slab
 k + 1 into pinned memory (host threads), copying slab k to the device and the histogram kernel
 on slab k - 1 overlap (``ecc_histogram_masked`` of ``cuda_src/ecc.cu`` counts only the owned
-planes and adds into the shared histogram).
+planes and adds into the shared histogram). The slabs ramp up and down in size at both ends of
+a volume (:data:`RAMP`). A source in page-locked memory is copied to the device directly; a
+large pageable NumPy array is page-locked in place, chunk by chunk, by a background thread
+(:class:`HostRegistration`, :data:`HOST_REGISTER`) and its registered slabs are copied directly
+too, the others staged, so the copy engine rather than a host memcpy sets the pace.
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import concurrent.futures
 import math
+import mmap
 import operator
 import os
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +51,21 @@ DEVICES = ("cpu", "cuda")
 CPU_STEP_ELEMENTS = 1 << 20
 # Host threads that fill a pinned buffer (NumPy copies release the GIL).
 READ_THREADS = min(8, os.cpu_count() or 1)
+# GPU pipeline ramp: a volume split into slabs starts and ends with slabs of 1/8, 1/4 and 1/2
+# of the slab size, so that what nothing overlaps (reading the first slab; copying and
+# counting the last) is short.
+RAMP = (8, 4, 2)
+# Pageable NumPy sources on the GPU (a C-contiguous in-memory array, not a memmap, of at least
+# REGISTER_MIN_BYTES): page-locked in place with cudaHostRegister, in chunks of
+# REGISTER_CHUNK_BYTES, by a background thread that stays at most REGISTER_AHEAD_SLABS slabs
+# ahead of the pipeline; a slab whose chunks are registered is copied to the device directly
+# (as from pinned memory), any other slab through the pinned staging buffers, so the call is
+# never slower than staging alone. Chunks are unregistered once copied (all before the call
+# returns). False: always stage.
+HOST_REGISTER = True
+REGISTER_CHUNK_BYTES = 32 << 20
+REGISTER_MIN_BYTES = 64 << 20
+REGISTER_AHEAD_SLABS = 4
 
 
 def is_out_of_core(x) -> bool:
@@ -188,9 +211,11 @@ class Piece(NamedTuple):
 
 
 def plan_pieces(src: Source, bytes_per_voxel: float, max_slab_bytes: int, periodic=False,
-                what="max_slab_bytes"):
+                what="max_slab_bytes", ramp=()):
     """The reads of a streamed pass, each at most ``max_slab_bytes`` (``bytes_per_voxel`` counts
-    what a voxel costs in memory: its input and keys). Whole images are grouped when they fit."""
+    what a voxel costs in memory: its input and keys). Whole images are grouped when they fit.
+    ``ramp``: divisors of the slab size for the first slabs of an image split in slabs, and
+    mirrored for its last ones (see :data:`RAMP`; not with ``periodic``)."""
     batch, spatial = src.batch, src.spatial
     n0 = spatial[0]
     plane = math.prod(spatial[1:])
@@ -211,11 +236,11 @@ def plan_pieces(src: Source, bytes_per_voxel: float, max_slab_bytes: int, period
         need = math.ceil(3 * bytes_per_voxel * plane)
         raise ValueError(f"{what}={max_slab_bytes} is too small: a slab needs at least one plane and "
                          f"its two halo planes, {need} bytes here (spatial shape {spatial})")
+    sizes = slab_rows(n0, rows, () if periodic else ramp)
     for li, lead in enumerate(leads):
         for b in range(last):
             f = li * last + b
-            for z0 in range(0, n0, rows):
-                z1 = min(n0, z0 + rows)
+            for z0, z1 in zip(sizes[:-1], sizes[1:]):
                 if periodic:
                     # Halo planes z0 - 1 and z1 taken modulo n0 (n0 >= 3 on the torus).
                     planes = [(z % n0) for z in range(z0 - 1, z1 + 1)]
@@ -231,6 +256,20 @@ def plan_pieces(src: Source, bytes_per_voxel: float, max_slab_bytes: int, period
                     start = a
                 pieces.append(Piece(lead, f, f + 1, b, b + 1, ranges, own0, start))
     return pieces
+
+
+def slab_rows(n0, rows, ramp=()):
+    """Plane boundaries [0, ..., n0] of slabs of at most ``rows`` planes: equal slabs, or with a
+    ``ramp`` of divisors, slabs of rows // d planes first (in the order given) and last (in
+    reverse order), when the image holds them and at least one full slab besides."""
+    head = [max(1, rows // d) for d in ramp]
+    if head and n0 >= 2 * sum(head) + rows:
+        middle = n0 - 2 * sum(head)
+        parts = math.ceil(middle / rows)
+        sizes = head + [middle // parts + (i < middle % parts) for i in range(parts)] + head[::-1]
+    else:
+        sizes = [rows] * (n0 // rows) + ([n0 % rows] if n0 % rows else [])
+    return [0] + [int(z) for z in np.cumsum(sizes)]
 
 
 def _runs(planes):
@@ -402,8 +441,206 @@ class _DeviceMasks:
         return m
 
 
+def registrable(array) -> bool:
+    """True for a host array that the GPU pipeline page-locks in place (:data:`HOST_REGISTER`):
+    an in-memory C-contiguous NumPy array (not a memmap) of at least REGISTER_MIN_BYTES."""
+    return (HOST_REGISTER and type(array) is np.ndarray and array.flags.c_contiguous
+            and array.nbytes >= REGISTER_MIN_BYTES)
+
+
+# cudaHostRegister flags
+_REGISTER_PORTABLE, _REGISTER_READ_ONLY = 0x01, 0x08
+# Chunk states of a HostRegistration
+_PENDING, _BUSY, _REGISTERED, _FAILED, _SKIPPED, _RELEASED = range(6)
+
+
+class HostRegistration:
+    """Page-locks the bytes [base, base + nbytes) of a host array in place, chunk by chunk, on a
+    background thread, ahead of a pipeline that reads them in order.
+
+    The range is cut into page-aligned chunks of about ``chunk_bytes``. The thread registers
+    them in order (``register(ptr, size)``), never more than ``ahead_bytes`` past the pipeline's
+    cursor, and skips those the pipeline has already passed. :meth:`ready` says whether a range
+    lies in registered chunks (and cuts it at chunk boundaries: one copy per chunk, each from a
+    single registration). :meth:`advance` moves the cursor and hands over an event after which
+    the chunks below it are no longer read: the thread unregisters them once that event is
+    done. :meth:`close` stops the thread and unregisters whatever is left; call it after the
+    last copy has completed. After ``max_failures`` failed registrations the thread stops
+    registering (the pipeline then stages every further slab).
+    """
+
+    def __init__(self, base, nbytes, chunk_bytes, ahead_bytes, *, register, unregister,
+                 device=None, max_failures=2, poll_s=0.002):
+        page = mmap.PAGESIZE
+        chunk = max(page, int(chunk_bytes) // page * page)
+        lo = int(base) // page * page
+        hi = -(-(int(base) + int(nbytes)) // page) * page
+        self.bounds = list(range(lo, hi, chunk)) + [hi]
+        self.state = [_PENDING] * (len(self.bounds) - 1)
+        self.cursor = lo
+        self.ahead = int(ahead_bytes)
+        self.retire = collections.deque()  # (event, cursor): chunks below cursor, after event
+        self.cond = threading.Condition()
+        self.closed = False
+        self.failures = 0
+        self.max_failures = max_failures
+        self.poll_s = poll_s
+        self._register, self._unregister, self.device = register, unregister, device
+        self.thread = threading.Thread(target=self._run, name="cutopo-host-register", daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    # -- the pipeline's side
+
+    def ready(self, ptr, nbytes):
+        """[(ptr, size)] cutting [ptr, ptr + nbytes) at chunk boundaries when every chunk it
+        touches is registered, else None."""
+        end = ptr + nbytes
+        j0 = bisect.bisect_right(self.bounds, ptr) - 1
+        j1 = bisect.bisect_right(self.bounds, end - 1) - 1
+        if j0 < 0 or j1 >= len(self.state):
+            return None
+        if any(self.state[j] != _REGISTERED for j in range(j0, j1 + 1)):
+            return None
+        return [(max(ptr, self.bounds[j]), min(end, self.bounds[j + 1]) - max(ptr, self.bounds[j]))
+                for j in range(j0, j1 + 1)]
+
+    def advance(self, cursor, event=None):
+        """Bytes below ``cursor`` will not be read again once ``event`` (None: now) is done."""
+        with self.cond:
+            self.cursor = max(self.cursor, int(cursor))
+            self.retire.append((event, self.cursor))
+            self.cond.notify_all()
+
+    def close(self):
+        """Stop the thread and unregister every chunk still registered (the caller makes sure
+        no copy from them is in flight)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        if self.thread.is_alive() or self.thread.ident is not None:
+            self.thread.join()
+        for j, st in enumerate(self.state):
+            if st == _REGISTERED:
+                self._release(j)
+
+    @property
+    def registered_chunks(self):
+        return sum(st in (_REGISTERED, _RELEASED) for st in self.state)
+
+    # -- the thread
+
+    def _release(self, j):
+        self.state[j] = _RELEASED
+        try:
+            self._unregister(self.bounds[j])
+        except Exception:  # pragma: no cover - nothing to do but go on
+            pass
+
+    def _retire_done(self):
+        """Unregister the chunks whose last copies are done (non-blocking)."""
+        while True:
+            with self.cond:
+                if not self.retire:
+                    return
+                event, cursor = self.retire[0]
+                if event is not None and not event.done:
+                    return
+                self.retire.popleft()
+                done = [j for j in range(len(self.state))
+                        if self.bounds[j + 1] <= cursor and self.state[j] == _REGISTERED]
+                for j in done:
+                    self.state[j] = _BUSY
+            for j in done:
+                self._release(j)
+
+    def _run(self):
+        if self.device is not None:
+            self.device.use()
+        j, n = 0, len(self.state)
+        while True:
+            self._retire_done()
+            with self.cond:
+                if self.closed:
+                    return
+                while j < n and self.bounds[j + 1] <= self.cursor:
+                    if self.state[j] == _PENDING:
+                        self.state[j] = _SKIPPED
+                    j += 1
+                if (j >= n or self.failures >= self.max_failures
+                        or self.bounds[j] >= self.cursor + self.ahead):
+                    self.cond.wait(self.poll_s)
+                    continue
+                self.state[j] = _BUSY
+            try:
+                self._register(self.bounds[j], self.bounds[j + 1] - self.bounds[j])
+                ok = True
+            except Exception:
+                ok = False
+            with self.cond:
+                self.state[j] = _REGISTERED if ok else _FAILED
+                self.failures += not ok
+            j += 1
+
+
+def _cuda_registration(array, ahead_bytes):
+    """A started HostRegistration of ``array``'s bytes on the current device, or None where the
+    device cannot register host memory."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    device = cupy.cuda.Device()
+    try:
+        if not rt.deviceGetAttribute(rt.cudaDevAttrHostRegisterSupported, device.id):
+            return None
+        read_only = (not array.flags.writeable and rt.deviceGetAttribute(
+            rt.cudaDevAttrHostRegisterReadOnlySupported, device.id))
+    except Exception:  # pragma: no cover - old CuPy or driver
+        return None
+    flags = _REGISTER_PORTABLE | (_REGISTER_READ_ONLY if read_only else 0)
+    return HostRegistration(array.ctypes.data, array.nbytes, REGISTER_CHUNK_BYTES, ahead_bytes,
+                            register=lambda ptr, size: rt.hostRegister(ptr, size, flags),
+                            unregister=rt.hostUnregister, device=device)
+
+
 def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
     """The streamed histogram on the current GPU (see the module docstring), as a host array."""
+    from . import _ecc_cupy
+
+    itemsize = src.dtype.itemsize
+    pieces = plan_pieces(src, itemsize, max_slab_bytes, ramp=RAMP)
+    cap = max(math.prod(piece_shape(src, p)) for p in pieces)
+    view_dtype = _ecc_cupy._INPUT_VIEW.get(src.dtype, src.dtype)
+    contiguous = isinstance(src.data, np.ndarray) and src.data.flags.c_contiguous
+    direct = contiguous and pinned_pointer(src.data)
+    # Page-locking in place starts first, so that it gets ahead while plans are built.
+    reg = None
+    if not direct and len(pieces) > 2 and registrable(src.data):
+        reg = _cuda_registration(src.data, REGISTER_AHEAD_SLABS * cap * itemsize)
+        if reg is not None:
+            reg.advance(src.data.ctypes.data + _piece_offset(src, pieces[1]))  # 1st is staged
+            reg.start()
+    try:
+        return _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, reg)
+    finally:
+        if reg is not None:
+            reg.close()
+
+
+def _piece_offset(src: Source, piece: Piece):
+    """Byte offset of a (single-range) piece's first element in a C-contiguous source."""
+    plane = math.prod(src.spatial[1:])
+    return (piece.f0 * src.spatial[0] + piece.ranges[0][0]) * plane * src.dtype.itemsize
+
+
+# What the last GPU pipeline did (for benchmarks and tests): slabs, how many were copied
+# directly (pinned or registered source) and how many staged, registered chunks.
+last_pipeline: dict = {}
+
+
+def _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, reg):
     import cupy
     import cupyx
 
@@ -412,11 +649,6 @@ def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
     ndim, itemsize = src.ndim, src.dtype.itemsize
     T = int(t.size)
     nimg = math.prod(src.batch)
-    pieces = plan_pieces(src, itemsize, max_slab_bytes)
-    cap = max(math.prod(piece_shape(src, p)) for p in pieces)
-    view_dtype = _ecc_cupy._INPUT_VIEW.get(src.dtype, src.dtype)
-    direct = (isinstance(src.data, np.ndarray) and src.data.flags.c_contiguous
-              and pinned_pointer(src.data))
     masks = _DeviceMasks()
     copy_stream = cupy.cuda.Stream(non_blocking=True)
     comp_stream = cupy.cuda.Stream(non_blocking=True)
@@ -424,10 +656,9 @@ def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
     plans = {}
     for p in pieces:
         shape = piece_shape(src, p)
-        key = shape
-        if key not in plans:
-            plans[key] = _ecc_cupy.histogram_plan(_Shape(shape[:1] + shape[1:], src.dtype), t,
-                                                  ndim, tconn, masked=True)
+        if shape not in plans:
+            plans[shape] = _ecc_cupy.histogram_plan(_Shape(shape, src.dtype), t, ndim, tconn,
+                                                    masked=True)
     with comp_stream:
         hist = cupy.zeros((nimg, T), dtype=np.int64)
         ones = [masks.get(np.ones(n, dtype=bool)) for n in src.spatial[1:]]
@@ -439,29 +670,54 @@ def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
     # streams do not wait for.
     cupy.cuda.Device().synchronize()
     host = None if direct else [cupyx.empty_pinned(cap, dtype=src.dtype) for _ in range(2)]
-    copied = [None, None]
-    computed = [None, None]
+    staged = [None, None]    # copy events of the last copy out of host[h]
+    copied = [None, None]    # copy events of the last copy into bufs[i]
+    computed = [None, None]  # kernel events of the last kernel on bufs[i]
+    h = 0
+    stats = {"slabs": len(pieces), "direct": 0, "staged": 0}
+    base = src.data.ctypes.data if contiguous else 0
     pool = concurrent.futures.ThreadPoolExecutor(READ_THREADS) if READ_THREADS > 1 else None
     try:
         for k, piece in enumerate(pieces):
             i = k % 2
             shape = piece_shape(src, piece)
             n = math.prod(shape)
+            nbytes = n * itemsize
+            if copied[i] is not None:
+                # The host stays at most two slabs ahead of the copies (no cost: the copy into
+                # bufs[i] waits for the kernel of step k - 2 anyway), so registered chunks are
+                # released as the copies progress, and registration gets time to get ahead.
+                copied[i].synchronize()
+            runs, hh = None, None
             if direct:
-                a, b = piece.ranges[0]
-                view = src.data[_index(src, piece, a, b)]
-                src_ptr = view.ctypes.data
+                runs = [(base + _piece_offset(src, piece), nbytes)]
+            elif reg is not None:
+                runs = reg.ready(base + _piece_offset(src, piece), nbytes)
+            if runs is None:  # through a pinned staging buffer
+                if staged[h] is not None:
+                    staged[h].synchronize()  # the copy out of host[h] two staged slabs ago
+                read_piece(src, piece, out=host[h][:n], pool=pool)
+                runs = [(host[h].ctypes.data, nbytes)]
+                hh, h = h, h ^ 1
+                stats["staged"] += 1
             else:
-                if copied[i] is not None:
-                    copied[i].synchronize()  # the copy of step k - 2 has left host[i]
-                read_piece(src, piece, out=host[i][:n], pool=pool)
-                src_ptr = host[i].ctypes.data
+                stats["direct"] += 1
             if computed[i] is not None:
                 copy_stream.wait_event(computed[i])  # the kernel of step k - 2 is done with bufs[i]
-            cupy.cuda.runtime.memcpyAsync(bufs[i].data.ptr, src_ptr, n * itemsize,
-                                          cupy.cuda.runtime.memcpyHostToDevice, copy_stream.ptr)
-            copied[i] = copy_stream.record()
-            comp_stream.wait_event(copied[i])
+            offset = 0
+            for ptr, size in runs:
+                cupy.cuda.runtime.memcpyAsync(bufs[i].data.ptr + offset, ptr, size,
+                                              cupy.cuda.runtime.memcpyHostToDevice,
+                                              copy_stream.ptr)
+                offset += size
+            copied[i] = event = copy_stream.record()
+            if hh is not None:
+                staged[hh] = event
+            if reg is not None:  # the bytes before the next piece are not read again
+                nxt = (base + _piece_offset(src, pieces[k + 1]) if k + 1 < len(pieces)
+                       else base + src.data.nbytes)
+                reg.advance(nxt, event)
+            comp_stream.wait_event(event)
             with comp_stream:
                 own0 = masks.get(piece.own0)
                 axis_masks = ([unit, own0] + ones) if ndim == 2 else ([own0] + ones)
@@ -471,6 +727,9 @@ def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
         with comp_stream:
             out = hist.get(stream=comp_stream)
         comp_stream.synchronize()
+        stats["registered_chunks"] = reg.registered_chunks if reg is not None else 0
+        last_pipeline.clear()
+        last_pipeline.update(stats)
     finally:
         if pool is not None:
             pool.shutdown(wait=True)

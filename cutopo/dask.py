@@ -11,27 +11,50 @@ the signed count of the cells it owns, and c(p) depends only on p's 3^ndim neigh
 every chunked spatial axis, call a coordinate a *seam* coordinate when it is next to an
 internal chunk boundary s (it is s - 1 or s). Then:
 
-* every chunk task histograms, from the chunk alone (no copy, no halo), the pixels none of whose
-  coordinates is a seam coordinate: their whole neighbourhood is in the chunk (or beyond the
-  volume's border);
-* for each axis a and internal boundary s along a, a *face* task reads the thin slab of planes
-  [s - 2, s + 2) along a (the full extent of the other axes, a few planes) and histograms the
+* every chunk histograms, from the chunk alone (no copy, no halo), its pixels none of whose
+  coordinates is a seam coordinate (the *interior*): their whole neighbourhood is in the chunk
+  (or beyond the volume's border);
+* for each axis a and internal boundary s along a, the *face* (a, s) is the thin slab of planes
+  [s - 2, s + 2) along a (the full extent of the other axes, a few planes); it histograms the
   pixels whose first seam axis is a and whose seam coordinate along a belongs to s.
 
-So every pixel is counted by exactly one task, with its whole neighbourhood at hand, and only
-the seams (four planes per internal boundary) are copied. The per-task histograms (int64,
-shape (*batch, T)) are added by Dask's tree reduction, then cumulated. The kernels are those of
-the out-of-core path: ``ecc_histogram_masked`` (CuPy chunks) and
-:func:`cutopo._ecc_numpy.owned_histogram` (NumPy chunks).
+So every pixel is counted exactly once, with its whole neighbourhood at hand, and only the
+seams (four planes per internal boundary) are copied. The histograms (int64, shape
+(*batch, T)) are added by a tree sum, then cumulated.
+
+The task graph is built directly (no map_blocks/rechunk/reduction layers), one task per chunk:
+
+* when at most one spatial axis has several chunks (a volume cut in slabs, the usual layout),
+  the face (a, s) is counted by the task of the chunk that starts at s, which also receives the
+  planes [s - 2, s) of the chunk(s) before it (a thin getitem task, so that a cluster moves two
+  planes, not a chunk): no face task, no concatenation of a face from many chunks;
+* otherwise every face is a task of its own, which reads the thin pieces of the chunks it
+  crosses from one "edges" task per chunk (a tuple of views: the planes that faces need of it);
+* the per-task histograms stay where they were computed (device arrays for CuPy chunks, no
+  host synchronisation in any task) and are added by a tree sum of fan-in :data:`SPLIT_EVERY`,
+  whose last task also cumulates: one task per batch chunk of the result.
+
+On the GPU a chunk's interior is counted either by the masked kernel over the chunk
+(``ecc_histogram_masked``, a per-pixel mask test) or, by default for large chunks (see
+:data:`INTERIOR`), by the plain kernel over the whole chunk minus the chunk's seam planes as the
+chunk alone sees them (two-plane masked launches): both give the same integers. Device masks
+and kernel plans are kept per shape and device, uploaded once per process. NumPy chunks use
+:func:`cutopo._ecc_numpy.owned_histogram`.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
+import operator
+import weakref
 
 import numpy as np
 
 try:
     import dask.array as da
+    from dask.base import tokenize
+    from dask.highlevelgraph import HighLevelGraph
 except ImportError as exc:  # pragma: no cover - exercised in a process without dask
     raise ImportError("cutopo.dask needs Dask: install it with pip install 'cutopo[dask]' (or "
                       "pip install 'dask[array]'; add 'distributed' for clusters)") from exc
@@ -41,6 +64,16 @@ from ._array import is_cupy_array, to_numpy
 from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds
 
 __all__ = ["ecc", "ect"]
+
+# Fan-in of the tree sum of the per-task histograms (one level for up to this many tasks).
+SPLIT_EVERY = 32
+# How a chunk task counts its interior, by chunk type. "masked": one masked launch over the
+# chunk, seam coordinates masked out. "plain": the unmasked histogram of the whole chunk, minus
+# its seam planes as the chunk alone sees them (thin masked launches); exact as well, and the
+# bulk of the chunk runs without the per-pixel mask test. ECT always masks.
+INTERIOR = {"numpy": "masked", "cupy": "plain"}
+# "plain" is used only when every axis with seams in the chunk is at least this long (and 2).
+PLAIN_MIN_LENGTH = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,35 +130,18 @@ class _Axis:
                 if self.owner[i] < 0:
                     self.owner[i] = s
 
+    def span(self, j):
+        return int(self.starts[j]), int(self.starts[j + 1])
+
+    def blocks_of(self, r0, r1):
+        """Indices of the chunks that planes [r0, r1) cross."""
+        first = int(np.searchsorted(self.starts, r0, side="right")) - 1
+        last = int(np.searchsorted(self.starts, r1 - 1, side="right")) - 1
+        return range(first, last + 1)
+
 
 def _axes(x, ndim):
     return [_Axis(c) for c in x.chunks[x.ndim - ndim:]]
-
-
-def _face_arrays(x, ndim, axes):
-    """[(axis a, boundary s, first plane r0, the thin dask array)] of every internal boundary:
-    planes [s - 2, s + 2) along a, every spatial axis in one chunk (batch chunks kept)."""
-    lead = x.ndim - ndim
-    faces = []
-    for a, ax in enumerate(axes):
-        for s in ax.boundaries:
-            r0, r1 = max(s - 2, 0), min(s + 2, ax.n)
-            index = [slice(None)] * x.ndim
-            index[lead + a] = slice(r0, r1)
-            thin = x[tuple(index)].rechunk({lead + b: -1 for b in range(ndim)})
-            faces.append((a, s, r0, thin))
-    return faces
-
-
-def _chunk_masks(axes, block_id, lead):
-    """Owned masks of a chunk: the coordinates that are no seam coordinate, per axis
-    (``block_id``: the chunk's index, ``lead`` batch axes first; trailing output axes ignored)."""
-    masks = []
-    for a, ax in enumerate(axes):
-        i = block_id[lead + a]
-        c0, c1 = ax.starts[i], ax.starts[i + 1]
-        masks.append(~ax.seam[c0:c1])
-    return masks
 
 
 def _face_masks(axes, a, s, r0, r1):
@@ -142,59 +158,399 @@ def _face_masks(axes, a, s, r0, r1):
     return masks
 
 
-def _per_block(x, ndim, fn, tail, dtype, meta, *, offsets=None):
-    """``fn(block, block_id)`` on every block -> arrays (*batch_block, 1 per spatial axis,
-    *tail), summed over the spatial block axes by Dask's tree reduction: (*batch, *tail)."""
-    lead = x.ndim - ndim
-    chunks = tuple(x.chunks[:lead]) + tuple((1,) * len(c) for c in x.chunks[lead:]) + tuple(
-        (n,) for n in tail)
-    per = x.map_blocks(fn, chunks=chunks, dtype=dtype, meta=meta,
-                       new_axis=list(range(x.ndim, x.ndim + len(tail))))
-    return per.sum(axis=tuple(range(lead, x.ndim)), dtype=dtype)
-
-
 def _meta(x, ndim_out):
-    if is_cupy_array(getattr(x, "_meta", None)):
-        import cupy
-
-        return cupy.empty((0,) * ndim_out, dtype=np.int64)
-    return np.empty((0,) * ndim_out, dtype=np.int64)
-
-
-def _cumsum(total):
-    return total.map_blocks(_cumsum_last, dtype=np.int64)
-
-
-def _cumsum_last(h):
-    return h.cumsum(axis=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# ECC
-
-
-def _ecc_block(block, t, ndim, tconn, masks, out_shape):
-    """(*batch, 1, ..., 1, T) int64 histogram of the owned pixels of one block."""
-    T = int(t.size)
-    if not all(m.any() for m in masks):
-        xp = np if not is_cupy_array(block) else _cupy()
-        return xp.zeros(out_shape, dtype=np.int64)
-    if is_cupy_array(block):
-        cupy = _cupy()
-        from . import _ecc_cupy
-
-        nimg = math.prod(block.shape[:block.ndim - ndim])
-        with block.device:
-            hist = cupy.zeros((nimg, T), dtype=np.int64)
-            _ecc_cupy.masked_histogram(block, t, ndim, tconn, masks, hist)
-        return hist.reshape(out_shape)
-    return _ecc_numpy.owned_histogram(np.asarray(block), t, ndim, tconn, masks).reshape(out_shape)
+    xp = _cupy() if is_cupy_array(getattr(x, "_meta", None)) else np
+    return xp.empty((0,) * ndim_out, dtype=np.int64)
 
 
 def _cupy():
     import cupy
 
     return cupy
+
+
+# ---------------------------------------------------------------------------------------------
+# The task graph
+
+
+class _ChunkSpec:
+    """What a chunk task counts: ``seam`` (per spatial axis, the chunk's seam coordinates as a
+    local bool array, or None where it has none), ``origin`` (the chunk's first coordinate per
+    spatial axis) and ``face`` (None, or the merged face: axis a, the chunk's own planes [lo, hi)
+    of it, the face's masks and origin)."""
+
+    __slots__ = ("seam", "origin", "face")
+
+    def __init__(self, seam, origin, face=None):
+        self.seam, self.origin, self.face = seam, origin, face
+
+    def __getstate__(self):
+        return (self.seam, self.origin, self.face)
+
+    def __setstate__(self, state):
+        self.seam, self.origin, self.face = state
+
+
+class _FaceSpec:
+    """A separate face task: the masks and origin of its slab."""
+
+    __slots__ = ("masks", "origin")
+
+    def __init__(self, masks, origin):
+        self.masks, self.origin = masks, origin
+
+    def __getstate__(self):
+        return (self.masks, self.origin)
+
+    def __setstate__(self, state):
+        self.masks, self.origin = state
+
+
+def _graph(x, ndim, counter, prefix):
+    """The lazy (*batch, *counter.tail) int64 result of ``counter`` over the chunks of ``x``
+    (see the module docstring)."""
+    lead = x.ndim - ndim
+    axes = _axes(x, ndim)
+    nblocks = [len(ax.chunks) for ax in axes]
+    chunked = [a for a in range(ndim) if nblocks[a] > 1]
+    merge = len(chunked) <= 1
+    name = f"{prefix}-{tokenize(x.name, counter.token())}"
+    part_name, piece_name, edge_name, face_name, sum_name = (
+        name + "-part", name + "-piece", name + "-edges", name + "-face", name + "-sum")
+    faces = {}
+    for a in range(ndim):
+        for s in axes[a].boundaries:
+            r0, r1 = max(s - 2, 0), min(s + 2, axes[a].n)
+            masks = _face_masks(axes, a, s, r0, r1)
+            if all(m.any() for m in masks):
+                faces[(a, s)] = (r0, r1, masks, tuple(r0 if b == a else 0 for b in range(ndim)))
+
+    dsk = {}
+    for B in itertools.product(*(range(len(c)) for c in x.chunks[:lead])):
+        pieces = itertools.count()
+
+        def planes_of(J, a, r0, r1):
+            """Key of planes [r0, r1) along a of chunk J (the chunk itself when it is all of
+            it, else a getitem task)."""
+            c0, c1 = axes[a].span(J[a])
+            lo, hi = max(r0, c0), min(r1, c1)
+            if (lo, hi) == (c0, c1):
+                return (x.name, *B, *J)
+            key = (piece_name, *B, next(pieces))
+            index = (slice(None),) * (lead + a) + (slice(lo - c0, hi - c0),)
+            dsk[key] = (operator.getitem, (x.name, *B, *J), index)
+            return key
+
+        parts = []
+        for J in itertools.product(*(range(n) for n in nblocks)):
+            seam, origin = [], []
+            for b, ax in enumerate(axes):
+                c0, c1 = ax.span(J[b])
+                local = ax.seam[c0:c1]
+                seam.append(local.copy() if local.any() else None)
+                origin.append(c0)
+            face, before, after = None, [], []
+            if merge and chunked:
+                a = chunked[0]
+                c0, c1 = axes[a].span(J[a])
+                if (a, c0) in faces:
+                    r0, r1, masks, face_origin = faces[(a, c0)]
+                    for j in axes[a].blocks_of(r0, r1):
+                        if j != J[a]:
+                            K = J[:a] + (j,) + J[a + 1:]
+                            (before if j < J[a] else after).append(planes_of(K, a, r0, r1))
+                    face = (a, max(r0, c0) - c0, min(r1, c1) - c0, masks, face_origin)
+            key = (part_name, *B, *J)
+            dsk[key] = (_chunk_task, (x.name, *B, *J), counter, _ChunkSpec(seam, tuple(origin), face),
+                        before, after)
+            parts.append(key)
+        if not merge:
+            # A face crosses many chunks; each chunk hands all the thin pieces that faces need
+            # of it in one "edges" task (a tuple of views), which the face tasks index inline.
+            needs = {}
+
+            def edge_of(J, a, r0, r1):
+                c0, c1 = axes[a].span(J[a])
+                lo, hi = max(r0, c0), min(r1, c1)
+                if (lo, hi) == (c0, c1):
+                    return (x.name, *B, *J)
+                wanted = needs.setdefault(J, [])
+                wanted.append((slice(None),) * (lead + a) + (slice(lo - c0, hi - c0),))
+                return (operator.getitem, (edge_name, *B, *J), len(wanted) - 1)
+
+            for (a, s), (r0, r1, masks, face_origin) in faces.items():
+
+                def nested(b, J):
+                    if b == ndim:
+                        return edge_of(J, a, r0, r1)
+                    js = axes[a].blocks_of(r0, r1) if b == a else range(nblocks[b])
+                    return [nested(b + 1, J + (j,)) for j in js]
+
+                key = (face_name, *B, a, s)
+                dsk[key] = (_face_task, nested(0, ()), counter, _FaceSpec(masks, face_origin))
+                parts.append(key)
+            for J, wanted in needs.items():
+                dsk[(edge_name, *B, *J)] = (_edges, (x.name, *B, *J), wanted)
+        level = 0
+        while len(parts) > SPLIT_EVERY:
+            grouped = []
+            for g in range(0, len(parts), SPLIT_EVERY):
+                key = (sum_name, *B, level, g // SPLIT_EVERY)
+                dsk[key] = (_sum_parts, parts[g:g + SPLIT_EVERY])
+                grouped.append(key)
+            parts, level = grouped, level + 1
+        shape = tuple(x.chunks[b][B[b]] for b in range(lead)) + counter.tail
+        dsk[(name, *B) + (0,) * len(counter.tail)] = (_finish, parts, counter, shape)
+
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+    chunks = tuple(x.chunks[:lead]) + tuple((n,) for n in counter.tail)
+    return da.Array(graph, name, chunks, meta=_meta(x, lead + len(counter.tail)))
+
+
+def _nimg(block, ndim):
+    return math.prod(block.shape[:block.ndim - ndim])
+
+
+def _device_of(block):
+    return block.device if is_cupy_array(block) else contextlib.nullcontext()
+
+
+def _xp(block):
+    return _cupy() if is_cupy_array(block) else np
+
+
+def _chunk_task(block, counter, spec, before, after):
+    """(nimg, *tail) histogram of a chunk's interior, plus its merged face when it has one."""
+    xp = _xp(block)
+    with _device_of(block):
+        hist = counter.zeros(xp, _nimg(block, counter.ndim))
+        if hist.shape[0] == 0:
+            return hist
+        _add_interior(counter, xp, hist, block, spec.seam, spec.origin)
+        if spec.face is not None:
+            a, lo, hi, masks, origin = spec.face
+            axis = block.ndim - counter.ndim + a
+            own = block[(slice(None),) * axis + (slice(lo, hi),)]
+            slab = xp.concatenate(list(before) + [own] + list(after), axis=axis)
+            counter.add(hist, slab, masks, origin)
+    return hist
+
+
+def _edges(block, indices):
+    """The thin pieces (views) of a chunk that the face tasks read."""
+    return tuple(block[index] for index in indices)
+
+
+def _face_task(pieces, counter, spec):
+    """(nimg, *tail) histogram of a face assembled from the pieces of the chunks it crosses."""
+
+    def concat(p, level):
+        if not isinstance(p, list):
+            return p
+        parts = [concat(q, level + 1) for q in p]
+        if len(parts) == 1:
+            return parts[0]
+        return _xp(parts[0]).concatenate(parts, axis=parts[0].ndim - counter.ndim + level)
+
+    slab = concat(pieces, 0)
+    xp = _xp(slab)
+    with _device_of(slab):
+        hist = counter.zeros(xp, _nimg(slab, counter.ndim))
+        if hist.shape[0]:
+            counter.add(hist, slab, spec.masks, spec.origin)
+    return hist
+
+
+def _add_interior(counter, xp, hist, block, seam, origin):
+    """Add the histogram of the pixels of ``block`` without a seam coordinate to ``hist``."""
+    ndim = counter.ndim
+    if all(s is None for s in seam):
+        counter.add(hist, block, None, origin)
+        return
+    own = [np.ones(block.shape[block.ndim - ndim + b], dtype=bool) if s is None else ~s
+           for b, s in enumerate(seam)]
+    if not all(m.any() for m in own):
+        return
+    kind = "cupy" if xp is not np else "numpy"
+    if (not counter.plain_ok or INTERIOR.get(kind) != "plain"
+            or any(s is not None and s.size < max(PLAIN_MIN_LENGTH, 2) for s in seam)):
+        counter.add(hist, block, own, origin)
+        return
+    # The whole chunk unmasked, minus its seam pixels as the chunk alone sees them (truncated
+    # at the chunk's faces). Those are split by their first seam axis a: coordinates before a
+    # not seam, the chunk's first or last plane along a (distinct planes: the chunk is at least
+    # 2 long), anything after a. A two-plane slab at that face holds every neighbour they have
+    # in the chunk, with the same truncation, so it gives the same contributions.
+    counter.add(hist, block, None, origin)
+    neg = counter.zeros(xp, hist.shape[0])
+    lead = block.ndim - ndim
+    for a in range(ndim):
+        s = seam[a]
+        if s is None:
+            continue
+        n = s.size
+        for take, upper in ((0, False), (n - 2, True)):
+            if not s[-1 if upper else 0]:
+                continue
+            masks = [own[b] if b < a else np.ones(block.shape[lead + b], dtype=bool)
+                     for b in range(ndim)]
+            masks[a] = np.array([not upper, upper])
+            sub = block[(slice(None),) * (lead + a) + (slice(take, take + 2),)]
+            counter.add(neg, sub, masks,
+                        tuple(o + take if b == a else o for b, o in enumerate(origin)))
+    hist -= neg
+
+
+def _sum_parts(parts):
+    """The sum of the histograms (never written into: a new array, or the only one)."""
+    if len(parts) == 1:
+        return parts[0]
+    total = parts[0] + parts[1]
+    for p in parts[2:]:
+        total += p
+    return total
+
+
+def _finish(parts, counter, shape):
+    with _device_of(parts[0]):
+        return counter.finish(_sum_parts(parts)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device state kept per process: masks and plans, each made ready once
+
+
+_DEVICE_MASKS: dict = {}
+_MAX_DEVICE_MASKS = 1024
+_READY_PLANS: "weakref.WeakSet" = weakref.WeakSet()
+_UNIT = np.ones(1, dtype=bool)
+
+
+def _device_mask(m):
+    """The uint8 device copy of the host bool mask ``m`` on the current device, uploaded once
+    (and synchronised once, so that any stream of any thread may read it)."""
+    cupy = _cupy()
+    key = (cupy.cuda.runtime.getDevice(), m.size, m.tobytes())
+    d = _DEVICE_MASKS.get(key)
+    if d is None:
+        if len(_DEVICE_MASKS) >= _MAX_DEVICE_MASKS:
+            _DEVICE_MASKS.clear()
+        d = cupy.asarray(m.astype(np.uint8))
+        cupy.cuda.get_current_stream().synchronize()
+        _DEVICE_MASKS[key] = d
+    return d
+
+
+def _ready(plan):
+    """``plan`` once its threshold table has reached the device (one synchronisation per plan
+    and process: the table was uploaded on the stream current when the plan was built)."""
+    if plan not in _READY_PLANS:
+        _cupy().cuda.get_current_stream().synchronize()
+        _READY_PLANS.add(plan)
+    return plan
+
+
+class _EccCounter:
+    """Histograms of owned pixels for the ECC: (nimg, T) int64, cumulated at the end."""
+
+    plain_ok = True
+
+    def __init__(self, t, ndim, tconn):
+        self.t, self.ndim, self.tconn = t, ndim, tconn
+        self.tail = (int(t.size),)
+        self._plans = {}
+
+    def __getstate__(self):
+        return (self.t, self.ndim, self.tconn)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def token(self):
+        return ("ecc", self.t, self.ndim, self.tconn)
+
+    def zeros(self, xp, nimg):
+        return xp.zeros((nimg,) + self.tail, dtype=np.int64)
+
+    def add(self, hist, slab, masks, origin):
+        """Add the histogram of the pixels of ``slab`` (*batch, *spatial) that ``masks`` (one
+        host bool array per spatial axis, or None: every pixel) mark to ``hist``."""
+        if masks is not None and not all(m.any() for m in masks):
+            return
+        if not is_cupy_array(slab):
+            hist += _ecc_numpy.owned_histogram(np.asarray(slab), self.t, self.ndim, self.tconn,
+                                               masks)
+            return
+        from . import _ecc_cupy
+
+        cupy = _cupy()
+        nimg = hist.shape[0]
+        spatial = tuple(slab.shape[slab.ndim - self.ndim:])
+        view = _ecc_cupy._image_view(cupy.ascontiguousarray(slab)).reshape((nimg,) + spatial)
+        plan = self._plan(slab, masks is not None)
+        if masks is None:
+            plan.histogram(view, hist)
+            return
+        dev = [_device_mask(m) for m in masks]
+        if self.ndim == 2:
+            dev = [_device_mask(_UNIT)] + dev
+        plan.histogram(view, hist, *dev)
+
+    def _plan(self, slab, masked):
+        from . import _ecc_cupy
+
+        key = (_cupy().cuda.runtime.getDevice(), slab.shape, slab.dtype, masked)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _ready(_ecc_cupy.histogram_plan(slab, self.t, self.ndim, self.tconn,
+                                                   masked=masked))
+            self._plans[key] = plan
+        return plan
+
+    def finish(self, total):
+        return total.cumsum(axis=-1)
+
+
+class _EctCounter:
+    """ECT curves of owned pixels: (nimg, D, T) int64, already cumulated per block (linear)."""
+
+    plain_ok = False
+
+    def __init__(self, dirs64, coords, t, tconn):
+        self.dirs64, self.coords, self.t, self.tconn = dirs64, coords, t, tconn
+        self.ndim = dirs64.shape[1]
+        self.tail = (dirs64.shape[0], int(t.size))
+
+    def token(self):
+        return ("ect", self.dirs64, self.t, self.tconn, tuple(c.size for c in self.coords))
+
+    def zeros(self, xp, nimg):
+        return xp.zeros((nimg,) + self.tail, dtype=np.int64)
+
+    def add(self, hist, slab, masks, origin):
+        if masks is not None and not all(m.any() for m in masks):
+            return
+        spatial = tuple(slab.shape[slab.ndim - self.ndim:])
+        mask_b = slab.reshape((-1,) + spatial)
+        mask_b = mask_b if mask_b.dtype == np.bool_ else mask_b != 0
+        coords = [c[o:o + n] for c, o, n in zip(self.coords, origin, spatial)]
+        if is_cupy_array(slab):
+            from . import _band_cupy
+
+            out, _ = _band_cupy.ect_forward(_cupy().ascontiguousarray(mask_b), self.dirs64, coords,
+                                            self.t, self.tconn, soft=False, own=masks)
+        else:
+            from . import _ect
+
+            out = _ect.curves(np.asarray(mask_b), self.dirs64, coords, self.t, self.tconn, masks)
+        hist += out.reshape(hist.shape)
+
+    def finish(self, total):
+        return total
+
+
+# ---------------------------------------------------------------------------------------------
+# ECC
 
 
 def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
@@ -224,6 +580,13 @@ def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
         Lazy, in one chunk along T, with chunks of the input's type (NumPy or CuPy); call
         ``.compute()`` (or ``dask.compute`` on many curves at once).
 
+    Notes
+    -----
+    Tasks: one per chunk; with one chunked spatial axis, one getitem per internal boundary;
+    with several, one "edges" task per chunk and one task per face; one tree-sum task per batch
+    chunk of the result (more levels beyond :data:`SPLIT_EVERY` parts). No task synchronises
+    with the device.
+
     Examples
     --------
     >>> import numpy as np, dask.array as da, cutopo, cutopo.dask
@@ -248,25 +611,7 @@ def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     elif is_cupy_array(thresholds):
         thresholds = to_numpy(thresholds)
     t, _ = check_thresholds(thresholds, probe)
-    T = int(t.size)
-    lead = x.ndim - ndim
-    axes = _axes(x, ndim)
-    meta = _meta(x, lead + ndim + 1)
-
-    def chunk_task(block, block_id=None):
-        masks = _chunk_masks(axes, block_id, lead)
-        return _ecc_block(block, t, ndim, tconn, masks, block.shape[:lead] + (1,) * ndim + (T,))
-
-    total = _per_block(x, ndim, chunk_task, (T,), np.int64, meta)
-    for a, s, r0, thin in _face_arrays(x, ndim, axes):
-        r1 = r0 + thin.shape[lead + a]
-        masks = _face_masks(axes, a, s, r0, r1)
-
-        def face_task(block, masks=masks):
-            return _ecc_block(block, t, ndim, tconn, masks, block.shape[:lead] + (1,) * ndim + (T,))
-
-        total = total + _per_block(thin, ndim, face_task, (T,), np.int64, meta)
-    return _cumsum(total)
+    return _graph(x, ndim, _EccCounter(t, ndim, tconn), "cutopo-ecc")
 
 
 def _linear_thresholds(x, n):
@@ -291,33 +636,11 @@ def _linear_thresholds(x, n):
 # ECT
 
 
-def _ect_block(block, dirs64, coords, t, tconn, masks, out_shape):
-    """(*batch, 1, ..., 1, D, T) int64 ECT curves of the owned pixels of one block, at the
-    block's positions ``coords`` in the volume."""
-    spatial = tuple(block.shape[len(block.shape) - len(coords):])
-    if not all(m.any() for m in masks):
-        xp = _cupy() if is_cupy_array(block) else np
-        return xp.zeros(out_shape, dtype=np.int64)
-    mask_b = block.reshape((-1,) + spatial)
-    mask_b = mask_b if mask_b.dtype == np.bool_ else mask_b != 0
-    if is_cupy_array(block):
-        from . import _band_cupy
-
-        cupy = _cupy()
-        with block.device:
-            out, _ = _band_cupy.ect_forward(cupy.ascontiguousarray(mask_b), dirs64, coords, t,
-                                            tconn, soft=False, own=masks)
-        return out.reshape(out_shape)
-    from . import _ect
-
-    return _ect.curves(np.asarray(mask_b), dirs64, coords, t, tconn, masks).reshape(out_shape)
-
-
 def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     """Exact Euler characteristic transform of a Dask mask, chunk by chunk (lazy).
 
     Equal, exactly, to ``cutopo.ect(dmask.compute(), directions, thresholds, ...)``: every
-    chunk and face task works at its pixels' positions in the whole volume.
+    chunk and face is counted at its pixels' positions in the whole volume.
 
     Parameters
     ----------
@@ -367,29 +690,4 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     if not math.isfinite(reach):
         raise ValueError("directions: too large, the pixel heights overflow float64")
     t, _ = _ect._check_thresholds(thresholds, coords, dirs64)
-    D, T = dirs64.shape[0], int(t.size)
-    lead = x.ndim - ndim
-    axes = _axes(x, ndim)
-    meta = _meta(x, lead + ndim + 2)
-
-    def chunk_task(block, block_id=None):
-        masks = _chunk_masks(axes, block_id, lead)
-        block_coords = []
-        for a, ax in enumerate(axes):
-            i = block_id[lead + a]
-            block_coords.append(coords[a][ax.starts[i]:ax.starts[i + 1]])
-        return _ect_block(block, dirs64, block_coords, t, tconn, masks,
-                          block.shape[:lead] + (1,) * ndim + (D, T))
-
-    total = _per_block(x, ndim, chunk_task, (D, T), np.int64, meta)
-    for a, s, r0, thin in _face_arrays(x, ndim, axes):
-        r1 = r0 + thin.shape[lead + a]
-        masks = _face_masks(axes, a, s, r0, r1)
-        face_coords = [c if b != a else c[r0:r1] for b, c in enumerate(coords)]
-
-        def face_task(block, masks=masks, face_coords=face_coords):
-            return _ect_block(block, dirs64, face_coords, t, tconn, masks,
-                              block.shape[:lead] + (1,) * ndim + (D, T))
-
-        total = total + _per_block(thin, ndim, face_task, (D, T), np.int64, meta)
-    return total
+    return _graph(x, ndim, _EctCounter(dirs64, coords, t, tconn), "cutopo-ect")

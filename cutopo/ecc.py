@@ -83,11 +83,14 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     about 64 MiB more. On the GPU a slab's input takes at most S; the call allocates two device
     slab buffers and two pinned host buffers of that size (fewer bytes when the input is
     smaller), plus the (*batch, T) int64 histogram; a source that is already pinned
-    (``cupyx.empty_pinned``) is copied to the device directly, without the host buffers. While
-    the GPU histograms slab k, slab k + 1 is copied (pinned memory, second CUDA stream) and
-    slab k + 2 read into pinned memory by host threads. A slab needs at least one plane besides
-    its two halo planes: a smaller S raises ValueError. Periodic boundaries stream on the CPU
-    only.
+    (``cupyx.empty_pinned``) is copied to the device directly, without the host buffers. A
+    C-contiguous NumPy array of 64 MiB or more is page-locked in place while the call runs
+    (``cudaHostRegister``, in 32 MiB chunks by a background thread, at most 4 slabs ahead of
+    the copies, each chunk released once copied and all before the call returns), and its
+    registered slabs are copied directly too. While the GPU histograms slab k, slab k + 1 is
+    copied (second CUDA stream) and slab k + 2 registered or read into pinned memory by host
+    threads. A slab needs at least one plane besides its two halo planes: a smaller S raises
+    ValueError. Periodic boundaries stream on the CPU only.
 
     Notes
     -----

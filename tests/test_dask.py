@@ -36,6 +36,9 @@ CASES = [
     (2, (33, 29), (8, 29)),                      # chunks along the first axis only
     (3, (13, 12, 11), ((1, 4, 8), 5, (2, 9))),   # a chunk of one plane: seams on both sides
     (3, (10, 9, 14), (10, (4, 5), 6)),
+    # one chunked axis (faces merged into chunk tasks), faces crossing 1- and 2-plane chunks
+    (3, (15, 12, 11), ((3, 1, 2, 1, 8), 12, 11)),
+    (3, (12, 13, 11), (12, (1, 5, 2, 5), 11)),   # the chunked axis is not the first
 ]
 
 
@@ -60,7 +63,7 @@ def test_batch_chunks_and_counts(rng, conn):
     np.testing.assert_array_equal(got, cutopo.ecc(img, 16, ndim=2, connectivity=conn))
 
 
-@pytest.mark.parametrize("ndim,shape,chunks", CASES[:3])
+@pytest.mark.parametrize("ndim,shape,chunks", CASES[:3] + CASES[4:])
 @pytest.mark.parametrize("conn", ["V", "T"])
 def test_ect_equals_single_array(rng, ndim, shape, chunks, conn):
     connectivity = 1 if conn == "V" else ndim
@@ -69,6 +72,64 @@ def test_ect_equals_single_array(rng, ndim, shape, chunks, conn):
     got = cd.ect(da.from_array(mask.astype(np.uint8), chunks=chunks), dirs, 9,
                  connectivity=connectivity).compute()
     np.testing.assert_array_equal(got, cutopo.ect(mask, dirs, 9, connectivity=connectivity))
+
+
+@pytest.mark.parametrize("ndim,shape,chunks", CASES)
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_plain_interiors_equal_masked(rng, monkeypatch, ndim, shape, chunks, conn):
+    """The "plain" interior (whole chunk unmasked, minus its seam planes as the chunk alone sees
+    them), the CuPy default, run with the NumPy kernels: equal to the single-array result, down
+    to chunks of two planes."""
+    monkeypatch.setitem(cd.INTERIOR, "numpy", "plain")
+    monkeypatch.setattr(cd, "PLAIN_MIN_LENGTH", 2)
+    calls = []
+    real = cd._ecc_numpy.owned_histogram
+    monkeypatch.setattr(cd._ecc_numpy, "owned_histogram",
+                        lambda *a, **k: calls.append(a[4] is None) or real(*a, **k))
+    connectivity = 1 if conn == "V" else ndim
+    img = tied_across_faces(rng, shape, chunks, ndim)
+    img[rng.random(shape) < 0.03] = np.nan
+    t = np.array([-1.0, 0.0, 0.5, 1.0, 2.0])
+    got = cd.ecc(da.from_array(img, chunks=chunks), t, connectivity=connectivity).compute(
+        scheduler="sync")
+    np.testing.assert_array_equal(got, cutopo.ecc(img, t, connectivity=connectivity))
+    assert any(calls)  # some chunk was counted unmasked
+
+
+def graph_tasks(lazy):
+    """{kind: count} of the tasks of a lazy result (data nodes and from_array getters apart)."""
+    counts = {}
+    for key in dict(lazy.__dask_graph__()):
+        name = key[0] if isinstance(key, tuple) else key
+        kind = name.rsplit("-", 1)[-1] if name.startswith("cutopo-") else "input"
+        kind = "final" if len(kind) == 32 else kind  # the result's own name ends with the token
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def test_task_counts():
+    """One task per chunk; slabs along one axis: one getitem per boundary and no face task;
+    several chunked axes: an edges task per chunk and a face task per boundary; one tree-sum
+    task per batch chunk."""
+    img = np.zeros((4, 64, 30, 20), dtype=np.uint8)
+    lazy = cd.ecc(da.from_array(img, chunks=(2, 16, 30, 20)), 4, ndim=3)
+    assert graph_tasks(lazy) == {"input": 8, "part": 8, "piece": 6, "final": 2}
+    lazy = cd.ecc(da.from_array(img[0], chunks=(16, 15, 20)), [0, 1])
+    assert graph_tasks(lazy) == {"input": 8, "part": 8, "edges": 8, "face": 4, "final": 1}
+
+
+@pytest.mark.parametrize("interior", ["masked", "plain"])
+def test_tree_sum(rng, monkeypatch, interior):
+    """Several levels of the tree sum, batch chunks, both ways of counting chunk interiors."""
+    monkeypatch.setattr(cd, "SPLIT_EVERY", 2)
+    monkeypatch.setitem(cd.INTERIOR, "numpy", interior)
+    monkeypatch.setattr(cd, "PLAIN_MIN_LENGTH", 2)
+    img = tied_across_faces(rng, (2, 24, 21), (1, 3, (5, 6, 10)), 2, levels=4)
+    d = da.from_array(img, chunks=(1, 3, (5, 6, 10)))
+    lazy = cd.ecc(d, [0.0, 1.0, 2.0, 3.0], ndim=2, connectivity=2)
+    assert graph_tasks(lazy)["sum"] > 2
+    np.testing.assert_array_equal(lazy.compute(), cutopo.ecc(img, [0.0, 1.0, 2.0, 3.0], ndim=2,
+                                                             connectivity=2))
 
 
 def test_distributed(rng):
@@ -110,3 +171,89 @@ def test_imports():
             "try:\n    import cutopo.dask\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install 'cutopo[dask]'" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The CuPy branch of the chunk tasks, on a fake device (host arrays posing as CuPy arrays)
+
+
+class FakeDeviceArray(np.ndarray):
+    @property
+    def device(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def fake_cupy(monkeypatch, launches):
+    """cutopo.dask's CuPy calls on the host: arrays are FakeDeviceArray, the histogram plans
+    are owned_histogram (checking that masked plans get masks and plain ones none)."""
+    import types
+
+    from cutopo import _band_cupy, _ecc_cupy, _ect
+
+    def dev(a):
+        return np.asarray(a).view(FakeDeviceArray)
+
+    class Plan:
+        def __init__(self, img, t, ndim, tconn, masked):
+            self.t, self.ndim, self.tconn, self.masked = t, ndim, tconn, masked
+            self.histogram = self.launch
+
+        def launch(self, view, hist, *masks):
+            assert isinstance(view, FakeDeviceArray) and view.flags.c_contiguous
+            assert isinstance(hist, FakeDeviceArray) and hist.dtype == np.int64
+            assert len(masks) == (3 if self.masked else 0)
+            assert all(isinstance(m, FakeDeviceArray) and m.dtype == np.uint8 for m in masks)
+            own = [np.asarray(m, dtype=bool) for m in masks][3 - self.ndim:] or None
+            if own is not None:
+                assert [m.size for m in own] == list(view.shape[1:])
+            launches.append(self.masked)
+            hist += _ecc_numpy_owned(np.asarray(view), self.t, self.ndim, self.tconn, own)
+
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                 get_current_stream=lambda: stream)
+    cupy = types.SimpleNamespace(
+        cuda=cuda, ndarray=FakeDeviceArray,
+        zeros=lambda *a, **k: dev(np.zeros(*a, **k)), empty=lambda *a, **k: dev(np.empty(*a, **k)),
+        asarray=dev, ascontiguousarray=lambda a: dev(np.ascontiguousarray(a)),
+        concatenate=lambda arrays, axis: dev(np.concatenate([np.asarray(a) for a in arrays], axis)))
+    monkeypatch.setattr(cd, "_cupy", lambda: cupy)
+    monkeypatch.setattr(cd, "is_cupy_array", lambda a: isinstance(a, FakeDeviceArray))
+    monkeypatch.setattr(cd, "_DEVICE_MASKS", {})
+    monkeypatch.setattr(_ecc_cupy, "histogram_plan", Plan)
+    monkeypatch.setattr(_band_cupy, "ect_forward", lambda mask_b, dirs, coords, t, tconn, soft, own:
+                        (dev(_ect.curves(np.asarray(mask_b), dirs, coords, t, tconn, own)), None))
+    return dev
+
+
+def _ecc_numpy_owned(*args):
+    from cutopo import _ecc_numpy
+
+    return _ecc_numpy.owned_histogram(*args)
+
+
+@pytest.mark.parametrize("interior", ["plain", "masked"])
+@pytest.mark.parametrize("ndim,shape,chunks", [
+    (3, (30, 12, 11), ((9, 1, 2, 18), 12, 11)),
+    (3, (2, 20, 18, 17), (1, 20, (9, 9), 17)),
+    (2, (3, 40, 33), (2, (20, 20), (10, 1, 22))),
+    (3, (24, 20, 19), ((12, 12), (10, 10), (9, 10))),
+])
+def test_cupy_branch_on_a_fake_device(monkeypatch, rng, interior, ndim, shape, chunks):
+    launches = []
+    dev = fake_cupy(monkeypatch, launches)
+    monkeypatch.setitem(cd.INTERIOR, "cupy", interior)
+    monkeypatch.setattr(cd, "PLAIN_MIN_LENGTH", 2)
+    img = tied_across_faces(rng, shape, chunks, ndim)
+    t = np.array([-1.0, 0.0, 0.5, 1.0, 2.0])
+    d = da.from_array(dev(img), chunks=chunks, asarray=False)
+    for conn in (1, ndim):
+        got = cd.ecc(d, t, ndim=ndim, connectivity=conn).compute(scheduler="threads")
+        assert isinstance(got, FakeDeviceArray) or len(shape) > ndim  # (batches: dask concatenates)
+        np.testing.assert_array_equal(got, cutopo.ecc(img, t, ndim=ndim, connectivity=conn))
+    assert (False in launches) == (interior == "plain") and True in launches
+    dirs = rng.normal(size=(3, ndim))
+    got = cd.ect(d > 1, dirs, 7, connectivity=ndim).compute()
+    np.testing.assert_array_equal(got, cutopo.ect(img > 1, dirs, 7, connectivity=ndim))

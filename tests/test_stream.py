@@ -231,6 +231,320 @@ def test_route():
 
 
 # ---------------------------------------------------------------------------------------------
+# The GPU pipeline's plan and its page-locking of pageable sources, without a GPU
+
+
+def test_slab_rows_ramp():
+    for n0, rows in [(1024, 126), (700, 50), (37, 5), (1000, 999)]:
+        z = _stream.slab_rows(n0, rows, _stream.RAMP)
+        sizes = np.diff(z)
+        assert z[0] == 0 and z[-1] == n0 and sizes.min() >= 1 and sizes.max() <= rows
+        if n0 >= 2 * sum(max(1, rows // d) for d in _stream.RAMP) + rows:
+            head = [max(1, rows // d) for d in _stream.RAMP]
+            assert list(sizes[:3]) == head and list(sizes[-3:]) == head[::-1]
+    assert _stream.slab_rows(10, 3) == [0, 3, 6, 9, 10]
+    assert _stream.slab_rows(20, 8, _stream.RAMP) == [0, 8, 16, 20]  # too short for a ramp
+
+
+@pytest.mark.parametrize("shape,ndim", [((300, 6, 5), 3), ((2, 90, 7), 2), ((4, 3, 5), 2)])
+def test_ramped_pieces_own_every_plane_once(shape, ndim):
+    src = _stream.check_source(np.zeros(shape, dtype=np.uint8), ndim)
+    plane = math.prod(src.spatial[1:])
+    pieces = _stream.plan_pieces(src, 1, 12 * plane, ramp=_stream.RAMP)
+    owned = np.zeros((math.prod(src.batch), src.spatial[0]), dtype=int)
+    for p in pieces:
+        (a, b), = p.ranges
+        assert b - a <= 12 and p.own0.size == b - a
+        owned[p.f0:p.f1, a:b] += p.own0
+    assert (owned == 1).all()
+
+
+class FakeEvent:
+    def __init__(self, done=True):
+        self.done = done
+
+    def synchronize(self):
+        assert self.done
+
+
+class Registrar:
+    """register/unregister of a fake driver: records calls, checks that ranges are page-aligned,
+    disjoint and never registered twice, optionally slow or failing."""
+
+    def __init__(self, delay=0.0, fail=False):
+        self.delay, self.fail = delay, fail
+        self.live, self.calls, self.released, self.errors = {}, [], [], []
+        self.reg = None
+
+    def register(self, ptr, size):
+        import time
+
+        page = _stream.mmap.PAGESIZE
+        if ptr % page or size % page:
+            self.errors.append(("unaligned", ptr, size))
+        if ptr >= self.reg.cursor + self.reg.ahead:
+            self.errors.append(("beyond the look-ahead", ptr))
+        if any(not (ptr + size <= p or p + s <= ptr) for p, s in self.live.items()):
+            self.errors.append(("overlap", ptr))
+        time.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        self.live[ptr] = size
+        self.calls.append(ptr)
+
+    def unregister(self, ptr):
+        if ptr not in self.live:
+            self.errors.append(("unregistered twice", ptr))
+        self.released.append(ptr)
+        self.live.pop(ptr, None)
+
+
+def run_pipeline(reg, base, slabs, halo, step_s=0.0):
+    """Walk ``slabs`` (byte ranges relative to base, overlapping by ``halo``) like the GPU
+    pipeline: direct when ready, else staged; returns the kinds."""
+    import time
+
+    kinds = []
+    for k, (lo, hi) in enumerate(slabs):
+        runs = reg.ready(base + lo, hi - lo)
+        if runs is None:
+            kinds.append("staged")
+        else:
+            kinds.append("direct")
+            assert runs[0][0] == base + lo and sum(n for _, n in runs) == hi - lo
+            for (p, n), (q, _) in zip(runs, runs[1:]):
+                assert p + n == q
+            for p, n in runs:  # each run lies in one registered chunk
+                j = next(j for j in range(len(reg.bounds) - 1) if reg.bounds[j] <= p < reg.bounds[j + 1])
+                assert p + n <= reg.bounds[j + 1] and reg.state[j] == _stream._REGISTERED
+        nxt = base + (slabs[k + 1][0] if k + 1 < len(slabs) else slabs[-1][1])
+        reg.advance(nxt, FakeEvent())
+        time.sleep(step_s)
+    return kinds
+
+
+@pytest.mark.parametrize("delay,step_s,fail", [(0.0, 0.01, False), (0.02, 0.0, False),
+                                               (0.0, 0.002, True)])
+def test_host_registration(delay, step_s, fail):
+    page = _stream.mmap.PAGESIZE
+    base, nbytes, chunk = 5 * page + 16, 40 * page + 100, 3 * page
+    rows = 4 * page
+    cuts = list(range(0, nbytes, rows)) + [nbytes]
+    slabs = [(max(a - 64, 0), min(b + 64, nbytes)) for a, b in zip(cuts[:-1], cuts[1:])]
+    fake = Registrar(delay, fail)
+    reg = _stream.HostRegistration(base, nbytes, chunk, 2 * rows, register=fake.register,
+                                   unregister=fake.unregister, poll_s=0.001)
+    fake.reg = reg
+    assert reg.bounds[0] == 5 * page and reg.bounds[-1] >= base + nbytes
+    reg.start()
+    kinds = run_pipeline(reg, base, slabs, 64, step_s)
+    reg.close()
+    assert not reg.thread.is_alive() and not fake.errors
+    assert not fake.live and sorted(fake.released) == sorted(fake.calls)  # all released once
+    if fail:
+        assert set(kinds) == {"staged"} and reg.failures == reg.max_failures and not fake.calls
+    elif delay == 0.0:
+        assert kinds.count("direct") >= len(slabs) // 2  # the thread keeps ahead
+    else:  # slow registration: the pipeline does not wait for it
+        assert "staged" in kinds
+
+
+def test_host_registration_waits_for_copies():
+    """Chunks are released only after the copies that read them are done."""
+    import time
+
+    page = _stream.mmap.PAGESIZE
+    fake = Registrar()
+    reg = _stream.HostRegistration(0, 8 * page, page, 8 * page, register=fake.register,
+                                   unregister=fake.unregister, poll_s=0.001)
+    fake.reg = reg
+    reg.start()
+    deadline = time.time() + 5
+    while reg.ready(0, 8 * page) is None and time.time() < deadline:
+        time.sleep(0.001)
+    assert reg.ready(0, 8 * page) is not None
+    event = FakeEvent(done=False)
+    reg.advance(4 * page, event)
+    time.sleep(0.02)
+    assert not fake.released  # the copy is still in flight
+    event.done = True
+    while len(fake.released) < 4 and time.time() < deadline:
+        time.sleep(0.001)
+    assert sorted(fake.released) == [0, page, 2 * page, 3 * page]
+    assert reg.ready(4 * page, 4 * page) is not None
+    reg.close()
+    assert not fake.live and not fake.errors
+
+
+def test_piece_offsets_match_the_views(rng):
+    img = np.zeros((2, 3, 40, 6, 5), dtype=np.float32)
+    for max_rows in (4, 40 * 3):  # slabs of images, and groups of whole images
+        src = _stream.check_source(img, 3)
+        for p in _stream.plan_pieces(src, 4, max_rows * 30 * 4, ramp=_stream.RAMP):
+            (a, b), = p.ranges
+            view = img[_stream._index(src, p, a, b)]
+            assert view.ctypes.data == img.ctypes.data + _stream._piece_offset(src, p)
+            assert view.nbytes == math.prod(_stream.piece_shape(src, p)) * 4
+
+
+class FakeDeviceArray(np.ndarray):
+    """A host array that answers what the pipeline asks of a CuPy array."""
+
+    @property
+    def data(self):
+        import types
+
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def get(self, stream=None):
+        return np.array(self)
+
+
+def fake_cupy(log):
+    """Enough of CuPy for cutopo._stream._gpu_pipeline, on the host: copies are memmoves done
+    at once, events always done, kernels are owned_histogram (see test below)."""
+    import ctypes
+    import types
+
+    class Stream:
+        ptr = 0
+
+        def __init__(self, non_blocking=False):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def record(self):
+            return FakeEvent()
+
+        def wait_event(self, event):
+            pass
+
+        def synchronize(self):
+            pass
+
+    def memcpy(dst, src, n, kind, stream):
+        log.append((src, n))
+        ctypes.memmove(dst, src, n)
+
+    def dev(a):
+        return np.asarray(a).view(FakeDeviceArray)
+
+    runtime = types.SimpleNamespace(memcpyAsync=memcpy, memcpyHostToDevice=1)
+    cuda = types.SimpleNamespace(Stream=Stream, runtime=runtime,
+                                 Device=lambda *a: types.SimpleNamespace(synchronize=lambda: None))
+    class NotADeviceArray:  # nothing on the host is a fake CuPy array
+        pass
+
+    cupy = types.SimpleNamespace(cuda=cuda, ndarray=NotADeviceArray,
+                                 zeros=lambda *a, **k: dev(np.zeros(*a, **k)),
+                                 empty=lambda *a, **k: dev(np.empty(*a, **k)),
+                                 asarray=lambda a: dev(np.array(a)))
+    cupyx = types.SimpleNamespace(empty_pinned=lambda *a, **k: np.empty(*a, **k))
+    return cupy, cupyx
+
+
+class FakePlan:
+    def __init__(self, t, ndim, tconn):
+        self.t, self.ndim, self.tconn = t, ndim, tconn
+
+    def add_masked(self, x, hist, *masks):
+        from cutopo import _ecc_numpy
+
+        own = [np.asarray(m, dtype=bool) for m in masks][3 - self.ndim:]
+        hist += _ecc_numpy.owned_histogram(np.asarray(x), self.t, self.ndim, self.tconn, own)
+
+
+@pytest.mark.parametrize("mode", ["staged", "registered", "mixed", "pinned"])
+@pytest.mark.parametrize("dtype,shape,ndim", [("uint8", (150, 9, 8), 3), ("float32", (2, 70, 13), 2),
+                                              ("uint8", (5, 6, 7), 3)])
+def test_gpu_pipeline_logic_on_a_fake_device(monkeypatch, rng, mode, dtype, shape, ndim):
+    """The GPU pipeline's bookkeeping (ramped slabs, staged and direct copies mixed, byte
+    offsets, copies cut at registration chunks, owned planes) with a fake CuPy whose copies are
+    memmoves and whose kernel is owned_histogram: the exact in-memory result."""
+    import sys
+
+    from cutopo import _ecc_cupy
+
+    log = []
+    cupy, cupyx = fake_cupy(log)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    monkeypatch.setattr(_ecc_cupy, "histogram_plan",
+                        lambda img, t, ndim, tconn, masked: FakePlan(t, ndim, tconn))
+    monkeypatch.setattr(_stream, "pinned_pointer", lambda a: mode == "pinned")
+    monkeypatch.setattr(_stream, "REGISTER_MIN_BYTES", 0)
+    page = _stream.mmap.PAGESIZE
+    monkeypatch.setattr(_stream, "REGISTER_CHUNK_BYTES", page)
+    registered = []
+
+    def registration(array, ahead):
+        flaky = iter(rng.random(10 ** 6) < (0.5 if mode == "mixed" else 0.0))
+
+        def register(ptr, size):
+            if next(flaky):
+                raise RuntimeError("refused")
+            registered.append(size)
+
+        reg = _stream.HostRegistration(array.ctypes.data, array.nbytes, page, ahead,
+                                       register=register, unregister=lambda ptr: None,
+                                       max_failures=10 ** 6, poll_s=0.0005)
+        ready = reg.ready
+
+        def wait_then_ready(ptr, nbytes):  # give the thread time to get ahead (or fail)
+            import time
+
+            deadline = time.time() + 1
+            while time.time() < deadline and any(
+                    st in (_stream._PENDING, _stream._BUSY) for st in
+                    reg.state[bisect_lo(reg, ptr):bisect_lo(reg, ptr + nbytes - 1) + 1]):
+                time.sleep(0.0005)
+            return ready(ptr, nbytes)
+
+        reg.ready = wait_then_ready
+        return reg
+
+    monkeypatch.setattr(_stream, "_cuda_registration", registration)
+    monkeypatch.setattr(_stream, "HOST_REGISTER", mode != "staged")
+    from cutopo._checks import check_thresholds
+
+    img = tied_image(rng, shape, dtype=dtype, levels=6)
+    t, _ = check_thresholds(np.arange(6).astype(dtype), np.empty(0, dtype=img.dtype))
+    src = _stream.check_source(img, ndim)
+    plane = plane_bytes(shape, ndim, img.itemsize)
+    for slab in (3 * plane, 11 * plane, 1 << 20):
+        got = _stream.ecc(src, t, True, False, "cuda", slab)  # cutopo.ecc(img, device="cuda")
+        np.testing.assert_array_equal(got, cutopo.ecc(img, t, ndim=ndim, connectivity=ndim))
+    assert sum(n for _, n in log) >= 3 * img.nbytes  # every slab was copied
+    direct = [n for p, n in log if img.ctypes.data <= p < img.ctypes.data + img.nbytes]
+    if mode == "registered":
+        assert registered and len(direct) > 3
+    stats = _stream.last_pipeline
+    assert stats["direct"] + stats["staged"] == stats["slabs"]
+    if mode == "pinned":
+        assert sum(direct) == sum(n for _, n in log) and stats["staged"] == 0
+    if mode == "staged":
+        assert not direct and stats["direct"] == 0
+
+
+def bisect_lo(reg, ptr):
+    import bisect
+
+    return bisect.bisect_right(reg.bounds, ptr) - 1
+
+
+def test_registrable():
+    assert not _stream.registrable(np.zeros(10))  # small arrays are staged
+    big = np.zeros(_stream.REGISTER_MIN_BYTES, dtype=np.uint8)
+    assert _stream.registrable(big) and not _stream.registrable(big[::2])
+    assert not _stream.registrable(big.view(np.memmap))
+
+
+# ---------------------------------------------------------------------------------------------
 # The command line: stacks read in slabs, and a dask.distributed scheduler
 
 

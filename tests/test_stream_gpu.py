@@ -76,6 +76,100 @@ def test_memmap_zarr_and_pinned_sources(tmp_path, rng):
                                   cutopo.ecc(img, 64))
 
 
+class RecordRegistrations:
+    """Wraps _stream._cuda_registration: keeps every HostRegistration a call makes, and counts
+    the slabs that were ready for a direct copy."""
+
+    def __init__(self, monkeypatch, register=None):
+        self.made, self.direct = [], 0
+        real = _stream._cuda_registration
+
+        def make(array, ahead):
+            reg = real(array, ahead)
+            if reg is not None:
+                if register is not None:
+                    reg._register = register
+                ready = reg.ready
+
+                def counting(ptr, nbytes):
+                    runs = ready(ptr, nbytes)
+                    self.direct += runs is not None
+                    return runs
+
+                reg.ready = counting
+                self.made.append(reg)
+            return reg
+
+        monkeypatch.setattr(_stream, "_cuda_registration", make)
+
+
+def small_registration(monkeypatch):
+    """Register-in-place thresholds small enough for a few-MiB test volume."""
+    monkeypatch.setattr(_stream, "REGISTER_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(_stream, "REGISTER_CHUNK_BYTES", 256 << 10)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_pageable_source_registered_in_place(monkeypatch, rng, dtype, batch):
+    """A pageable NumPy source is page-locked in chunks and its registered slabs are copied
+    directly; the result is exact, and nothing stays registered after the call."""
+    cp = cupy_module()
+    small_registration(monkeypatch)
+    rec = RecordRegistrations(monkeypatch)
+    img = image_of(rng, batch + (150, 96, 80), dtype, levels=40)
+    t = np.arange(0, 40, 3).astype(dtype)
+    want = cutopo.ecc(cp.asarray(img), cp.asarray(t), ndim=3).get()
+    slab = plane_bytes(img.shape, 3, img.itemsize) * 12
+    got = cutopo.ecc(img, t, ndim=3, device="cuda", max_slab_bytes=slab)
+    np.testing.assert_array_equal(got, want)
+    (reg,) = rec.made
+    assert reg.registered_chunks > 0 and rec.direct > 0
+    assert _stream._REGISTERED not in reg.state and not reg.thread.is_alive()
+    flat = img.reshape(-1).view(np.uint8)
+    for offset in (0, img.nbytes // 2, img.nbytes - 1):  # pageable again
+        assert not _stream.pinned_pointer(flat[offset:])
+    assert _stream.last_pipeline["direct"] == rec.direct > 0
+    # the same call staged only, read-only, and with every registration failing: equal
+    monkeypatch.setattr(_stream, "HOST_REGISTER", False)
+    np.testing.assert_array_equal(cutopo.ecc(img, t, ndim=3, device="cuda", max_slab_bytes=slab), want)
+    monkeypatch.setattr(_stream, "HOST_REGISTER", True)
+    img.setflags(write=False)
+    np.testing.assert_array_equal(cutopo.ecc(img, t, ndim=3, device="cuda", max_slab_bytes=slab), want)
+
+    def refuse(ptr, size):
+        raise RuntimeError("refused")
+
+    RecordRegistrations(monkeypatch, register=refuse)
+    np.testing.assert_array_equal(cutopo.ecc(img, t, ndim=3, device="cuda", max_slab_bytes=slab), want)
+    assert _stream.last_pipeline["direct"] == 0
+
+
+def test_registration_is_released_as_the_copies_progress(monkeypatch, rng):
+    """A long pipeline never holds the whole source page-locked: chunks are registered at most
+    REGISTER_AHEAD_SLABS slabs ahead and released behind the copies."""
+    cp = cupy_module()
+    small_registration(monkeypatch)
+    monkeypatch.setattr(_stream, "REGISTER_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(_stream, "REGISTER_AHEAD_SLABS", 2)
+    peak = [0]
+
+    def register(ptr, size):
+        reg = rec.made[-1]
+        live = sum(reg.bounds[j + 1] - reg.bounds[j] for j, st in enumerate(reg.state)
+                   if st in (_stream._REGISTERED, _stream._BUSY))
+        peak[0] = max(peak[0], live)
+        cp.cuda.runtime.hostRegister(ptr, size, 1)
+
+    rec = RecordRegistrations(monkeypatch, register=register)
+    img = image_of(rng, (2000, 64, 64), "uint8", levels=30)  # 8 MiB in slabs of 40 KiB
+    got = cutopo.ecc(img, np.arange(30), device="cuda", max_slab_bytes=64 * 64 * 10)
+    np.testing.assert_array_equal(got, cutopo.ecc(cp.asarray(img), cp.asarray(np.arange(30))).get())
+    (reg,) = rec.made
+    assert rec.direct > 0 and peak[0] < img.nbytes // 2
+    assert _stream._REGISTERED not in reg.state
+
+
 @pytest.mark.parametrize("T", [7, 300, 40000])  # 40000 bins: 32-bit keys, the scalar sweep
 @pytest.mark.parametrize("ndim", [2, 3])
 @pytest.mark.parametrize("conn", ["V", "T"])
@@ -144,11 +238,14 @@ def test_streamed_ect_on_the_gpu(tmp_path, rng, conn):
 # cutopo.dask with CuPy chunks on one GPU
 
 
+@pytest.mark.parametrize("interior", ["plain", "masked"])
 @pytest.mark.parametrize("conn", ["V", "T"])
-def test_dask_cupy_chunks(rng, conn):
+def test_dask_cupy_chunks(monkeypatch, rng, conn, interior):
     cp = cupy_module()
     da = pytest.importorskip("dask.array")
     import cutopo.dask as cd
+
+    monkeypatch.setitem(cd.INTERIOR, "cupy", interior)
 
     img = image_of(rng, (70, 90, 100), "float32", levels=4)
     img[30] = img[29]  # ties across a chunk face
@@ -163,6 +260,33 @@ def test_dask_cupy_chunks(rng, conn):
     dirs = rng.normal(size=(4, 3))
     gm = cd.ect(mask, dirs, 9, connectivity=connectivity).compute()
     np.testing.assert_array_equal(cp.asnumpy(gm), cutopo.ect(img > 1, dirs, 9, connectivity=connectivity))
+
+
+@pytest.mark.parametrize("interior", ["plain", "masked"])
+@pytest.mark.parametrize("ndim,shape,chunks", [
+    (3, (80, 50, 60), ((20, 1, 2, 17, 40), 50, 60)),         # slabs: faces merged into chunks
+    (3, (2, 60, 40, 50), (1, (30, 30), 40, 50)),             # a batch of volumes
+    (2, (3, 90, 70), (2, 90, (30, 1, 39))),                  # 2D, chunked along the last axis
+    (3, (40, 45, 70), ((20, 20), (18, 27), (35, 35))),       # every axis chunked: face tasks
+])
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_dask_cupy_layouts(monkeypatch, rng, interior, ndim, shape, chunks, conn):
+    """Every layout and both ways of counting interiors on the GPU equal the single array."""
+    cp = cupy_module()
+    da = pytest.importorskip("dask.array")
+    import cutopo.dask as cd
+
+    monkeypatch.setitem(cd.INTERIOR, "cupy", interior)
+    monkeypatch.setattr(cd, "PLAIN_MIN_LENGTH", 2)  # also two-plane chunks unmasked
+    img = image_of(rng, shape, "float32", levels=4)
+    connectivity = 1 if conn == "V" else ndim
+    t = np.array([0.0, 1.0, 2.0, 3.0])
+    g = cp.asarray(img)
+    got = cd.ecc(da.from_array(g, chunks=chunks, asarray=False), t, ndim=ndim,
+                 connectivity=connectivity).compute()
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_array_equal(got.get(), cutopo.ecc(img, t, ndim=ndim, connectivity=connectivity))
+    np.testing.assert_array_equal(got.get(), cutopo.ecc(g, t, ndim=ndim, connectivity=connectivity).get())
 
 
 def test_dask_cuda_cluster(rng):
