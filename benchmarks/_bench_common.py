@@ -78,6 +78,23 @@ def check_cell(what, errors, tol, failures):
 
 
 # ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_call_and_graph(cp, fn, reps, notes, label):
+    """(call ms, GPU ms or None, ms to compute GB/s from) of ``fn``: event timing of whole calls
+    and CUDA-graph replay; when the call cannot be captured, a note says why and GB/s comes
+    from the call time."""
+    from bench_ecc import time_gpu, time_graph_or_none
+
+    call_ms = time_gpu(cp, fn, reps)
+    gpu_ms, why = time_graph_or_none(cp, fn, reps)
+    if why:
+        notes.append(f"{label}: no CUDA graph ({why}); GB/s from the call time")
+    return call_ms, gpu_ms, (gpu_ms if gpu_ms is not None else call_ms)
+
+
+# ---------------------------------------------------------------------------------------------
 # Targets
 
 

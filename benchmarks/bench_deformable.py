@@ -56,8 +56,8 @@ from cutopo.deformable import deformable_aggregation
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import (check_cell, device_and_bandwidth, fmt_ms, make_parser,  # noqa: E402
                            max_rel_error, print_header, print_report, print_row, run_cases,
-                           target_dicts, time_status, write_json)
-from bench_ecc import time_gpu, time_graph_or_none  # noqa: E402
+                           target_dicts, time_call_and_graph, time_status, write_json)
+from bench_ecc import time_gpu  # noqa: E402
 
 F32 = np.float32
 MAPS = ((64, 176), (32, 88), (16, 44), (8, 22))
@@ -345,11 +345,7 @@ def run_case(cp, case, args, bw, rows, notes, failures, have_torch):
 
     for stage in ("forward", "VJP", "forward+VJP"):
         fn = stages[stage]
-        call_ms = time_gpu(cp, fn, reps)
-        gpu_ms, why = time_graph_or_none(cp, fn, reps)
-        if why:
-            notes.append(f"{case.name} {stage}: no CUDA graph ({why}); GB/s from the call time")
-        ms_bw = gpu_ms if gpu_ms is not None else call_ms
+        call_ms, gpu_ms, ms_bw = time_call_and_graph(cp, fn, reps, notes, f"{case.name} {stage}")
         gbs = nbytes[stage] / ms_bw / 1e6
         tms, bms = torch_ms.get(stage), base_ms.get(stage)
         ratio = (tms or bms) / call_ms if (tms or bms) else None

@@ -22,11 +22,18 @@ def check_image(image, ndim):
     if image.dtype not in IMAGE_DTYPES:
         names = ", ".join(d.name for d in IMAGE_DTYPES)
         raise TypeError(f"image: dtype {image.dtype} is not supported (use one of {names})")
+    return image, check_spatial_ndim(image.shape, ndim, "image")
+
+
+def check_spatial_ndim(shape, ndim, name="image") -> int:
+    """The number of spatial axes of an image of ``shape`` (*batch, *spatial): ``ndim`` (2 or 3)
+    checked against it, or the image's own 2 or 3 axes when None; no zero-length spatial axis."""
+    shape = tuple(shape)
     if ndim is None:
-        if image.ndim not in (2, 3):
-            raise ValueError(f"image: with ndim=None the image must be 2-D or 3-D, got shape "
-                             f"{image.shape}; pass ndim=2 or ndim=3 for batches")
-        ndim = image.ndim
+        if len(shape) not in (2, 3):
+            raise ValueError(f"{name}: with ndim=None the image must be 2-D or 3-D, got shape "
+                             f"{shape}; pass ndim=2 or ndim=3 for batches")
+        ndim = len(shape)
     else:
         try:
             ndim = operator.index(ndim)
@@ -34,11 +41,11 @@ def check_image(image, ndim):
             raise TypeError(f"ndim must be None, 2 or 3, got {ndim!r}") from None
         if ndim not in (2, 3):
             raise ValueError(f"ndim must be None, 2 or 3, got {ndim}")
-        if image.ndim < ndim:
-            raise ValueError(f"image: ndim={ndim} spatial axes asked for, but image has shape {image.shape}")
-    if any(s == 0 for s in image.shape[image.ndim - ndim:]):
-        raise ValueError(f"image: spatial shape {image.shape[image.ndim - ndim:]} has a zero-length axis")
-    return image, ndim
+        if len(shape) < ndim:
+            raise ValueError(f"{name}: ndim={ndim} spatial axes asked for, but {name} has shape {shape}")
+    if any(s == 0 for s in shape[len(shape) - ndim:]):
+        raise ValueError(f"{name}: spatial shape {shape[len(shape) - ndim:]} has a zero-length axis")
+    return ndim
 
 
 def check_connectivity(connectivity, ndim) -> bool:

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import _ecc_numpy
 from ._array import is_cupy_array
-from ._checks import IMAGE_DTYPES
+from ._checks import IMAGE_DTYPES, check_spatial_ndim
 
 # Default slab bounds. On the GPU several slabs keep the pipeline busy: the first slab's read
 # is not overlapped with anything, so it should be a small part of the volume.
@@ -173,23 +173,7 @@ def check_source(image, ndim, *, name="image", dtypes=IMAGE_DTYPES, mask=False) 
     elif dtype not in dtypes:
         names = ", ".join(d.name for d in dtypes)
         raise TypeError(f"{name}: dtype {dtype} is not supported (use one of {names})")
-    if ndim is None:
-        if len(shape) not in (2, 3):
-            raise ValueError(f"{name}: with ndim=None the image must be 2-D or 3-D, got shape {shape}; "
-                             "pass ndim=2 or ndim=3 for batches")
-        ndim = len(shape)
-    else:
-        try:
-            ndim = operator.index(ndim)
-        except TypeError:
-            raise TypeError(f"ndim must be None, 2 or 3, got {ndim!r}") from None
-        if ndim not in (2, 3):
-            raise ValueError(f"ndim must be None, 2 or 3, got {ndim}")
-        if len(shape) < ndim:
-            raise ValueError(f"{name}: ndim={ndim} spatial axes asked for, but it has shape {shape}")
-    if any(s == 0 for s in shape[len(shape) - ndim:]):
-        raise ValueError(f"{name}: spatial shape {shape[len(shape) - ndim:]} has a zero-length axis")
-    return Source(image, shape, dtype, ndim)
+    return Source(image, shape, dtype, check_spatial_ndim(shape, ndim, name))
 
 
 class Piece(NamedTuple):
