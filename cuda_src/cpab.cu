@@ -8,8 +8,9 @@
 // Bit-compatibility with the NumPy path. The point location and the step are evaluated in the
 // points' dtype with the same roundings in the same order as NumPy (explicit __*_rn intrinsics,
 // so the compiler cannot contract a product and a sum into one FMA), and the cell tests are
-// exact (sign of an expansion), so with the same step matrices E a trajectory is the NumPy
-// trajectory bit for bit. E itself comes from expm_cells (Pade 13 with scaling and squaring in
+// exact (a filtered sign: the rounded sum where it is far from 0, else the sign of an exact
+// expansion), so with the same step matrices E a trajectory is the NumPy trajectory bit for
+// bit. E itself comes from expm_cells (Pade 13 with scaling and squaring in
 // float64, as NumPy's _expm), equal to NumPy's up to float64 rounding. Float32 denormals flush
 // to zero (CuPy compiles with -ftz=true): a point coordinate below 1.2e-38 counts as 0.
 //
@@ -26,11 +27,13 @@
 //                            summed in registers while the cell does not change and flushed
 //                            on a change (and at the end): then the lanes of the warp that
 //                            flush the same cell add their sums in shared memory and one lane
-//                            issues the float64 atomics.
+//                            issues the float64 atomics (POOL; else every lane its own).
 //   frechet_cells            one thread per cell: dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K}, the
 //                            adjoint Frechet derivative of expm by Van Loan's block exponential.
 //   expm_cells               one thread per cell: E_c = expm(h A~_c), top K rows, in the
 //                            points' dtype.
+//   ell_product              A = B theta and dL/dtheta = B^T dL/dA with the sparse basis in ELL
+//                            layout (at most K + 1 entries per row of B), one thread per row.
 #include "common.cuh"
 
 namespace cutopo {
