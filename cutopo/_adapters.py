@@ -70,6 +70,14 @@ _STATIC_ARGUMENTS = {
 }
 
 
+# ----------------------------------------------------------------------------- bfloat16
+# Ops that take bfloat16 arrays (``ml_dtypes.bfloat16``, what CuPy and JAX give bfloat16 arrays),
+# by registry name. The adapters refuse bfloat16 for every other op with a TypeError of their own,
+# before any work; an op that learns bfloat16 is added here.
+
+_BFLOAT16_OPS = frozenset({"deformable_aggregation"})
+
+
 # ----------------------------------------------------------------------------- batching rules
 # ``native_batch(args, kwargs) -> (name, kwargs) or None``: when the op can take extra leading
 # axes on argument ``name`` as a batch (the output then gains the same leading axes, every other
@@ -127,6 +135,7 @@ class AdaptedOp:
     native_batch: Callable | None
     keyword_defaults: dict
     static_arguments: frozenset = frozenset()  # positional arguments never converted to arrays
+    accepts_bfloat16: bool = False  # the op takes bfloat16 (ml_dtypes) arrays: _BFLOAT16_OPS
 
     @property
     def qualified_name(self) -> str:
@@ -181,7 +190,8 @@ def adapted_ops() -> tuple[AdaptedOp, ...]:
             continue
         ops.append(AdaptedOp(spec.name, family, public, spec.function, spec.arg_names,
                              spec.differentiable, spec.meta, _NATIVE_BATCH.get(spec.name),
-                             defaults, _STATIC_ARGUMENTS.get(spec.name, frozenset())))
+                             defaults, _STATIC_ARGUMENTS.get(spec.name, frozenset()),
+                             spec.name in _BFLOAT16_OPS))
     for module, name, arg_names, meta in _NON_DIFFERENTIABLE:
         function = getattr(importlib.import_module(module), name)
         ops.append(AdaptedOp(name, None, name, function, arg_names, frozenset(), meta,

@@ -26,6 +26,14 @@ a table and passed as its integer key. Differentiable ops get a second custom op
   On the CPU ``numpy()`` is the same zero-copy view DLPack would give, for every dtype NumPy has.
 * CUDA tensors go to CuPy through DLPack and back without copies, on the caller's current torch
   CUDA stream (CuPy runs its kernels on ``torch.cuda.current_stream()``), on the tensor's device.
+* bfloat16: the ops that take it (``deformable_aggregation``; ``AdaptedOp.accepts_bfloat16``)
+  get ``ml_dtypes.bfloat16`` arrays over the tensor's memory, without copies: on the CPU through
+  an int16 view (``t.view(torch.int16).numpy().view(bfloat16)``: ``numpy()`` itself refuses
+  bfloat16), on CUDA through DLPack (DLPack's bfloat16 where CuPy imports it, else the bits as
+  int16 viewed as bfloat16 in CuPy; a CuPy without bfloat16 arrays: a TypeError). bfloat16
+  results and the gradients of bfloat16 arguments come back as bfloat16 tensors. The other ops
+  refuse bfloat16 tensors with a TypeError before any work (convert them, e.g. ``.float()``).
+  bfloat16 needs ``ml_dtypes`` (it comes with JAX).
 * Array-likes (NumPy arrays, lists) given for array arguments become tensors; they get no
   gradient. Sequences *of tensors* (such as per-level feature lists) are not passed yet: a
   TypeError says so. Arguments that are always static values (``cpab.transform_grid``'s
@@ -113,13 +121,36 @@ _NUMPY_OF = {getattr(torch, name): np.dtype(name) for name in
               "float64") if hasattr(torch, name)}  # uint16: torch >= 2.3
 _TORCH_OF = {v: k for k, v in _NUMPY_OF.items()}
 
+# bfloat16: NumPy has none; ml_dtypes' is the one CuPy and JAX use (and the ops take). Only for
+# the ops that accept it (AdaptedOp.accepts_bfloat16); None without ml_dtypes.
+try:
+    import ml_dtypes as _ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes comes with JAX
+    _BFLOAT16 = None
+else:
+    _BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
+    _TORCH_OF[_BFLOAT16] = torch.bfloat16
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    try:
-        return _NUMPY_OF[dtype]
-    except KeyError:  # bfloat16, complex, unsigned 16+ bit: no cutopo op takes them
-        raise TypeError(f"cutopo.torch: tensors of dtype {dtype} are not supported; convert them "
-                        "first, e.g. with .float()") from None
+
+def _numpy_dtype(dtype: torch.dtype, op: _adapters.AdaptedOp | None = None) -> np.dtype:
+    """The NumPy dtype of a tensor dtype, for arguments of ``op``: bfloat16 only when the op
+    accepts it (``ml_dtypes.bfloat16``), a TypeError for the others."""
+    found = _NUMPY_OF.get(dtype)
+    if found is not None:
+        return found
+    if dtype == torch.bfloat16 and op is not None and op.accepts_bfloat16:
+        if _BFLOAT16 is None:
+            raise TypeError(f"cutopo.torch: bfloat16 tensors need ml_dtypes (pip install ml_dtypes) "
+                            f"for {op.qualified_name}; or convert them first, e.g. with .float()")
+        return _BFLOAT16
+    # bfloat16 for the other ops, complex, unsigned 32+ bit: the ops do not take them
+    where = f" by {op.qualified_name}" if op is not None else ""
+    also = ""
+    if dtype == torch.bfloat16:
+        takers = sorted(o.qualified_name for o in _adapters.adapted_ops() if o.accepts_bfloat16)
+        also = f" (bfloat16 is taken by {', '.join(takers)} only)" if takers else ""
+    raise TypeError(f"cutopo.torch: tensors of dtype {dtype} are not supported{where}{also}; "
+                    "convert them first, e.g. with .float()")
 
 
 def _torch_dtype(dtype) -> torch.dtype:
@@ -196,23 +227,68 @@ def _device_scope(tensors):
             yield
 
 
-def _to_array(t: torch.Tensor):
-    """A NumPy (CPU) or CuPy (CUDA) view of the tensor's memory, strides kept."""
+def _to_array(t: torch.Tensor, op: _adapters.AdaptedOp | None = None):
+    """A NumPy (CPU) or CuPy (CUDA) view of the tensor's memory, strides kept.
+
+    bfloat16 (for an ``op`` that accepts it) becomes an ``ml_dtypes.bfloat16`` array over the
+    same memory: on the CPU through an int16 view of the tensor (NumPy has no bfloat16 of its
+    own, so ``Tensor.numpy()`` refuses it), on CUDA through DLPack (:func:`_cupy_bfloat16`).
+    """
+    _numpy_dtype(t.dtype, op)  # a clear error for dtypes the op does not take
+    t = t.detach()
     if t.device.type == "cpu":
-        _numpy_dtype(t.dtype)  # a clear error for bfloat16 and friends
-        return t.detach().resolve_conj().resolve_neg().numpy()
+        if t.dtype == torch.bfloat16:  # (same itemsize: views of any strides, 0-d included)
+            return t.view(torch.int16).numpy().view(_BFLOAT16)
+        return t.resolve_conj().resolve_neg().numpy()
     if t.device.type == "cuda":
         import cupy
 
-        return cupy.from_dlpack(t.detach())
+        if t.dtype == torch.bfloat16:
+            return _cupy_bfloat16(t)
+        return cupy.from_dlpack(t)
     raise TypeError(f"cutopo.torch: tensors on device {t.device} are not supported (CPU or CUDA)")
+
+
+def _cupy_bfloat16(t: torch.Tensor):
+    """A CuPy ``ml_dtypes.bfloat16`` array over a CUDA bfloat16 tensor's memory (no copy).
+
+    DLPack's own bfloat16 (``kDLBfloat``) first; when this CuPy does not import that, the
+    tensor's bits as int16 through DLPack, viewed as bfloat16 in CuPy. A CuPy without bfloat16
+    arrays refuses both: a TypeError says so.
+    """
+    import cupy
+
+    try:
+        direct = cupy.from_dlpack(t)
+    except Exception:  # noqa: BLE001 - CuPy's error for kDLBfloat varies by version; see below
+        direct = None
+    if direct is not None and direct.dtype == _BFLOAT16:
+        return direct
+    # Errors of this import are not about bfloat16 (the device, the stream): let them through.
+    bits = cupy.from_dlpack(t.view(torch.int16))
+    try:
+        return bits.view(_BFLOAT16)
+    except Exception as exc:  # noqa: BLE001 - CuPy without bfloat16 arrays
+        raise TypeError(f"cutopo.torch: CuPy {getattr(cupy, '__version__', '?')} takes no "
+                        "bfloat16 arrays (neither through DLPack nor as a view of the tensor's "
+                        "bits), so CUDA bfloat16 tensors cannot be passed; convert them first, "
+                        "e.g. with .float(), or update CuPy") from exc
+
+
+def _from_numpy(x: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy``, also for ``ml_dtypes.bfloat16`` arrays (through an int16 view:
+    the same memory)."""
+    if _BFLOAT16 is not None and x.dtype == _BFLOAT16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
 
 
 def _to_tensor(x, inputs) -> torch.Tensor:
     """The op's result as a contiguous tensor that shares no memory with the inputs.
 
     Contiguous because the fake kernels promise contiguous outputs to torch.compile; no sharing
-    because a custom op's outputs may not alias its inputs.
+    because a custom op's outputs may not alias its inputs. bfloat16 results come back as
+    bfloat16 tensors, without copies (through int16 views of their bits).
     """
     if is_cupy_array(x):
         import cupy
@@ -221,6 +297,9 @@ def _to_tensor(x, inputs) -> torch.Tensor:
             x = x.copy(order="C")
         if any(is_cupy_array(a) and cupy.may_share_memory(x, a) for a in inputs):
             x = x.copy()
+        if _BFLOAT16 is not None and x.dtype == _BFLOAT16:
+            # the bits as int16: no reliance on CuPy exporting DLPack's bfloat16
+            return torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16)
         return torch.from_dlpack(x)
     x = np.asarray(x)
     if not x.flags.c_contiguous:  # (ascontiguousarray would turn 0-d into 1-d)
@@ -228,7 +307,7 @@ def _to_tensor(x, inputs) -> torch.Tensor:
     if not x.flags.writeable or any(isinstance(a, np.ndarray) and np.may_share_memory(x, a)
                                     for a in inputs):
         x = x.copy()
-    return torch.from_numpy(x)
+    return _from_numpy(x)
 
 
 def _arguments(template, arrays):
@@ -247,7 +326,7 @@ def _define(op: _adapters.AdaptedOp):
     def forward_impl(tensors, static):
         template, kwargs = _STATICS[static]
         with _device_scope(tensors):
-            arrays = [_to_array(t) for t in tensors]
+            arrays = [_to_array(t, op) for t in tensors]
             out = op.function(*_arguments(template, arrays), **kwargs)
             return _to_tensor(out, arrays)
 
@@ -255,7 +334,7 @@ def _define(op: _adapters.AdaptedOp):
                                       schema=_FORWARD_SCHEMA)
 
     def abstract(tensors, template):
-        specs = [_adapters.ArraySpec(tuple(t.shape), _numpy_dtype(t.dtype)) for t in tensors]
+        specs = [_adapters.ArraySpec(tuple(t.shape), _numpy_dtype(t.dtype, op)) for t in tensors]
         return _arguments(template, specs)
 
     if op.meta is not None:
@@ -282,8 +361,8 @@ def _define_vjp(op, forward):
         positions = [i for i, v in enumerate(template) if isinstance(v, _Slot)]
         wrt = [positions[k] for k, need in enumerate(needs) if need]
         with _device_scope(tensors):
-            arrays = [_to_array(t) for t in tensors]
-            g = _to_array(cotangent)
+            arrays = [_to_array(t, op) for t in tensors]
+            g = _to_array(cotangent, op)
             _, pullback = _vjp(op.function, *_arguments(template, arrays), wrt=wrt, **kwargs)
             grads = pullback(g)
             result = []
@@ -356,8 +435,10 @@ def _public(op: _adapters.AdaptedOp, forward):
                 raise TypeError(f"cutopo.torch: {op.qualified_name} argument {name} is a sequence "
                                 "of tensors, which the adapter does not pass; give one tensor")
             if isinstance(v, (np.ndarray, list, tuple)):
-                v = torch.from_numpy(np.asarray(v))  # array-likes: constants to autograd
+                v = _from_numpy(np.asarray(v))  # array-likes: constants to autograd
             if isinstance(v, torch.Tensor):
+                if v.dtype not in _NUMPY_OF:
+                    _numpy_dtype(v.dtype, op)  # bfloat16 for an op without it: a TypeError now
                 slots.append(len(tensors))
                 tensors.append(v)
                 plain.append(None)

@@ -187,6 +187,161 @@ def test_dtypes(rng):
         ct.soft_ecc(torch.from_numpy(image).bfloat16(), 4, 3.0)
 
 
+# ---------------------------------------------------------------------------------------------
+# bfloat16: ops that take it (deformable_aggregation) get ml_dtypes.bfloat16 arrays over the
+# tensors' memory; the others refuse it
+
+
+def _bf16_numpy(t):
+    """The ml_dtypes.bfloat16 array of a CPU bfloat16 tensor (the test's own conversion)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    return t.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def _bf16_deformable_args(loc_dtype, weight_dtype):
+    """deformable-zeros-f32 with bfloat16 features (and locations/weights as asked), as
+    tensors and as the NumPy arrays that the NumPy path gets (the same values)."""
+    feats, shapes, starts, loc, weights = _case("deformable-zeros-f32").args
+    tensors = [torch.from_numpy(feats).bfloat16(), torch.from_numpy(shapes),
+               torch.from_numpy(starts), torch.from_numpy(loc).to(loc_dtype),
+               torch.from_numpy(weights).to(weight_dtype)]
+    arrays = [_bf16_numpy(t) if t.dtype == torch.bfloat16 else t.numpy() for t in tensors]
+    return tensors, arrays
+
+
+@pytest.mark.parametrize("loc_dtype, weight_dtype", [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16)], ids=["w-f32", "w-bf16", "all-bf16"])
+def test_bfloat16_deformable_values_and_gradients(loc_dtype, weight_dtype, rng):
+    """Values equal the NumPy path on the same ml_dtypes arrays; gradients equal cutopo.vjp's,
+    bfloat16 tensors for bfloat16 arguments (and the output is bfloat16 when all three are)."""
+    kwargs = _case("deformable-zeros-f32").kwargs
+    tensors, arrays = _bf16_deformable_args(loc_dtype, weight_dtype)
+    expected = cutopo.deformable_aggregation(*arrays, **kwargs)
+    positions = (0, 3, 4)
+    for i in positions:
+        tensors[i].requires_grad_()
+    out = ct.deformable_aggregation(*tensors, **kwargs)
+    want_dtype = torch.bfloat16 if loc_dtype == weight_dtype == torch.bfloat16 else torch.float32
+    assert out.dtype == want_dtype and out.shape == expected.shape
+    got = _bf16_numpy(out) if out.dtype == torch.bfloat16 else out.detach().numpy()
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))  # bit for bit
+
+    cotangent = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32)).to(out.dtype)
+    grads = torch.autograd.grad(out, [tensors[i] for i in positions], cotangent)
+    g_np = _bf16_numpy(cotangent) if cotangent.dtype == torch.bfloat16 else cotangent.numpy()
+    _, pullback = cutopo.vjp(cutopo.deformable_aggregation, *arrays, **kwargs)
+    reference = pullback(g_np)
+    for i, g in zip(positions, grads):
+        assert g.dtype == tensors[i].dtype and g.shape == tensors[i].shape
+        g_got = _bf16_numpy(g) if g.dtype == torch.bfloat16 else g.numpy()
+        assert g_got.dtype == reference[i].dtype
+        np.testing.assert_array_equal(g_got.view(np.uint8), reference[i].view(np.uint8))
+
+
+def test_bfloat16_tensors_cross_without_copies():
+    """CPU bfloat16 tensors reach the op as ml_dtypes.bfloat16 views of their memory (strides
+    kept), and bfloat16 results come back as tensors over the result's memory."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    op = next(o for o in ct._adapters.adapted_ops() if o.name == "deformable_aggregation")
+    base = torch.randn(6, 10, 4).bfloat16()
+    for t in (base, base.transpose(0, 1), base[:, ::3], base[0, 0, 0]):  # strided, 0-d
+        a = ct._to_array(t, op)
+        assert isinstance(a, np.ndarray) and a.dtype == np.dtype(ml_dtypes.bfloat16)
+        assert a.shape == t.shape and a.strides == tuple(s * 2 for s in t.stride())
+        assert a.__array_interface__["data"][0] == t.data_ptr()
+        t.mul_(2)  # a write through the tensor shows in the array (exact in bfloat16)
+        np.testing.assert_array_equal(a.astype(np.float32), t.float().numpy())
+        assert np.shares_memory(a.view(np.int16), t.view(torch.int16).numpy())
+    result = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+    back = ct._to_tensor(result, [])
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == result.__array_interface__["data"][0]
+    torch.testing.assert_close(back.float(), torch.arange(12.0).reshape(3, 4), rtol=0, atol=0)
+    # an output that aliases an input is copied (custom ops may not alias)
+    features = torch.randn(3, 4).bfloat16()
+    fa = ct._to_array(features, op)
+    assert ct._to_tensor(fa, [fa]).data_ptr() != features.data_ptr()
+
+
+def test_bfloat16_numpy_arguments_are_converted():
+    """ml_dtypes.bfloat16 NumPy arrays given for tensor arguments become bfloat16 tensors."""
+    kwargs = _case("deformable-zeros-f32").kwargs
+    tensors, arrays = _bf16_deformable_args(torch.float32, torch.bfloat16)
+    out = ct.deformable_aggregation(arrays[0], *tensors[1:], **kwargs)
+    np.testing.assert_array_equal(out.numpy(), cutopo.deformable_aggregation(*arrays, **kwargs))
+
+
+def test_bfloat16_under_torch_compile():
+    """The fake kernel declares the bfloat16 output (the shape rule's dtype maps back)."""
+    torch._dynamo.reset()
+    kwargs = _case("deformable-zeros-f32").kwargs
+    tensors, _ = _bf16_deformable_args(torch.bfloat16, torch.bfloat16)
+    feats = tensors[0].clone().requires_grad_()
+    fn = lambda f: ct.deformable_aggregation(f, *tensors[1:], **kwargs).float().square().sum()  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(feats), fn(feats)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (g_got,) = torch.autograd.grad(got, [feats])
+    (g_want,) = torch.autograd.grad(want, [feats])
+    assert g_got.dtype == torch.bfloat16
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=0)
+
+
+def test_ops_without_bfloat16_refuse_it(rng):
+    """Every op but deformable_aggregation keeps refusing bfloat16 tensors, with the adapter's
+    TypeError, before any work."""
+    image = torch.from_numpy(rng.random((1, 2, 6, 6))).bfloat16()
+    grid = torch.zeros(1, 3, 3, 2)
+    calls = [lambda: ct.soft_ecc(image[0, 0], 4, 3.0), lambda: ct.expected_euler(image),
+             lambda: ct.ecc(image[0, 0], 4), lambda: ct.euler_contributions(image),
+             lambda: ct.grid_sample(image, grid), lambda: ct.grid_sample(image.float(), grid.bfloat16()),
+             lambda: ct.soft_ect(image[0, 0] > 0.5, torch.tensor([[1.0, 0.0]]).bfloat16(), 4, 2.0)]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"torch\.bfloat16 are not supported by cutopo\.\w+ "
+                                            r"\(bfloat16 is taken by cutopo\.deformable_aggregation only\)"):
+            call()
+
+
+class _FakeCupyArray:
+    """A NumPy array standing in for a CuPy one (the CUDA path's logic, tested on the CPU)."""
+
+    def __init__(self, a, viewable=True):
+        self.a, self.viewable = a, viewable
+
+    @property
+    def dtype(self):
+        return self.a.dtype
+
+    def view(self, dtype):
+        if not self.viewable:
+            raise TypeError("dtype not supported")
+        return _FakeCupyArray(self.a.view(dtype))
+
+
+def test_cuda_bfloat16_fallbacks_on_the_cpu(monkeypatch):
+    """_cupy_bfloat16's logic with a stand-in CuPy over NumPy (which imports no bfloat16 through
+    DLPack): the tensor's bits as int16, viewed as bfloat16; a CuPy that cannot view them
+    gives the clear TypeError."""
+    import types
+
+    pytest.importorskip("ml_dtypes")
+    t = torch.randn(4, 5).bfloat16().t()
+    with pytest.raises(Exception):
+        np.from_dlpack(t)  # what the stand-in's direct import does: refused
+    viewable = [True]
+    fake = types.ModuleType("cupy")
+    fake.__version__ = "0-fake"
+    fake.from_dlpack = lambda x: _FakeCupyArray(np.from_dlpack(x), viewable[0])
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    a = ct._cupy_bfloat16(t).a
+    assert a.dtype == ct._BFLOAT16 and a.__array_interface__["data"][0] == t.data_ptr()
+    np.testing.assert_array_equal(a.astype(np.float32), t.float().numpy())
+    viewable[0] = False
+    with pytest.raises(TypeError, match="CuPy 0-fake takes no bfloat16 arrays"):
+        ct._cupy_bfloat16(t)
+
+
 def test_outputs_do_not_alias_inputs(rng):
     prob = torch.from_numpy(rng.random((3, 5, 5)))
     out = ct.euler_contributions(prob, ndim=2)
@@ -438,9 +593,9 @@ def test_cuda_runs_on_the_current_non_default_stream(monkeypatch):
     streams = []
     real = ct._to_array
 
-    def spy(t):
+    def spy(t, *rest):
         streams.append(cupy.cuda.get_current_stream().ptr)
-        return real(t)
+        return real(t, *rest)
 
     monkeypatch.setattr(ct, "_to_array", spy)
     image = torch.rand(4, 256, 256, device="cuda", requires_grad=True)
@@ -456,3 +611,44 @@ def test_cuda_runs_on_the_current_non_default_stream(monkeypatch):
     assert side.cuda_stream in streams
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-5)
     assert g.shape == image.shape and torch.isfinite(g).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["w-f32", "w-bf16"])
+def test_cuda_bfloat16_deformable(weight_dtype):
+    """CUDA bfloat16 tensors cross to CuPy without copies (DLPack's bfloat16, or the bits as
+    int16; a CuPy without bfloat16 arrays: the adapter's TypeError, reported as a skip), and
+    deformable_aggregation's values and bfloat16 gradients match the CPU path's."""
+    pytest.importorskip("ml_dtypes")
+    import cupy
+
+    op = next(o for o in ct._adapters.adapted_ops() if o.name == "deformable_aggregation")
+    x = torch.randn(8, 6, 4, device="cuda").bfloat16().transpose(0, 1)
+    try:
+        a = ct._to_array(x, op)
+    except TypeError as exc:
+        pytest.skip(f"CuPy refuses bfloat16: {exc}")
+    assert isinstance(a, cupy.ndarray) and a.dtype == ct._BFLOAT16
+    assert a.data.ptr == x.data_ptr() and a.strides == tuple(2 * s for s in x.stride())
+    back = ct._to_tensor(a.copy(), [])
+    assert back.is_cuda and back.dtype == torch.bfloat16 and torch.equal(back, x)
+
+    kwargs = _case("deformable-zeros-f32").kwargs
+    cpu, _ = _bf16_deformable_args(torch.float32, weight_dtype)
+    gpu = [t.cuda() for t in cpu]
+    positions = (0, 3, 4)
+    for ts in (cpu, gpu):
+        for i in positions:
+            ts[i].requires_grad_()
+    out_cpu = ct.deformable_aggregation(*cpu, **kwargs)
+    out_gpu = ct.deformable_aggregation(*gpu, **kwargs)
+    assert out_gpu.is_cuda and out_gpu.dtype == out_cpu.dtype == torch.float32
+    torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-5, atol=1e-4)
+    g_cpu = torch.autograd.grad(out_cpu.sum(), [cpu[i] for i in positions])
+    g_gpu = torch.autograd.grad(out_gpu.sum(), [gpu[i] for i in positions])
+    for i, a_, b_ in zip(positions, g_gpu, g_cpu):
+        assert a_.is_cuda and a_.dtype == cpu[i].dtype == b_.dtype
+        # bfloat16 cotangents: float32 sums rounded once; the two backends sum in other orders
+        tol = 2e-2 if a_.dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(a_.cpu().float(), b_.float(), rtol=tol, atol=tol)
