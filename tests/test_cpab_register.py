@@ -164,6 +164,24 @@ def test_smoothness_and_theta0(rng):
     assert result.loss_history[0] == pytest.approx(expected, rel=1e-12)
 
 
+def test_lr_schedule(rng, monkeypatch):
+    """The default anneals Adam's step size by a cosine on each level; "constant" keeps lr."""
+    import cutopo._adam
+
+    seen = []
+    step = cutopo._adam.Adam.step
+    monkeypatch.setattr(cutopo._adam.Adam, "step",
+                        lambda self, grad: (seen.append(self.lr), step(self, grad))[1])
+    fixed, moving, fine, _ = synthetic_pair(rng, (16, 16), (2, 2), 1.0, 5, (1, 3))
+    register(fixed, moving, fine, steps=(2, 4), levels=2, lr=0.02, n_steps=5,
+             diagnostics=False, progress=False)
+    assert seen == pytest.approx([0.02, 0.01, 0.02, 0.02 * 0.8535534, 0.01, 0.02 * 0.1464466])
+    seen.clear()
+    register(fixed, moving, fine, steps=3, lr=0.02, n_steps=5, lr_schedule="constant",
+             diagnostics=False, progress=False)
+    assert seen == [0.02] * 3
+
+
 def test_n_steps_is_raised_when_theta_outgrows_it(rng):
     fixed, moving, tess, _ = synthetic_pair(rng, (16, 16), (2, 2), 1.0, 10, (1, 3))
     theta0 = tess.sample(1, length_scale=0.5, scale=1.0, rng=rng)[0]
@@ -214,6 +232,7 @@ def test_bad_input(rng):
         (dict(steps=-1), ValueError, "steps must be >= 0"),
         (dict(steps=[1, 2]), ValueError, "steps has 2 entries for 1 levels"),
         (dict(ncc_window=4), ValueError, "ncc_window must be odd"),
+        (dict(lr_schedule="step"), ValueError, "lr_schedule must be one of 'cosine', 'constant'"),
         (dict(n_steps=0), ValueError, "n_steps must be >= 1"),
         (dict(levels=3), ValueError, r"levels=3: every entry of tess.shape \(2, 2\) must be divisible"),
         (dict(levels=[(1, 2)]), ValueError, "levels: coarse .* the factors .* must be equal"),
