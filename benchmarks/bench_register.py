@@ -54,7 +54,6 @@ import time
 import numpy as np
 
 import cutopo
-from cutopo._array import to_numpy
 from cutopo.cpab import Tessellation, register, transform_grid, transform_image
 from cutopo.cpab.folding import folding_fraction
 from cutopo.cpab.integrate import MAX_STEP_NORM

@@ -513,7 +513,7 @@ def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=
     _, dirs64, mask_b, batch, spatial, coords, tconn, t, _ = _prepare(
         "ect", mask, directions, thresholds, connectivity)
     periodic = check_boundary(boundary, mask_b, len(spatial))
-    B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
+    D, T = dirs64.shape[0], t.size
     if is_cupy_array(mask_b):
         with mask_b.device:
             out, _ = _band_cupy.ect_forward(mask_b, dirs64, coords, t, tconn, soft=False)
