@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 import cutopo
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ecc import make_image  # noqa: E402  (the same random volumes as the ECC benchmark)
 
 T = 256
 
@@ -89,13 +93,6 @@ def dask_cases(quick):
                   ("1024^3 float32, chunks 256^3", (1024,) * 3, "float32", (256, 256, 256)),
                   ("512^3 float32, chunks 128x512x512", (512,) * 3, "float32", (128, 512, 512))]
     return cases
-
-
-def device_volume(cp, shape, dtype, seed):
-    rs = cp.random.default_rng(seed)
-    if dtype == "uint8":
-        return rs.integers(0, 256, size=shape, dtype=cp.uint8)
-    return rs.random(shape, dtype=cp.float32)
 
 
 def register_cost(cp, host, reps):
@@ -182,7 +179,7 @@ def main(argv=None):
     for case, shape, dtype, kind in stream_cases(args.quick):
         if not only(case):
             continue
-        g = device_volume(cp, shape, dtype, seed=len(case))
+        g = make_image(cp, shape, dtype, seed=len(case))
         t = thresholds_for(dtype)
         want = cutopo.ecc(g, cp.asarray(t)).get()
         host = cupyx.empty_pinned(shape, dtype=dtype) if kind == "pinned" else np.empty(shape, dtype=dtype)
@@ -225,7 +222,7 @@ def main(argv=None):
         for case, shape, dtype, chunks in dask_cases(args.quick):
             if not only(case):
                 continue
-            g = device_volume(cp, shape, dtype, seed=3)
+            g = make_image(cp, shape, dtype, seed=3)
             t = thresholds_for(dtype)
             d = da.from_array(g, chunks=chunks, asarray=False)
             single = wall_ms(cp, lambda: cutopo.ecc(g, t), reps)
