@@ -116,11 +116,10 @@ def _checked_kernel(sig: Signature, grid: int, shared_mem: int, options: tuple[s
         raise LaunchError(f"{sig.name}: grid of {grid} blocks exceeds the device limit")
     if shared_mem <= 48 * 1024:
         return _kernel(device, sig, options)
-    kernel = get_function(sig.family, sig.name, options)
-    if shared_mem > 48 * 1024:
-        if shared_mem > device_attribute("MaxSharedMemoryPerBlockOptin"):
-            raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
-        kernel.max_dynamic_shared_size_bytes = shared_mem
+    if shared_mem > _device_attributes(device)["MaxSharedMemoryPerBlockOptin"]:
+        raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
+    kernel = _kernel(device, sig, options)
+    kernel.max_dynamic_shared_size_bytes = shared_mem
     return kernel
 
 

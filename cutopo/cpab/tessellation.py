@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from .._array import is_cupy_array
+from .._array import array_module, is_cupy_array
 from .basis import affine_maps, nodal_basis
 from .prior import sample_vertex_prior
 
@@ -455,18 +455,24 @@ def cell_index(points, shape):
     """
     shape = check_shape(shape)
     K = len(shape)
-    if is_cupy_array(points):
-        return _cell_index_cupy(points, shape)
-    points = np.asarray(points)
+    on_device = is_cupy_array(points)
+    xp = array_module(points)
+    points = xp.asarray(points)
     if points.dtype.kind not in "fiu" or points.dtype.kind == "b":
         raise TypeError(f"points must be real numbers, got dtype {points.dtype}")
+    if on_device and points.dtype == np.float16:
+        raise TypeError("points: float16 is not supported on the GPU (use float32 or float64)")
     if points.dtype.kind != "f":
         points = points.astype(np.float64)
     if points.ndim == 0 or points.shape[-1] != K:
         raise ValueError(f"points must have shape (..., {K}) for a {K}-D tessellation, "
                          f"got {points.shape}")
-    if not np.isfinite(points).all():
+    if not bool(xp.isfinite(points).all()):
         raise ValueError("points must be finite")
+    if on_device:          # the kernel evaluates the rule below with the same roundings
+        from . import _integrate_cupy
+
+        return _integrate_cupy.cell_index(points, shape)
     n = np.array(shape, dtype=points.dtype)
     u = np.clip(points * n, 0, n)                                       # clamp to the domain
     box = np.minimum(np.floor(u), n - 1)
@@ -477,24 +483,3 @@ def cell_index(points, shape):
     for k in range(K - 2, -1, -1):                                      # axis 0 fastest
         box_number = box_number * shape[k] + box[..., k]
     return SIMPLICES_PER_BOX[K] * box_number + _simplex_in_box(local, parity)
-
-
-def _cell_index_cupy(points, shape):
-    """cell_index of CuPy points: the kernel evaluates NumPy's rule with the same roundings."""
-    import cupy
-
-    from . import _integrate_cupy
-
-    K = len(shape)
-    if points.dtype.kind not in "fiu" or points.dtype.kind == "b":
-        raise TypeError(f"points must be real numbers, got dtype {points.dtype}")
-    if points.dtype == np.float16:
-        raise TypeError("points: float16 is not supported on the GPU (use float32 or float64)")
-    if points.dtype.kind != "f":
-        points = points.astype(np.float64)
-    if points.ndim == 0 or points.shape[-1] != K:
-        raise ValueError(f"points must have shape (..., {K}) for a {K}-D tessellation, "
-                         f"got {points.shape}")
-    if not bool(cupy.isfinite(points).all()):
-        raise ValueError("points must be finite")
-    return _integrate_cupy.cell_index(points, shape)
