@@ -15,6 +15,7 @@ import numpy as np
 from .._cuda.compile import register_instances
 from .._cuda.launch import Signature, launch
 from ._checks import check_step_size
+from .velocity import raise_not_finite
 
 FAMILY = "cpab"
 THREADS = 256          # cpab::THREADS
@@ -177,8 +178,6 @@ def setup(points, theta, tess, n_steps, name, dtype, *, pending=()) -> Plan:
     device-side finiteness reductions in ``pending`` (see velocity.check_points_theta), which
     are read together with the step-size guard's norm: one host synchronisation per call."""
     import cupy
-
-    from .velocity import raise_not_finite
 
     K, C = tess.ndim, tess.n_cells
     P = points if points.ndim == 3 else points[None]

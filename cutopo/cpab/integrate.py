@@ -200,14 +200,12 @@ def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     """``(integrate(...), residuals)``: the trajectory is kept every ``checkpoint_every`` steps."""
     S = check_count(checkpoint_every, "checkpoint_every")
     if is_cupy_array(points) or is_cupy_array(theta):
-        from ._integrate_cupy import MAX_SEGMENT
-
-        if S > MAX_SEGMENT:
-            raise ValueError(f"checkpoint_every must be <= {MAX_SEGMENT} for CuPy inputs (the "
-                             f"kernel keeps one segment in local memory), got {S}")
-        plan, batched, pn, tn = _device_plan(points, theta, tess, n_steps, "integrate")
         from . import _integrate_cupy
 
+        if S > _integrate_cupy.MAX_SEGMENT:
+            raise ValueError(f"checkpoint_every must be <= {_integrate_cupy.MAX_SEGMENT} for CuPy "
+                             f"inputs (the kernel keeps one segment in local memory), got {S}")
+        plan, batched, pn, tn = _device_plan(points, theta, tess, n_steps, "integrate")
         x, checkpoints, _ = _integrate_cupy.integrate(plan, checkpoint_every=S)
         return (x if batched else x[0]), _DeviceResiduals(plan, checkpoints, S, pn, tn)
     s = _setup(points, theta, tess, n_steps, "integrate")
