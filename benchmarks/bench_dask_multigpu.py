@@ -73,7 +73,7 @@ def single_gpu(cp, cutopo, size, planes, t, reps):
     return ms, curve
 
 
-def on_cluster(n, size, planes, t, reps):
+def on_cluster(n, size, planes, t, reps, profile=False):
     """(median ms, warm-up ms, graph-build ms, slabs per worker, result) with n workers."""
     import cupy as cp
     import dask.array as da
@@ -93,7 +93,12 @@ def on_cluster(n, size, planes, t, reps):
         meta = cp.empty((0, 0, 0), dtype=cp.float32)
         darr = da.concatenate([da.from_delayed(f, (planes, size, size), dtype=np.float32, meta=meta)
                                for f in futures], axis=0)
-        placement = [len(v) for v in client.has_what().values()]
+        # Persisted: the chunks' keys are the futures' data (no from_delayed or concatenate tasks
+        # in each call's graph, as a user's persisted volume).
+        darr = client.persist(darr)
+        distributed.wait(darr)
+        keys = {f.key for f in distributed.futures_of(darr)}
+        placement = [len(set(v) & keys) for v in client.has_what().values()]
 
         def run():
             return cp.asnumpy(client.compute(cd.ecc(darr, t)).result())
@@ -106,8 +111,54 @@ def on_cluster(n, size, planes, t, reps):
             cd.ecc(darr, t)
         build = (time.perf_counter() - t0) * 1e3 / reps
         ms, curve = median_wall_ms(run, reps, lambda: None)
+        if profile:
+            print_profile(client, darr, t, n)
         darr = futures = None
     return ms, warm, build, placement, curve
+
+
+def _noop():
+    return 0
+
+
+def print_profile(client, darr, t, n):
+    """Where one call's wall time goes: the scheduler's round trip for a no-op task, the client's
+    submission / wait / copy of the result, and each task kind's compute and transfer times
+    with its span (first start, last stop) from the task stream, relative to the call."""
+    import cupy as cp
+    import distributed
+    from dask.utils import key_split
+
+    import cutopo.dask as cd
+
+    trips = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        client.submit(_noop, pure=False).result()
+        trips.append((time.perf_counter() - t0) * 1e3)
+    print(f"#   [{n}] no-op task round trip: median {np.median(trips):.1f} ms", flush=True)
+    with distributed.get_task_stream(client) as stream:
+        t0 = time.time()
+        future = client.compute(cd.ecc(darr, t))
+        t1 = time.time()
+        res = future.result()
+        t2 = time.time()
+        cp.asnumpy(res)
+        t3 = time.time()
+    print(f"#   [{n}] client: compute() {1e3 * (t1 - t0):.1f} ms, result() {1e3 * (t2 - t1):.1f} ms, "
+          f"asnumpy {1e3 * (t3 - t2):.1f} ms", flush=True)
+    kinds = {}
+    for rec in stream.data:
+        k = kinds.setdefault(key_split(rec["key"]), dict(n=0, compute=0.0, transfer=0.0, first=1e9, last=-1e9))
+        k["n"] += 1
+        for ss in rec["startstops"]:
+            dt = (ss["stop"] - ss["start"]) * 1e3
+            k["compute" if ss["action"] == "compute" else "transfer"] += dt
+            k["first"] = min(k["first"], (ss["start"] - t0) * 1e3)
+            k["last"] = max(k["last"], (ss["stop"] - t0) * 1e3)
+    for name, k in sorted(kinds.items(), key=lambda kv: kv[1]["first"]):
+        print(f"#   [{n}] {name}: {k['n']} tasks, compute {k['compute']:.1f} ms, transfer/other "
+              f"{k['transfer']:.1f} ms, span {k['first']:.1f} .. {k['last']:.1f} ms", flush=True)
 
 
 def main(argv=None):
@@ -117,6 +168,8 @@ def main(argv=None):
     p.add_argument("--workers", default="", help="worker counts, e.g. 1,2 (default: 1 and all GPUs)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where one call's time goes (task stream, client, no-op round trip)")
     args = p.parse_args(argv)
     if args.size % args.planes:
         p.error("--planes must divide --size")
@@ -142,7 +195,7 @@ def main(argv=None):
     rows = [dict(case="single GPU (cutopo.ecc)", gpus=1, ms=single_ms, equal=True)]
     print(f"# single GPU: {single_ms:.1f} ms", flush=True)
     for n in counts:
-        ms, warm, build, placement, curve = on_cluster(n, args.size, args.planes, t, args.reps)
+        ms, warm, build, placement, curve = on_cluster(n, args.size, args.planes, t, args.reps, args.profile)
         equal = bool(np.array_equal(curve, ref))
         rows.append(dict(case=f"dask, {n} worker(s)", gpus=n, ms=ms, equal=equal, warmup_ms=warm,
                          build_ms=build, slabs_per_worker=placement))
