@@ -33,7 +33,9 @@
 //                  sums the row's entries in that order and stores every element once (zero
 //                  rows included): bitwise reproducible.
 //
-// Index arithmetic is 64-bit throughout (N C S and N C P may exceed 2^31).
+// Index arithmetic is 64-bit (N C S and N C P may exceed 2^31), except in the forward and
+// backward launches whose indices all fit in 31 bits (`narrow`, decided by the host), which
+// run the same code with int indices.
 #include "common.cuh"
 
 namespace cutopo {
@@ -149,17 +151,19 @@ __device__ __forceinline__ R coordinate(R g, int size, int padding, bool align, 
 // ---------------------------------------------------------------------------------------------
 // The cell of one point
 
-template <int NDIM>
+// I: the index type, int where every flattened index of the launch fits in 31 bits (the host
+// says so: 64-bit multiplies and divisions cost several instructions each), else i64.
+template <typename I, int NDIM>
 struct Dims {
-    int size[NDIM];    // image order: (H, W) or (D, H, W)
-    i64 stride[NDIM];  // element strides of the flattened spatial axes
+    int size[NDIM];  // image order: (H, W) or (D, H, W)
+    I stride[NDIM];  // element strides of the flattened spatial axes
     __device__ __forceinline__ Dims(int d, int h, int w) {
         if constexpr (NDIM == 2) {
             size[0] = h; size[1] = w;
         } else {
             size[0] = d; size[1] = h; size[2] = w;
         }
-        i64 s = 1;
+        I s = 1;
 #pragma unroll
         for (int a = NDIM - 1; a >= 0; --a) {
             stride[a] = s;
@@ -168,20 +172,20 @@ struct Dims {
     }
 };
 
-template <typename R, int NDIM, bool NEAREST>
+template <typename R, int NDIM, bool NEAREST, typename I = i64>
 struct Cell {
     static constexpr int K = NEAREST ? 1 : 1 << NDIM;  // corners, itertools.product order
     R w[NDIM][2];      // per axis, the weights of offsets 0 and 1 (bilinear)
     R dx[NDIM];        // per axis, d pixel coordinate / d grid component
     R wt[K];           // corner weights: w[0][o_0] * w[1][o_1] (* w[2][o_2]), in that order
-    i64 pix[K];        // flattened pixel index of each corner, clamped into the image
+    I pix[K];          // flattened pixel index of each corner, clamped into the image
     unsigned inside;   // bit k: corner k lies in the image
     bool finite_grid;
 
     __device__ __forceinline__ static int offset(int k, int a) { return (k >> (NDIM - 1 - a)) & 1; }
 
-    __device__ __forceinline__ void setup(const R* g, const Dims<NDIM>& dims, int padding, bool align) {
-        i64 i0[NDIM];
+    __device__ __forceinline__ void setup(const R* g, const Dims<I, NDIM>& dims, int padding, bool align) {
+        int i0[NDIM];  // coordinate() keeps x in [-2, size + 1]
         finite_grid = true;
 #pragma unroll
         for (int a = 0; a < NDIM; ++a) {
@@ -189,28 +193,28 @@ struct Cell {
             finite_grid &= finite(ga);
             const R x = coordinate(ga, dims.size[a], padding, align, dx[a]);
             if (NEAREST) {
-                i0[a] = (i64)rint(x);  // round half to even: torch's nearbyint
+                i0[a] = (int)rint(x);  // round half to even: torch's nearbyint
                 w[a][0] = R(1);
                 w[a][1] = R(0);
             } else {
                 const R x0 = floor(x);
                 w[a][0] = sub(add(x0, R(1)), x);
                 w[a][1] = sub(x, x0);
-                i0[a] = (i64)x0;
+                i0[a] = (int)x0;
             }
         }
         inside = 0;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             bool in = true;
-            i64 p = 0;
+            I p = 0;
             R weight = R(1);
 #pragma unroll
             for (int a = 0; a < NDIM; ++a) {
                 const int o = offset(k, a);
-                const i64 i = i0[a] + o;
+                const int i = i0[a] + o;
                 in &= i >= 0 && i < dims.size[a];
-                p += min(max(i, (i64)0), (i64)dims.size[a] - 1) * dims.stride[a];
+                p += (I)min(max(i, 0), dims.size[a] - 1) * dims.stride[a];
                 weight = a == 0 ? w[a][o] : mul(weight, w[a][o]);
             }
             pix[k] = p;
@@ -222,11 +226,12 @@ struct Cell {
 };
 
 // Thread t of a launch over (channel group, n, p), p fastest: its point and channels.
+template <typename I>
 struct Item {
-    i64 np, n, p;
+    I np, n, p;
     int c0, c1;
-    __device__ __forceinline__ Item(i64 t, i64 NP, i64 P, int C, int per_group) {
-        const i64 group = t / NP;
+    __device__ __forceinline__ Item(I t, I NP, I P, int C, int per_group) {
+        const I group = t / NP;
         np = t - group * NP;
         n = np / P;
         p = np - n * P;
@@ -238,23 +243,21 @@ struct Item {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-template <typename T, typename R, typename O, int NDIM, bool NEAREST>
-__global__ void __launch_bounds__(THREADS)
-forward(const T* __restrict__ image, const R* __restrict__ grid, O* __restrict__ out,
-        int* __restrict__ flags, i64 n_threads, i64 NP, i64 P, int C, int per_group, int padding,
-        int align, int d, int h, int w) {
-    const i64 t = (i64)blockIdx.x * THREADS + threadIdx.x;
-    if (t >= n_threads) return;
-    const Item it(t, NP, P, C, per_group);
-    const Dims<NDIM> dims(d, h, w);
-    const i64 S = dims.stride[0] * dims.size[0];
-    Cell<R, NDIM, NEAREST> cell;
+template <typename I, typename T, typename R, typename O, int NDIM, bool NEAREST>
+__device__ __forceinline__ void forward_item(const T* __restrict__ image, const R* __restrict__ grid,
+                                             O* __restrict__ out, int* __restrict__ flags, I t, I NP,
+                                             I P, int C, int per_group, int padding, int align, int d,
+                                             int h, int w) {
+    const Item<I> it(t, NP, P, C, per_group);
+    const Dims<I, NDIM> dims(d, h, w);
+    const I S = dims.stride[0] * dims.size[0];
+    Cell<R, NDIM, NEAREST, I> cell;
     cell.setup(grid + it.np * NDIM, dims, padding, align != 0);
     raise_flag(flags, !cell.finite_grid, GRID_NONFINITE);
     // Two channels per iteration: twice the gathers in flight before the stores wait on them.
 #pragma unroll 2
     for (int c = it.c0; c < it.c1; ++c) {
-        const i64 plane = it.n * C + c;
+        const I plane = it.n * C + c;
         const T* img = image + plane * S;
         R acc = R(0);
 #pragma unroll
@@ -262,6 +265,22 @@ forward(const T* __restrict__ image, const R* __restrict__ grid, O* __restrict__
             if (cell.in(k)) acc = add(acc, mul(cell.wt[k], load<R>(img + cell.pix[k])));
         store(out + plane * P + it.p, acc);
     }
+}
+
+// narrow: N C S, N C P and n_threads NDIM are all below 2^31 (32-bit index arithmetic).
+template <typename T, typename R, typename O, int NDIM, bool NEAREST>
+__global__ void __launch_bounds__(THREADS)
+forward(const T* __restrict__ image, const R* __restrict__ grid, O* __restrict__ out,
+        int* __restrict__ flags, i64 n_threads, i64 NP, i64 P, int C, int per_group, int padding,
+        int align, int d, int h, int w, int narrow) {
+    const i64 t = (i64)blockIdx.x * THREADS + threadIdx.x;
+    if (t >= n_threads) return;
+    if (narrow)
+        forward_item<int, T, R, O, NDIM, NEAREST>(image, grid, out, flags, (int)t, (int)NP, (int)P,
+                                                  C, per_group, padding, align, d, h, w);
+    else
+        forward_item<i64, T, R, O, NDIM, NEAREST>(image, grid, out, flags, t, NP, P, C, per_group,
+                                                  padding, align, d, h, w);
 }
 
 // Non-finite image values (flag bit 2), over a grid-stride loop.
@@ -278,19 +297,18 @@ check_image(const T* __restrict__ image, i64 n, int* __restrict__ flags) {
 // ---------------------------------------------------------------------------------------------
 // Backward: grid cotangent (plain stores), image cotangent by atomics
 
-template <typename T, typename R, int NDIM, bool NEAREST>
-__global__ void __launch_bounds__(THREADS)
-backward(const T* __restrict__ image, const R* __restrict__ grid, const R* __restrict__ gout,
-         R* __restrict__ dimage, R* __restrict__ dgrid, i64 n_threads, i64 NP, i64 P, int C,
-         int per_group, int padding, int align, int d, int h, int w, int need_image, int need_grid) {
-    const i64 t = (i64)blockIdx.x * THREADS + threadIdx.x;
-    if (t >= n_threads) return;
-    const Item it(t, NP, P, C, per_group);
-    const Dims<NDIM> dims(d, h, w);
-    const i64 S = dims.stride[0] * dims.size[0];
-    Cell<R, NDIM, NEAREST> cell;
+template <typename I, typename T, typename R, int NDIM, bool NEAREST>
+__device__ __forceinline__ void backward_item(const T* __restrict__ image, const R* __restrict__ grid,
+                                              const R* __restrict__ gout, R* __restrict__ dimage,
+                                              R* __restrict__ dgrid, I t, I NP, I P, int C,
+                                              int per_group, int padding, int align, int d, int h,
+                                              int w, int need_image, int need_grid) {
+    const Item<I> it(t, NP, P, C, per_group);
+    const Dims<I, NDIM> dims(d, h, w);
+    const I S = dims.stride[0] * dims.size[0];
+    Cell<R, NDIM, NEAREST, I> cell;
     cell.setup(grid + it.np * NDIM, dims, padding, align != 0);
-    constexpr int K = Cell<R, NDIM, NEAREST>::K;
+    constexpr int K = Cell<R, NDIM, NEAREST, I>::K;
     // Nearest is piecewise constant: its grid cotangent is zero (as torch), no values needed.
     const bool values = need_grid && !NEAREST;
     R s[K];  // per corner: sum over channels of value times output cotangent
@@ -298,7 +316,7 @@ backward(const T* __restrict__ image, const R* __restrict__ grid, const R* __res
     for (int k = 0; k < K; ++k) s[k] = R(0);
     if (need_image || values) {
         for (int c = it.c0; c < it.c1; ++c) {
-            const i64 plane = it.n * C + c;
+            const I plane = it.n * C + c;
             const R go = gout[plane * P + it.p];
 #pragma unroll
             for (int k = 0; k < K; ++k) {
@@ -329,6 +347,24 @@ backward(const T* __restrict__ image, const R* __restrict__ grid, const R* __res
     }
 }
 
+template <typename T, typename R, int NDIM, bool NEAREST>
+__global__ void __launch_bounds__(THREADS)
+backward(const T* __restrict__ image, const R* __restrict__ grid, const R* __restrict__ gout,
+         R* __restrict__ dimage, R* __restrict__ dgrid, i64 n_threads, i64 NP, i64 P, int C,
+         int per_group, int padding, int align, int d, int h, int w, int need_image, int need_grid,
+         int narrow) {
+    const i64 t = (i64)blockIdx.x * THREADS + threadIdx.x;
+    if (t >= n_threads) return;
+    if (narrow)
+        backward_item<int, T, R, NDIM, NEAREST>(image, grid, gout, dimage, dgrid, (int)t, (int)NP,
+                                                (int)P, C, per_group, padding, align, d, h, w,
+                                                need_image, need_grid);
+    else
+        backward_item<i64, T, R, NDIM, NEAREST>(image, grid, gout, dimage, dgrid, t, NP, P, C,
+                                                per_group, padding, align, d, h, w, need_image,
+                                                need_grid);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Deterministic image cotangent
 
@@ -340,7 +376,7 @@ entry_keys(const R* __restrict__ grid, Key* __restrict__ keys, R* __restrict__ w
            i64 P, int padding, int align, int d, int h, int w) {
     const i64 np = (i64)blockIdx.x * THREADS + threadIdx.x;
     if (np >= NP) return;
-    const Dims<NDIM> dims(d, h, w);
+    const Dims<i64, NDIM> dims(d, h, w);
     const i64 S = dims.stride[0] * dims.size[0];
     const i64 n = np / P;
     const i64 none = (NP / P) * S;

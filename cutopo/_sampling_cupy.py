@@ -32,6 +32,8 @@ FILL = 2
 KEY32_MAX_ROWS = 2**31 - 2
 # Channels per group: None picks by size; tests set an int to force a split (or none).
 FORCE_PER_GROUP = None
+# Tests set True to run the forward and backward with 64-bit indices even where 32 bits suffice.
+FORCE_WIDE_INDEX = False
 
 _CTYPE = {"float16": "cutopo::half", "float32": "float", "float64": "double"}
 # (image storage, computation, output) of the forward instances. Float64 computations read
@@ -55,7 +57,7 @@ def _forward_sig(t, r, o, ndim, nearest):
     name = (f"cutopo::sampling::forward<{_CTYPE[t]}, {_CTYPE[r]}, {_CTYPE[o]}, {ndim}, "
             f"{_flag(nearest)}>")
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{r}", f"ptr:{o}", "ptr:int32", "int64",
-                                    "int64", "int64") + ("int32",) * 7)
+                                    "int64", "int64") + ("int32",) * 8)
 
 
 def _check_sig(t):
@@ -66,7 +68,7 @@ def _check_sig(t):
 def _backward_sig(t, r, ndim, nearest):
     name = f"cutopo::sampling::backward<{_CTYPE[t]}, {_CTYPE[r]}, {ndim}, {_flag(nearest)}>"
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}",
-                                    "int64", "int64", "int64") + ("int32",) * 9)
+                                    "int64", "int64", "int64") + ("int32",) * 10)
 
 
 def _keys_sig(r, key, ndim, nearest):
@@ -139,6 +141,14 @@ def _dims(spatial):
     return (1,) + tuple(spatial) if len(spatial) == 2 else tuple(spatial)
 
 
+def _narrow(n_threads, cfg):
+    """1 when the forward/backward launch of ``n_threads`` threads can index with int32: every
+    flattened image, output and grid index and the thread index below 2^31."""
+    N, C, P, S = cfg.N, cfg.C, cfg.P, cfg.image.shape[2]
+    biggest = max(n_threads, N * C * max(S, P), N * P * len(cfg.spatial))
+    return int(not FORCE_WIDE_INDEX and biggest < 2**31)
+
+
 def _common(cfg):
     """The scalars after the counts of the forward, backward and keys kernels."""
     return (PADDING_CODES[cfg.padding], int(cfg.align_corners)) + _dims(cfg.spatial)
@@ -169,7 +179,7 @@ def forward(cfg):
         if NP:
             groups, per = channel_groups(NP, cfg.C)
             plan = _prepared(device, _forward_sig(t, r, o, ndim, cfg.nearest), groups * NP,
-                             (NP, cfg.P, cfg.C, per) + _common(cfg))
+                             (NP, cfg.P, cfg.C, per) + _common(cfg) + (_narrow(groups * NP, cfg),))
             plan(image, grid, out, flags)
         return out, int(flags.get()[0])
 
@@ -203,7 +213,8 @@ def backward(cfg, g, needs):
             # The grid cotangent sums over every channel of a point in one thread: no split then.
             groups, per = channel_groups(NP, C, split=not need_grid)
             plan = _prepared(device, _backward_sig(t, r, ndim, cfg.nearest), groups * NP,
-                             (NP, P, C, per) + _common(cfg) + (int(atomic), int(need_grid)))
+                             (NP, P, C, per) + _common(cfg)
+                             + (int(atomic), int(need_grid), _narrow(groups * NP, cfg)))
             plan(image, grid, g, d_image if atomic else dummy, d_grid if need_grid else dummy)
         if need_image and cfg.deterministic:
             d_image = _sorted_image_cotangent(cfg, g, device)

@@ -265,3 +265,24 @@ def test_torch_adapter_gradcheck(padding_mode):
 
 def test_docstring_examples():
     run_docstring_examples(cutopo.grid_sample)
+
+
+def test_index_width_decision(monkeypatch):
+    """The CUDA forward/backward index with int32 only when every flattened index of the launch
+    (thread, image, output, grid) stays below 2^31."""
+    import types
+
+    from cutopo import _sampling_cupy as sc
+
+    def cfg(N, C, spatial, P):
+        image = types.SimpleNamespace(shape=(N, C, int(np.prod(spatial))))
+        return types.SimpleNamespace(N=N, C=C, P=P, spatial=spatial, image=image)
+
+    assert sc._narrow(8 * 65536, cfg(8, 16, (256, 256), 65536)) == 1
+    assert sc._narrow(1, cfg(1, 520, (2048, 2048), 42)) == 0        # C S > 2^31
+    assert sc._narrow(1, cfg(1, 2, (4, 4), 2**30 + 1)) == 0          # C P > 2^31
+    assert sc._narrow(2**31, cfg(1, 1, (4, 4), 2**30)) == 0          # threads
+    assert sc._narrow(3, cfg(1, 1, (8, 8, 8), 2**29 + 2**28)) == 0   # N P ndim grid entries
+    assert sc._narrow(3, cfg(1, 1, (2**15, 2**15), 2)) == 1         # S = 2^30 fits
+    monkeypatch.setattr(sc, "FORCE_WIDE_INDEX", True)
+    assert sc._narrow(8, cfg(1, 1, (4, 4), 8)) == 0

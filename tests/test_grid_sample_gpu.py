@@ -38,6 +38,16 @@ def per_group(request):
     _sampling_cupy.FORCE_PER_GROUP = old
 
 
+@pytest.fixture(params=[False, True], ids=["narrow", "wide"])
+def wide_index(request):
+    """Runs the test with 32-bit indices where they fit (the default) and with 64-bit ones
+    forced (_sampling_cupy.FORCE_WIDE_INDEX): the two instantiations must agree."""
+    old = _sampling_cupy.FORCE_WIDE_INDEX
+    _sampling_cupy.FORCE_WIDE_INDEX = request.param
+    yield request.param
+    _sampling_cupy.FORCE_WIDE_INDEX = old
+
+
 def _spatial(ndim, align_corners):
     # Sizes for which multiples of 1/8 are exact pixel centres or edges in every dtype:
     # size / 2 or (size - 1) / 2 a small power of two times an integer.
@@ -137,7 +147,7 @@ def test_vjp_matches_numpy(rng, mode, padding_mode, align_corners, ndim, dtype, 
 @pytest.mark.parametrize("per_group", [None, 1, 2, 3, 8], indirect=True)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("ndim", [2, 3])
-def test_channel_groups(rng, per_group, deterministic, ndim):
+def test_channel_groups(rng, per_group, deterministic, ndim, wide_index):
     """Channels split over threads (forward; image cotangent alone) or not: same results."""
     image, grid = _case(rng, ndim, False, np.float32, N=3, C=11)
     kw = dict(padding_mode="reflection", deterministic=deterministic)
@@ -147,7 +157,7 @@ def test_channel_groups(rng, per_group, deterministic, ndim):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("ndim", [2, 3])
-def test_random_larger_problems(rng, dtype, ndim):
+def test_random_larger_problems(rng, dtype, ndim, wide_index):
     """Sizes that are no powers of two, more points than one block, points off the dyadic
     lattice, warps that straddle channel planes and batch elements."""
     spatial = (33, 47) if ndim == 2 else (9, 13, 17)
