@@ -1,6 +1,6 @@
 """Host-side (Python) cost of repeated op calls on CuPy arrays: cProfile of N calls.
 
-    python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|grid_sample_stages] [--calls N]
+    python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|register|grid_sample_stages] [--calls N]
 
 Prints the functions with the largest own time; ``grid_sample_stages`` instead times the
 forward's pieces (argument preparation, the image check kernel, the sampling kernel, the whole
@@ -38,8 +38,22 @@ def _cpab_inputs(cp):
     return cp.asarray(pts), theta, tess
 
 
+def _register_call(cp):
+    """register on bench_register's 2d 512 case (tess 15 x 15, MSE, smoothness): 20 steps."""
+    from bench_register import Case
+
+    from cutopo.cpab import register
+
+    fixed, moving, tess, _ = Case("2d 512", 512, 2, 15, 20).inputs(cp, 50, 0)
+    return lambda: register(fixed, moving, tess, steps=20, lr=0.005, smoothness=1e-4,
+                            progress=False, diagnostics=False)
+
+
 def make_call(cp, which):
     from cutopo.cpab import integrate
+
+    if which == "register":
+        return _register_call(cp)
 
     if which.startswith("grid_sample"):
         image, grid = _grid_sample_inputs(cp)
@@ -70,7 +84,7 @@ def grid_sample_stages(cp, reps=50):
     groups, per = sc.channel_groups(NP, cfg.C)
     t, r = cfg.image.dtype.name, cfg.real.name
     plan = sc._prepared(dev, sc._forward_sig(t, r, np.dtype(cfg.dtype).name, 2, False), groups * NP,
-                        (NP, cfg.P, cfg.C, per) + sc._common(cfg))
+                        (NP, cfg.P, cfg.C, per) + sc._common(cfg) + (sc._narrow(groups * NP, cfg),))
     out = cp.empty(cfg.out_shape, dtype=cfg.dtype)
     flags = cp.zeros(1, dtype=np.int32)
     n = cfg.image.size
@@ -80,7 +94,7 @@ def grid_sample_stages(cp, reps=50):
     for per_group in (16, 8, 4, 2):
         g = -(-cfg.C // per_group)
         p = sc._prepared(dev, sc._forward_sig(t, r, np.dtype(cfg.dtype).name, 2, False), g * NP,
-                         (NP, cfg.P, cfg.C, per_group) + sc._common(cfg))
+                         (NP, cfg.P, cfg.C, per_group) + sc._common(cfg) + (sc._narrow(g * NP, cfg),))
         split.append((f"forward kernel, {per_group} channels per thread",
                       time_gpu(cp, lambda: p(cfg.image, cfg.grid, out, flags), reps)))
     rows = split + [("_prepare (host)", time_gpu(cp, lambda: sampling._prepare(image, grid, "bilinear", "zeros", False), reps)),
@@ -99,6 +113,7 @@ def main(argv=None):
     p.add_argument("which", nargs="?", default="grid_sample")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--sort", default="tottime", help="pstats sort keys, comma-separated (tottime,cumtime)")
     args = p.parse_args(argv)
     if not cutopo.gpu_available():
         print("profile_host: no CUDA device visible to CuPy")
@@ -120,7 +135,8 @@ def main(argv=None):
         cp.cuda.Device().synchronize()
         prof.disable()
         print(f"\n## {which}: {args.calls} calls")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        for key in args.sort.split(","):
+            pstats.Stats(prof).sort_stats(key).print_stats(args.top)
     return 0
 
 
