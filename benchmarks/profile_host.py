@@ -45,6 +45,7 @@ def _register_call(cp):
     from cutopo.cpab import register
 
     fixed, moving, tess, _ = Case("2d 512", 512, 2, 15, 20).inputs(cp, 50, 0)
+    fixed, moving = fixed[0, 0], moving[0, 0]
     return lambda: register(fixed, moving, tess, steps=20, lr=0.005, smoothness=1e-4,
                             progress=False, diagnostics=False)
 

@@ -286,6 +286,36 @@ def test_errors(rng):
         transform_grid(theta.astype(complex), tess, (3, 4))
 
 
+def test_pixel_centres_are_shared_and_read_only():
+    """transform_grid's centres are made once per (shape, dtype, device), equal to the
+    direct construction here, and cannot be written (every call shares them)."""
+    from cutopo.cpab.transform import centres_like
+
+    a = centres_like(np.zeros(3), (7, 5), np.float32)
+    assert a is centres_like(np.zeros(2, dtype=np.float32), [7, 5], "float32")
+    assert a.dtype == np.float32 and not a.flags.writeable
+    np.testing.assert_array_equal(a, centres((7, 5)).astype(np.float32))
+    b = centres_like([0.0], (3, 4, 2), np.float64)
+    np.testing.assert_array_equal(b, centres((3, 4, 2)))
+    with pytest.raises(ValueError, match="read-only"):
+        a[0, 0] = 1
+
+
+@pytest.mark.gpu
+def test_pixel_centres_on_the_device():
+    """The device-made centres equal the host construction bit for bit, per device."""
+    import cupy as cp
+
+    from cutopo.cpab.transform import centres_like, pixel_centres
+
+    for shape, dtype in (((33, 17), np.float32), ((5, 9, 7), np.float64), ((300, 7), np.float32)):
+        got = centres_like(cp.zeros(1), shape, dtype)
+        assert isinstance(got, cp.ndarray) and got.dtype == dtype
+        np.testing.assert_array_equal(got.get(), pixel_centres(shape, dtype))
+        np.testing.assert_array_equal(got.get(), centres(shape).astype(dtype))
+        assert centres_like(cp.ones(2), shape, dtype) is got
+
+
 @pytest.mark.gpu
 def test_cupy_matches_numpy(rng):
     """CuPy image and theta run integrate's and grid_sample's kernels: the NumPy results (float64

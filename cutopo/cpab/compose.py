@@ -21,7 +21,7 @@ from ._checks import check_count
 from .integrate import _integrate_meta, integrate
 from .tessellation import Tessellation
 from .transform import (_check_image, _check_shape, _from_normalised_cotangent, _GRID_SAMPLE,
-                        _sum_to, _theta_dtype, _to_normalised, pixel_centres)
+                        _sum_to, _theta_dtype, _to_normalised, centres_like)
 
 __all__ = ["compose", "compose_grid", "compose_image"]
 
@@ -185,7 +185,7 @@ def _grid_forward(thetas, tess, shape, *, n_steps=50):
     thetas = _check_thetas(thetas, tess, "compose_grid")
     shape = _check_shape(shape, tess, "compose_grid")
     dtype = _theta_dtype(thetas.dtype) if thetas.dtype.kind in "fiu" else np.float64
-    points = array_module(thetas).asarray(pixel_centres(shape, dtype))
+    points = centres_like(thetas, shape, dtype)
     phi, residuals = _COMPOSE.forward(points, thetas, tess, n_steps=n_steps)
     return phi.reshape(phi.shape[:-2] + shape + (tess.ndim,)), (residuals, phi.shape)
 

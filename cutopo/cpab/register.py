@@ -27,7 +27,7 @@ from .losses import local_ncc, mse
 from .prolong import prolong, refinement_factor
 from .smoothness import dirichlet_matrix
 from .tessellation import Tessellation
-from .transform import pixel_centres, transform_grid, transform_image
+from .transform import centres_like, transform_grid, transform_image
 
 __all__ = ["register", "RegistrationResult", "LOSSES"]
 
@@ -427,7 +427,7 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     if diagnostics:
         phi = transform_grid(theta, tess, spatial, n_steps=n_steps)
         folding = _folding_fraction(phi)
-        centres = xp.asarray(pixel_centres(spatial, dtype))
+        centres = centres_like(theta, spatial, dtype)
         log_det = _log_jacobian(centres, theta, tess, n_steps=n_steps).reshape(spatial)
     warped = warped[0] if moving_channels else warped[0, 0]
     return RegistrationResult(theta=theta, tess=tess, warped=warped, loss_history=history,

@@ -12,6 +12,8 @@ backwards compute only the cotangents that are asked for):
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .._array import array_module, is_cupy_array
@@ -46,12 +48,35 @@ def _check_shape(shape, tess, name):
     return tuple(check_count(s, "shape") for s in items)
 
 
-def pixel_centres(shape, dtype=np.float64):
+def pixel_centres(shape, dtype=np.float64, xp=np):
     """(prod(shape), K) unit-box coordinates of the pixel centres of a grid of ``shape``:
-    point ``(i_0, ..., i_{K-1})`` (C order) is ``((i_0 + 1/2) / shape[0], ...)``."""
-    axes = [(np.arange(n, dtype=np.float64) + 0.5) / n for n in shape]
-    mesh = np.meshgrid(*axes, indexing="ij")
-    return np.stack([m.ravel() for m in mesh], axis=-1).astype(dtype)
+    point ``(i_0, ..., i_{K-1})`` (C order) is ``((i_0 + 1/2) / shape[0], ...)``, made by the
+    array module ``xp`` (CuPy: on the current device, the same correctly rounded float64
+    operations, so the same values)."""
+    axes = [(xp.arange(n, dtype=np.float64) + 0.5) / n for n in shape]
+    mesh = xp.meshgrid(*axes, indexing="ij", copy=False)
+    return xp.stack([m.ravel() for m in mesh], axis=-1).astype(dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_centres(shape, dtype, device_id):
+    if device_id is None:
+        centres = pixel_centres(shape, dtype)
+        centres.setflags(write=False)
+        return centres
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return pixel_centres(shape, dtype, cupy)
+
+
+def centres_like(like, shape, dtype):
+    """:func:`pixel_centres` (shape, dtype) on the array type and device of ``like``, made once
+    per (shape, dtype, device) and shared: an iterative caller (register's every step) would
+    otherwise build and upload the grid's coordinates every time, which cost more than the
+    step's kernels. Shared arrays are never written (NumPy's are read-only)."""
+    device_id = like.device.id if is_cupy_array(like) else None
+    return _shared_centres(tuple(int(s) for s in shape), np.dtype(dtype), device_id)
 
 
 def _to_normalised(phi):
@@ -72,10 +97,10 @@ _GRID_SAMPLE = grid_sample.__cutopo_op__
 
 def _grid_forward(theta, tess, shape, *, n_steps=50):
     shape = _check_shape(shape, tess, "transform_grid")
-    xp = array_module(theta)                 # CuPy theta: the centres go to the device too
     theta_dtype = theta.dtype if hasattr(theta, "dtype") else np.asarray(theta).dtype
-    points = xp.asarray(pixel_centres(shape, _theta_dtype(theta_dtype)
-                                      if theta_dtype.kind in "fiu" else np.float64))
+    # CuPy theta: the centres are made on its device
+    points = centres_like(theta, shape, _theta_dtype(theta_dtype)
+                          if theta_dtype.kind in "fiu" else np.float64)
     phi, residuals = _INTEGRATE.forward(points, theta, tess, n_steps=n_steps)
     out_shape = phi.shape[:-2] + shape + (tess.ndim,)                    # (B,)? + shape + (K,)
     return phi.reshape(out_shape), (residuals, phi.shape)
