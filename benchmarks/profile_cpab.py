@@ -63,11 +63,12 @@ def main(argv=None):
         _, chk, _ = icp.integrate(plan, checkpoint_every=4)
         out = icp.integrate(plan)[0]
         cot = cp.ones(out.shape, dtype=cp.float64)
-        row("backward kernel + frechet + B^T", lambda: icp.backward(plan, chk, 4, cot, False, True))
-        icp.POOL_MOMENTS = False
-        row("backward kernel + frechet + B^T, unpooled atomics",
-            lambda: icp.backward(plan, chk, 4, cot, False, True))
-        icp.POOL_MOMENTS = True
+        default = icp.MOMENTS
+        for moments in icp.MOMENT_MODES:
+            icp.MOMENTS = moments
+            row(f"backward kernel + frechet + B^T, moments per {moments}",
+                lambda: icp.backward(plan, chk, 4, cot, False, True))
+        icp.MOMENTS = default
         row("backward, points only", lambda: icp.backward(plan, chk, 4, cot, True, False))
         G = cp.random.default_rng(0).random((len(A), K * (K + 1)))
         dA = cp.empty_like(G)

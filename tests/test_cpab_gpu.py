@@ -214,15 +214,16 @@ def test_vjp_float32_matches_numpy(rng):
         np.testing.assert_allclose(g.get(), w, rtol=1e-3, atol=1e-4 * np.abs(w).max())
 
 
-@pytest.fixture(params=[True, False], ids=["pooled", "unpooled"])
-def pool_moments(request):
-    old = _integrate_cupy.POOL_MOMENTS
-    _integrate_cupy.POOL_MOMENTS = request.param
+@pytest.fixture(params=list(_integrate_cupy.MOMENT_MODES))
+def moments(request):
+    """Each way of summing the backward's per-cell moments (_integrate_cupy.MOMENTS)."""
+    old = _integrate_cupy.MOMENTS
+    _integrate_cupy.MOMENTS = request.param
     yield request.param
-    _integrate_cupy.POOL_MOMENTS = old
+    _integrate_cupy.MOMENTS = old
 
 
-def test_vjp_pools_a_warp_in_one_cell(rng, pool_moments):
+def test_vjp_pools_a_warp_in_one_cell(rng, moments):
     """Every point of a warp in the same cell (the warp-pooled flush path), and every point in
     a different cell (the scattered path), with and without pooling."""
     cp = _cp()
@@ -237,6 +238,26 @@ def test_vjp_pools_a_warp_in_one_cell(rng, pool_moments):
         _, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=25)
         got = pb(cp.asarray(cot))
         np.testing.assert_allclose(got[1].get(), want[1], rtol=1e-9, atol=1e-9 * np.abs(want[1]).max())
+
+
+@pytest.mark.parametrize("shape,batch", [((16, 16), 1), ((12, 20), 3), ((4, 4, 4), 1),
+                                         ((3, 5, 4), 2)])
+def test_vjp_block_cache_collisions(rng, moments, shape, batch):
+    """More cells than the block cache has slots (2D 1024 and 960 cells for 256 slots, 3D 320 and
+    300 cells for 128), points scattered over all of them and, with a batch, per-item cells
+    (offset indices): slots taken by other cells send the sums to the global moments directly.
+    Every mode equals the NumPy path."""
+    cp = _cp()
+    tess = Tessellation(shape)
+    theta = draw_theta(tess, rng, n=batch, largest=3.0)
+    pts = rng.random((batch, 2000, tess.ndim))
+    out_np, pb_np = cutopo.vjp(integrate, pts, theta, tess, n_steps=20)
+    cot = rng.standard_normal(out_np.shape)
+    want = pb_np(cot)
+    _, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=20)
+    got = pb(cp.asarray(cot))
+    np.testing.assert_allclose(got[1].get(), want[1], rtol=1e-9, atol=1e-9 * np.abs(want[1]).max())
+    np.testing.assert_allclose(got[0].get(), want[0], rtol=1e-9, atol=1e-9 * np.abs(want[0]).max())
 
 
 def test_vjp_matches_central_differences_on_the_gpu(rng):

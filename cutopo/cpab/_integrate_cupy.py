@@ -20,10 +20,12 @@ from .velocity import raise_not_finite
 FAMILY = "cpab"
 THREADS = 256          # cpab::THREADS
 MAX_SEGMENT = 16       # cpab::MAX_SEGMENT: the largest checkpoint_every of the backward
-# The backward's per-cell moments: pooled across the lanes of a warp that flush one cell before
-# the atomics (True), or one set of atomics per lane (False); benchmarks/profile_cpab.py times
-# both.
-POOL_MOMENTS = True
+# How the backward's per-cell moments reach the global sums (cpab.cu, integrate_backward's
+# MODE): "lane" (float64 atomics from every lane), "warp" (the lanes of a warp that flush one
+# cell pool their sums first), "block" (pooled, then summed per cell in a shared-memory cache
+# of the block, added to the global sums once per block). benchmarks/profile_cpab.py times them.
+MOMENTS = "block"
+MOMENT_MODES = {"lane": 0, "warp": 1, "block": 2}
 _CTYPE = {"float32": "float", "float64": "double"}
 _GRID = ("int32",) * 3
 
@@ -46,9 +48,9 @@ def _forward_sig(t, K, project):
                      + ("int32",) * 6 + _GRID)
 
 
-def _backward_sig(t, K, project, pool=True):
+def _backward_sig(t, K, project, moments="block"):
     name = (f"cutopo::cpab::integrate_backward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}, "
-            f"{'true' if pool else 'false'}>")
+            f"{MOMENT_MODES[moments]}>")
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64", "ptr:float64",
                                     "ptr:float64", "int64", "int64", "int64")
                      + ("int32",) * 6 + _GRID)
@@ -81,8 +83,8 @@ def _instances():
             yield _expm_sig(t, K).name
             for project in (False, True):
                 yield _forward_sig(t, K, project).name
-                for pool in (False, True):
-                    yield _backward_sig(t, K, project, pool).name
+                for moments in MOMENT_MODES:
+                    yield _backward_sig(t, K, project, moments).name
 
 
 register_instances(FAMILY, _instances)
@@ -239,7 +241,7 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
     size = K * (K + 1)
     G = cupy.zeros((plan.n_theta * plan.C, size) if need_theta else (0,), dtype=np.float64)
     ps, ts = _shared(plan)
-    launch(_backward_sig(plan.dtype.name, K, plan.project, POOL_MOMENTS), _blocks(B * N), THREADS,
+    launch(_backward_sig(plan.dtype.name, K, plan.project, MOMENTS), _blocks(B * N), THREADS,
            (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
             plan.n_steps, S, int(need_points), int(need_theta)) + _grid(plan.shape))
     grad_theta = None
