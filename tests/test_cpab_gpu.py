@@ -161,11 +161,14 @@ def test_no_slip_trajectories_stay_in_the_box(rng):
     out = integrate(pts, theta, tess, n_steps=50)
     assert bool(((out >= 0) & (out <= 1)).all())
     # phi_{-theta} inverts only up to the frozen-cell scheme's error, which at h ||A|| = 0.4
-    # reached 0.24 for some seeds: compare the round trip with the NumPy path's instead
+    # reached 0.24 for some seeds: compare the round trip with the NumPy path's instead. The
+    # step matrices of -theta agree with NumPy's to float64 rounding only, and the backward
+    # trajectories pass close to faces: on the H200, 40 seeds, 0.5-9 % of the points differed
+    # by more than 1e-9, by at most 3.2e-7 (a bound of 1e-9 on 0.1 % of them failed 1 seed in 4)
     back = integrate(out, -theta, tess, n_steps=50)
     want = integrate(integrate(pts.get(), theta.get(), tess, n_steps=50), -theta.get(), tess,
                      n_steps=50)
-    assert np.mean(np.abs(back.get() - want) > 1e-9) < 1e-3
+    assert float(np.abs(back.get() - want).max()) < 1e-5
     # and with small steps the round trip is the identity to O(h^2)
     back = integrate(integrate(pts, theta / 4, tess, n_steps=200), -theta / 4, tess, n_steps=200)
     assert float(cp.median(cp.abs(back - pts))) < 1e-4
