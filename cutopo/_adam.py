@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ._array import array_module
+from ._array import array_module, is_cupy_array
 
 __all__ = ["Adam"]
 
@@ -31,7 +31,9 @@ class Adam:
         m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
         params -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
-    All in array operations on the parameters' device: no host synchronisation.
+    All on the parameters' device, no host synchronisation: for CuPy arrays of one float dtype
+    one fused kernel (``cuda_src/optim.cu``, the same roundings in the same order), else these
+    array operations.
 
     Examples
     --------
@@ -68,11 +70,17 @@ class Adam:
         """One update of :attr:`params` (in place) from the gradient ``grad`` (its shape)."""
         b1, b2 = self.betas
         self.t += 1
+        step = self.lr / (1 - b1 ** self.t)
+        root = 1.0 / math.sqrt(1 - b2 ** self.t)
+        if is_cupy_array(self.params):
+            from . import _adam_cupy
+
+            if _adam_cupy.fits(self.params, self.m, self.v, grad):
+                _adam_cupy.adam_step(self.params, self.m, self.v, grad, b1, b2, step, root, self.eps)
+                return self.params
         self.m *= b1
         self.m += (1 - b1) * grad
         self.v *= b2
         self.v += (1 - b2) * (grad * grad)
-        step = self.lr / (1 - b1 ** self.t)
-        root = 1.0 / math.sqrt(1 - b2 ** self.t)
         self.params -= step * self.m / (array_module(self.params).sqrt(self.v) * root + self.eps)
         return self.params
