@@ -223,7 +223,27 @@ def masked_histogram(x, thresholds, ndim, tconn, own, hist) -> None:
     histogram_plan(x, thresholds, ndim, tconn, masked=True).add_masked(view, hist, *masks)
 
 
-def ecc(image, thresholds, ndim, tconn):
+def _wrapped(image, ndim):
+    """The torus complex's ECC through the box kernels: ``image`` padded by one wrapped pixel on
+    each side of every spatial axis, and per axis the mask of the original pixels. A pixel's
+    contribution depends only on its 3^ndim neighbourhood, which the padding gives it as the
+    torus does. Each cell of the torus has copies in the padded box that differ by whole
+    periods; the box's owner rule (value, then position in the padded array) is translation
+    invariant, so it picks the same torus vertex in every copy, and exactly one copy has that
+    vertex among the original pixels: every torus cell counts once. (Which pixel owns a cell
+    whose vertices tie across the wrap can differ from the NumPy torus rule, which orders by
+    the real linear index: the ECC agrees, the per-pixel contributions need not, so
+    euler_contributions has no periodic CUDA path.) Costs a copy of the image,
+    ((n + 2) / n)^ndim times its size."""
+    import cupy
+
+    lead = image.ndim - ndim
+    padded = cupy.pad(image, [(0, 0)] * lead + [(1, 1)] * ndim, mode="wrap")
+    own = [np.r_[False, np.ones(n, dtype=bool), False] for n in image.shape[lead:]]
+    return padded, own
+
+
+def ecc(image, thresholds, ndim, tconn, periodic=False):
     import cupy
 
     batch = image.shape[:-ndim]
@@ -232,6 +252,11 @@ def ecc(image, thresholds, ndim, tconn):
     with image.device:
         if nimg == 0:
             return cupy.zeros(batch + (T,), dtype=np.int64)
+        if periodic:
+            padded, own = _wrapped(image, ndim)
+            hist = cupy.zeros((nimg, T), dtype=np.int64)
+            masked_histogram(padded, thresholds, ndim, tconn, own, hist)
+            return cupy.cumsum(hist, axis=1).reshape(batch + (T,))
         x = _image_view(cupy.ascontiguousarray(image)).reshape((nimg,) + image.shape[-ndim:])
         out = histogram_plan(image, thresholds, ndim, tconn)(x)
     return out.reshape(batch + (T,))

@@ -50,7 +50,9 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
         of them. The torus has Euler characteristic 0 in 2D and 3D, so the curve ends at 0
         once every pixel is in.
         Every spatial axis must have length >= 3 (with 1 or 2 the torus complex
-        degenerates). NumPy inputs only for now: CuPy inputs raise NotImplementedError.
+        degenerates). CuPy inputs run the box kernel on a copy padded by one wrapped pixel per
+        side (that much more device memory); streamed inputs are periodic on the CPU only
+        (``device="cuda"`` with ``"periodic"`` raises NotImplementedError).
     device : {None, "cpu", "cuda"}, optional
         Where a host input is computed. ``None`` (default): where it lives (NumPy arrays,
         memmaps and other host array-likes on the CPU, CuPy arrays on their GPU). ``"cuda"``:
@@ -148,11 +150,11 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
         return _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab)
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
-    periodic = check_boundary(boundary, image, ndim)
+    periodic = check_boundary(boundary, image, ndim, cuda=True)
     same_array_type(image, [("thresholds", thresholds)])
     t, _ = check_thresholds(thresholds, image)
     if is_cupy_array(image):
-        return _ecc_cupy.ecc(image, t, ndim, tconn)
+        return _ecc_cupy.ecc(image, t, ndim, tconn, periodic)
     return _ecc_numpy.ecc(image, t, ndim, tconn, periodic)
 
 
@@ -192,7 +194,9 @@ def euler_contributions(image, *, ndim=None, connectivity=1, boundary="box"):
     ndim : {None, 2, 3}, optional
     connectivity : {1, ndim}, optional
     boundary : {"box", "periodic"}, optional
-        As for :func:`ecc` (``"periodic"``: every spatial axis >= 3, NumPy inputs only).
+        As for :func:`ecc` (``"periodic"``: every spatial axis >= 3, NumPy inputs only: the
+        CUDA kernel's owner rule differs from the torus's on values tied across the wrap, so
+        only the sums, the curve, would agree).
 
     Returns
     -------

@@ -441,34 +441,61 @@ def test_validation(op):
             call(np.zeros((3, 3)), boundary=bad)
 
 
-def test_cupy_inputs_with_periodic_raise(monkeypatch):
-    """Without a GPU here: pretend the image is a CuPy array where the boundary is checked."""
+def test_cupy_inputs_with_periodic(monkeypatch):
+    """Without a GPU here: pretend the image is a CuPy array where the boundary is checked. ecc
+    has a periodic CUDA path (cuda=True); the other ops raise NotImplementedError."""
     monkeypatch.setattr(_checks, "is_cupy_array", lambda x: True)
-    for call in (lambda: cutopo.ecc(np.zeros((3, 3)), [0.0], boundary=P),
+    assert _checks.check_boundary(P, np.zeros((3, 4)), 2, cuda=True) is True
+    for call in (lambda: _checks.check_boundary(P, np.zeros((3, 4)), 2),
                  lambda: cutopo.euler_contributions(np.zeros((3, 4, 5)), boundary=P)):
-        with pytest.raises(NotImplementedError, match="periodic boundaries have no CUDA kernel yet"):
+        with pytest.raises(NotImplementedError, match="no CUDA kernel yet for this op"):
             call()
     with pytest.raises(ValueError, match="image"):  # the shape error comes first
         cutopo.ecc(np.zeros((2, 3)), [0.0], boundary=P)
 
 
 @pytest.mark.gpu
-def test_cupy_periodic_not_implemented_box_works(rng):
+@pytest.mark.parametrize("connectivity", ["V", "T"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_cupy_periodic_ecc_equals_numpy_and_oracle(rng, ndim, connectivity):
+    """The CUDA path (box kernel on a wrapped copy, original pixels owned) equals the NumPy
+    torus and the cell enumeration exactly: every dtype, ties across the wrap, NaN, axes of
+    length 3, batches; box results unchanged."""
     import cupy as cp
 
-    image = random_image(rng, (6, 7), "float32", ties=True)
-    d = cp.asarray(image)
-    with pytest.raises(NotImplementedError, match="periodic boundaries have no CUDA kernel yet"):
-        cutopo.ecc(d, 8, boundary=P)
-    with pytest.raises(NotImplementedError, match="periodic boundaries have no CUDA kernel yet"):
+    conn = 1 if connectivity == "V" else ndim
+    for k, dtype in enumerate(DTYPES):
+        shape = (3,) + random_shape(rng, ndim - 1) if k % 3 == 0 else random_shape(rng, ndim)
+        image = random_image(rng, shape, dtype, ties=k % 2 == 0, nan=0.1 * (k % 4 == 1))
+        t = random_thresholds(rng, image)
+        got = cutopo.ecc(cp.asarray(image), cp.asarray(t), connectivity=conn, boundary=P)
+        assert isinstance(got, cp.ndarray) and got.dtype == np.int64
+        np.testing.assert_array_equal(got.get(), cutopo.ecc(image, t, connectivity=conn, boundary=P))
+        np.testing.assert_array_equal(got.get(), periodic_ecc_oracle(image, t, conn))
+    batch = random_image(rng, (2, 3) + random_shape(rng, ndim), "float32", ties=True)
+    t = random_thresholds(rng, batch)
+    got = cutopo.ecc(cp.asarray(batch), cp.asarray(t), ndim=ndim, connectivity=conn, boundary=P)
+    np.testing.assert_array_equal(got.get(), cutopo.ecc(batch, t, ndim=ndim, connectivity=conn,
+                                                        boundary=P))
+    box = cutopo.ecc(cp.asarray(batch), cp.asarray(t), ndim=ndim, connectivity=conn)
+    np.testing.assert_array_equal(box.get(), cutopo.ecc(batch, t, ndim=ndim, connectivity=conn))
+
+
+@pytest.mark.gpu
+def test_cupy_periodic_constant_and_errors(rng):
+    """A constant torus has Euler characteristic 0; the ops without a periodic CUDA path say so."""
+    import cupy as cp
+
+    for shape in ((3, 3), (4, 5), (3, 4, 5)):
+        got = cutopo.ecc(cp.full(shape, 2.0, dtype=cp.float32), [1.0, 2.0], boundary=P)
+        np.testing.assert_array_equal(got.get(), [0, 0])
+    d = cp.asarray(random_image(rng, (6, 7), "float32", ties=True))
+    with pytest.raises(NotImplementedError, match="no CUDA kernel yet for this op"):
         cutopo.euler_contributions(d, boundary=P)
     with pytest.raises(NotImplementedError):
         cutopo.soft_ecc(d, cp.asarray([0.0, 1.0]), 2.0, boundary=P)
-    t = np.array([0.0, 50.0, 100.0], dtype=np.float32)
-    np.testing.assert_array_equal(cutopo.ecc(d, cp.asarray(t), boundary="box").get(),
-                                  cutopo.ecc(image, t))
-    np.testing.assert_array_equal(cutopo.euler_contributions(d, connectivity=2, boundary="box").get(),
-                                  cutopo.euler_contributions(image, connectivity=2))
+    with pytest.raises(ValueError, match="image"):
+        cutopo.ecc(cp.zeros((2, 5)), [0.0], boundary=P)
 
 
 # ---------------------------------------------------------------------------------------------
