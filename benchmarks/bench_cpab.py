@@ -221,12 +221,19 @@ def main(argv=None):
                     baseline_reps="timed repetitions of the baseline",
                     no_baseline="skip the scaling-and-squaring baseline")
     p.add_argument("--no-scaling", action="store_true", help="skip the tessellation-scaling cases")
+    p.add_argument("--checkpoints", choices=("device", "recompute"), default=None,
+                   help="where the VJP keeps its checkpoints (cutopo.cpab._integrate_cupy.CHECKPOINTS; "
+                        "default: the library's)")
     p.add_argument("--tol", type=float, default=1e-3,
                    help="largest accepted max |GPU - NumPy| of the forward (default 1e-3)")
     args = p.parse_args(argv)
     if not cutopo.gpu_available():
         print("bench_cpab: no CUDA device visible to CuPy; nothing to measure (run it on a GPU machine).")
         return 0
+    if args.checkpoints:
+        from cutopo.cpab import _integrate_cupy
+
+        _integrate_cupy.CHECKPOINTS = args.checkpoints
     return run_gpu(args)
 
 

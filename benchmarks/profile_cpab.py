@@ -69,6 +69,8 @@ def main(argv=None):
             row(f"backward kernel + frechet + B^T, moments per {moments}",
                 lambda: icp.backward(plan, chk, 4, cot, False, True))
         icp.MOMENTS = default
+        row("backward kernel + frechet + B^T, checkpoints recomputed by the backward",
+            lambda: icp.backward(plan, None, 4, cot, False, True))
         row("backward, points only", lambda: icp.backward(plan, chk, 4, cot, True, False))
         G = cp.random.default_rng(0).random((len(A), K * (K + 1)))
         dA = cp.empty_like(G)

@@ -20,7 +20,9 @@
 //                            registers; optionally the checkpoints every S steps (for the VJP)
 //                            and the log-Jacobian h * sum_t tr A_c(t).
 //   integrate_backward       one thread per (batch item, point): segment by segment from the
-//                            last checkpoint, recompute the S steps into local memory, sweep
+//                            last checkpoint (the forward's, or with `recompute` the thread's
+//                            own, from one forward pass into local memory: then no (T/S, B, N,
+//                            K) array exists), recompute the S steps into local memory, sweep
 //                            them backwards (lambda_t = E_lin^T (m_{t+1} lambda_{t+1})) and add
 //                            mu_{t+1} [x_t; 1]^T to the per-cell moments G_c. A point stays in
 //                            one cell for many consecutive steps, so the outer products are
@@ -45,6 +47,9 @@ namespace cpab {
 
 constexpr int THREADS = 256;
 constexpr int MAX_SEGMENT = 16;  // the largest checkpoint_every the backward supports
+// The most checkpoints the backward recomputes into a thread's local memory (no checkpoint
+// array from the forward): the host picks S >= ceil(T / MAX_LOCAL_CHECKPOINTS) for that mode.
+constexpr int MAX_LOCAL_CHECKPOINTS = 16;
 
 // -- roundings the compiler may not fuse ----------------------------------------------------
 
@@ -429,14 +434,16 @@ __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ 
 
 // The backward: `cotangent` (B, N, K) float64 in, `grad_points` (B, N, K) float64 out
 // (m_0 lambda_0, not yet summed over a shared batch), `G` (Bt C, K (K+1)) float64 moments
-// accumulated when `need_theta`. Checkpoints as integrate_forward keeps them. MODE: how the
+// accumulated when `need_theta`. Checkpoints as integrate_forward keeps them, or none with
+// `recompute` (ceil(n_steps / S) <= MAX_LOCAL_CHECKPOINTS, the host's promise). MODE: how the
 // moments reach G (0: per-lane atomics, 1: warp-pooled, 2: warp-pooled into the block's cache).
 template <typename T, int K, bool PROJECT, int MODE>
 __device__ __forceinline__ void backward_item(
         const Item& it, const T* __restrict__ points, const T* __restrict__ E,
         const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
         double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
-        int need_points, int need_theta, const Grid& g, double* my_scratch, MomentCache<K>& cache) {
+        int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch,
+        MomentCache<K>& cache) {
     double lam[K];
     #pragma unroll
     for (int k = 0; k < K; ++k) lam[k] = cotangent[it.idx * K + k];
@@ -448,11 +455,26 @@ __device__ __forceinline__ void backward_item(
     m.reset(-1);
     const i64 plane = B * N * K;
     const int segments = (n_steps + S - 1) / S;
+    // recompute: the forward's trajectory again, x_t kept at t = 0, S, 2S, ... (the same steps
+    // in the same order as integrate_forward, so the same values)
+    T own[MAX_LOCAL_CHECKPOINTS][K];
+    if (recompute) {
+        T x[K];
+        int inside;
+        start_point<T, K, PROJECT>(points, it.point_row, x, inside);
+        for (int t = 0; t < n_steps; ++t) {
+            if (t % S == 0)
+                #pragma unroll
+                for (int k = 0; k < K; ++k) own[t / S][k] = x[k];
+            step<T, K, PROJECT>(x, E, it.cell_offset, g, inside);
+        }
+    }
     for (int j = segments - 1; j >= 0; --j) {
         const int L = min(S, n_steps - j * S);
         T x[K];
         #pragma unroll
-        for (int k = 0; k < K; ++k) x[k] = checkpoints[(i64)j * plane + it.idx * K + k];
+        for (int k = 0; k < K; ++k)
+            x[k] = recompute ? own[j][k] : checkpoints[(i64)j * plane + it.idx * K + k];
         for (int i = 0; i < L; ++i) {
             #pragma unroll
             for (int k = 0; k < K; ++k) xs[i][k] = x[k];
@@ -505,7 +527,7 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
                    const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
                    double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, i64 C,
                    int points_shared, int theta_shared, int n_steps, int S, int need_points,
-                   int need_theta, int n0, int n1, int n2) {
+                   int need_theta, int recompute, int n0, int n1, int n2) {
     constexpr int SIZE = Moments<K>::SIZE;
     constexpr int SLOTS = MODE == 2 ? MomentCache<K>::SLOTS : 1;
     __shared__ double scratch[MODE >= 1 ? WARPS * 32 * SIZE : 1];
@@ -521,7 +543,7 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
     if (item_of(B, N, points_shared, theta_shared, C, it)) {
         const Grid g = {{n0, n1, n2}};
         backward_item<T, K, PROJECT, MODE>(it, points, E, checkpoints, cotangent, grad_points, G, B,
-                                           N, n_steps, S, need_points, need_theta, g,
+                                           N, n_steps, S, need_points, need_theta, recompute, g,
                                            scratch + (threadIdx.x / 32) * 32 * SIZE, cache);
     }
     if (cached) {

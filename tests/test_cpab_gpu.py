@@ -202,6 +202,33 @@ def test_vjp_matches_numpy(shape, zb, rng):
                                            err_msg=f"{name} S={S}")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(4, 4), (2, 3, 2)])
+def test_vjp_with_recomputed_checkpoints(monkeypatch, rng, shape, dtype):
+    """CHECKPOINTS = "recompute": no checkpoint array (the backward kernel reruns each
+    trajectory into local memory), the same cotangents as NumPy; S raised where T / S would
+    exceed the local checkpoints (T = 100, S = 1 -> 7), the device array kept past T = 256."""
+    cp = _cp()
+    monkeypatch.setattr(_integrate_cupy, "CHECKPOINTS", "recompute")
+    tess = Tessellation(shape)
+    theta = draw_theta(tess, rng, n=2, largest=6.0).astype(dtype)
+    pts = rng.random((3000, len(shape))).astype(dtype)
+    rtol = 1e-9 if dtype == np.float64 else 1e-3
+    for n_steps, S, own in ((20, 4, True), (20, 16, True), (100, 1, True), (300, 4, False)):
+        out_np, pb_np = cutopo.vjp(integrate, pts, theta, tess, n_steps=n_steps, checkpoint_every=S)
+        cot = rng.standard_normal(out_np.shape).astype(dtype)
+        want = pb_np(cot)
+        out, residuals = integrate.__cutopo_op__.forward(cp.asarray(pts), cp.asarray(theta), tess,
+                                                          n_steps=n_steps, checkpoint_every=S)
+        assert (residuals.checkpoints is None) == own
+        _, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=n_steps,
+                           checkpoint_every=S)
+        got = pb(cp.asarray(cot))
+        for g, w, name in zip(got[:2], want[:2], ("points", "theta")):
+            np.testing.assert_allclose(g.get(), w, rtol=rtol, atol=rtol * np.abs(w).max(),
+                                       err_msg=f"{name} T={n_steps} S={S}")
+
+
 def test_vjp_float32_matches_numpy(rng):
     cp = _cp()
     tess = Tessellation((4, 4))

@@ -594,3 +594,17 @@ def test_docstring_examples():
                              report=True)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_recomputed_checkpoint_segments(monkeypatch):
+    """The segment length of a backward that recomputes its checkpoints (CuPy path): the
+    requested S where ceil(T / S) fits the threads' 16 local checkpoints, else the smallest S
+    that fits, and None (the forward's device array) past 16 x 16 steps or in "device" mode."""
+    from cutopo.cpab import _integrate_cupy as icp
+
+    monkeypatch.setattr(icp, "CHECKPOINTS", "device")
+    assert icp.recompute_segment(50, 4) is None
+    monkeypatch.setattr(icp, "CHECKPOINTS", "recompute")
+    assert [icp.recompute_segment(T, S) for T, S in ((50, 4), (64, 4), (65, 4), (100, 1),
+                                                      (256, 1), (257, 1), (20, 16))] == \
+        [4, 4, 5, 7, 16, None, 16]

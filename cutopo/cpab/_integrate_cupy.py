@@ -20,6 +20,15 @@ from .velocity import raise_not_finite
 FAMILY = "cpab"
 THREADS = 256          # cpab::THREADS
 MAX_SEGMENT = 16       # cpab::MAX_SEGMENT: the largest checkpoint_every of the backward
+MAX_LOCAL_CHECKPOINTS = 16  # cpab::MAX_LOCAL_CHECKPOINTS
+# Where the VJP's checkpoints live: "device" (the forward writes x_t every S steps to a
+# (ceil(T/S), B, N, K) array, which dominates the VJP's memory: 13 copies of the points at
+# T = 50, S = 4) or "recompute" (the backward kernel runs each trajectory's forward again and
+# keeps its checkpoints in the thread's local memory: one more forward pass, no such array).
+# "recompute" needs ceil(T / S) <= MAX_LOCAL_CHECKPOINTS with S <= MAX_SEGMENT: S is raised to
+# ceil(T / MAX_LOCAL_CHECKPOINTS) where needed (the same adjoint: checkpoints only say where
+# segments start), and T > 256 falls back to "device".
+CHECKPOINTS = "device"
 # How the backward's per-cell moments reach the global sums (cpab.cu, integrate_backward's
 # MODE): "lane" (float64 atomics from every lane), "warp" (the lanes of a warp that flush one
 # cell pool their sums first), "block" (pooled, then summed per cell in a shared-memory cache
@@ -56,7 +65,7 @@ def _backward_sig(t, K, project, moments="block"):
             f"{MOMENT_MODES[moments]}>")
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64", "ptr:float64",
                                     "ptr:float64", "int64", "int64", "int64")
-                     + ("int32",) * 6 + _GRID)
+                     + ("int32",) * 7 + _GRID)
 
 
 def _expm_sig(t, K):
@@ -234,8 +243,18 @@ def integrate(plan: Plan, *, checkpoint_every=None, log_det=False):
     return out, (chk if keep else None), (ld if log_det else None)
 
 
+def recompute_segment(n_steps, S):
+    """The segment length of a backward that recomputes its checkpoints, or None when
+    CHECKPOINTS is "device" or n_steps is too long for the threads' local checkpoints."""
+    if CHECKPOINTS != "recompute":
+        return None
+    S = max(S, -(-n_steps // MAX_LOCAL_CHECKPOINTS))
+    return S if S <= MAX_SEGMENT else None
+
+
 def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
-    """``(m_0 lambda_0 (B, N, K) float64 or None, dL/dtheta (Bt, d) float64 or None)``."""
+    """``(m_0 lambda_0 (B, N, K) float64 or None, dL/dtheta (Bt, d) float64 or None)``.
+    ``checkpoints`` None: the kernel recomputes them (S from :func:`recompute_segment`)."""
     import cupy
 
     B, N, K = plan.B, plan.N, plan.K
@@ -244,9 +263,16 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
     size = K * (K + 1)
     G = cupy.zeros((plan.n_theta * plan.C, size) if need_theta else (0,), dtype=np.float64)
     ps, ts = _shared(plan)
+    recompute = checkpoints is None
+    if recompute:
+        if -(-plan.n_steps // S) > MAX_LOCAL_CHECKPOINTS or S > MAX_SEGMENT:
+            raise ValueError(f"backward: {plan.n_steps} steps in segments of {S} do not fit the "
+                             "threads' local checkpoints (see recompute_segment)")
+        checkpoints = cupy.empty(0, dtype=plan.dtype)
     launch(_backward_sig(plan.dtype.name, K, plan.project, MOMENTS), _blocks(B * N), THREADS,
            (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
-            plan.n_steps, S, int(need_points), int(need_theta)) + _grid(plan.shape))
+            plan.n_steps, S, int(need_points), int(need_theta), int(recompute))
+           + _grid(plan.shape))
     grad_theta = None
     if need_theta:
         cells = len(G)

@@ -167,10 +167,11 @@ def _step(s, x):
 
 @dataclasses.dataclass
 class _DeviceResiduals:
-    """The CuPy forward's residuals: its plan and the checkpoints every S steps."""
+    """The CuPy forward's residuals: its plan and the checkpoints every S steps (None: the
+    backward kernel recomputes them, _integrate_cupy.CHECKPOINTS)."""
 
     plan: object            # _integrate_cupy.Plan
-    checkpoints: object     # (ceil(T/S), B, N, K)
+    checkpoints: object     # (ceil(T/S), B, N, K), or None
     S: int
     points_ndim: int
     theta_ndim: int
@@ -206,6 +207,10 @@ def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
             raise ValueError(f"checkpoint_every must be <= {_integrate_cupy.MAX_SEGMENT} for CuPy "
                              f"inputs (the kernel keeps one segment in local memory), got {S}")
         plan, batched, pn, tn = _device_plan(points, theta, tess, n_steps, "integrate")
+        own = _integrate_cupy.recompute_segment(plan.n_steps, S)
+        if own is not None:               # the backward recomputes the checkpoints itself
+            x = _integrate_cupy.integrate(plan)[0]
+            return (x if batched else x[0]), _DeviceResiduals(plan, None, own, pn, tn)
         x, checkpoints, _ = _integrate_cupy.integrate(plan, checkpoint_every=S)
         return (x if batched else x[0]), _DeviceResiduals(plan, checkpoints, S, pn, tn)
     s = _setup(points, theta, tess, n_steps, "integrate")
