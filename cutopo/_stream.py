@@ -372,8 +372,8 @@ def ecc(src: Source, t, tconn, periodic, backend, max_slab_bytes):
     max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, src.dtype.itemsize + 4)
     if backend == "cuda":
         if periodic:
-            raise NotImplementedError("periodic boundaries are not streamed through the GPU yet: stream them "
-                                      "on the CPU (device='cpu')")
+            raise NotImplementedError("periodic boundaries are not streamed through the GPU yet: "
+                                      "stream them on the CPU (device='cpu')")
         hist = _gpu_histogram(src, t, tconn, max_slab_bytes)
     else:
         hist = _cpu_histogram(src, t, tconn, periodic, max_slab_bytes)
@@ -761,8 +761,8 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
     nimg = math.prod(src.batch)
     out = np.zeros((nimg, D, T), dtype=np.int64)
     if backend == "cuda" and periodic:
-        raise NotImplementedError("periodic boundaries are not streamed through the GPU yet: stream them on "
-                                  "the CPU (device='cpu')")
+        raise NotImplementedError("periodic boundaries are not streamed through the GPU yet: "
+                                  "stream them on the CPU (device='cpu')")
     per_pixel = ECT_GPU_BYTES_PER_PIXEL if backend == "cuda" else ECT_CPU_BYTES_PER_PIXEL
     max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, per_pixel)
     n0 = src.spatial[0]

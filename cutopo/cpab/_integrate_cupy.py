@@ -60,7 +60,7 @@ def _forward_sig(t, K, project):
                      + ("int32",) * 6 + _GRID)
 
 
-def _backward_sig(t, K, project, moments="block"):
+def _backward_sig(t, K, project, moments="warp"):
     name = (f"cutopo::cpab::integrate_backward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}, "
             f"{MOMENT_MODES[moments]}>")
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64", "ptr:float64",
