@@ -90,33 +90,36 @@ def check_result(result, fixed, moving, tess, n_steps):
 
 
 def test_recovers_a_known_theta_2d(rng):
-    """32 x 32, tessellation 3 x 3 (26 parameters), shifts up to 3 px, 60 steps: theta within 15 %,
-    the map within 0.15 px on average (the true shifts average about 1.3 px)."""
+    """32 x 32, tessellation 3 x 3 (26 parameters), shifts up to 3 px, 100 steps: theta within
+    20 %, the map within 0.15 px on average (the true shifts average about 1.3 px). Over 60
+    seeds: theta error at most 0.14, mean map error at most 0.11 px, largest 0.81 px (with 60
+    steps 3 % of the seeds left theta above 0.15: the bounds had no margin)."""
     n_steps = 20
     fixed, moving, tess, theta_true = synthetic_pair(rng, (32, 32), (3, 3), 3.0, n_steps, (1, 3))
-    result = register(fixed, moving, tess, steps=60, lr=0.02, n_steps=n_steps, progress=False)
+    result = register(fixed, moving, tess, steps=100, lr=0.02, n_steps=n_steps, progress=False)
     check_result(result, fixed, moving, tess, n_steps)
     assert result.final_loss < 0.02 * result.loss_history[0]
-    assert rel_err(result.theta, theta_true) < 0.15
+    assert rel_err(result.theta, theta_true) < 0.2
     mean, largest, shift = displacement_error(result, theta_true, n_steps)
-    assert mean < 0.15 and largest < 0.8 and shift > 0.5
-    assert result.level_shapes == ((3, 3),) and result.level_steps == (60,)
+    assert mean < 0.15 and largest < 1.2 and shift > 0.5
+    assert result.level_shapes == ((3, 3),) and result.level_steps == (100,)
 
 
 def test_recovers_a_known_theta_3d(rng):
-    """14^3, tessellation 3^3 (24 parameters), shifts up to 2 px, 50 steps: theta within 45 %,
+    """14^3, tessellation 3^3 (24 parameters), shifts up to 2 px, 80 steps: theta within 45 %,
     the map within 0.15 px on average (the true shifts average about 0.5 px). Theta is less
     well determined than in 2-D (a few vertices see little of the volume's structure), the map
-    where it matters is."""
+    where it matters is. Over 40 seeds: theta error at most 0.32, mean map error at most 0.10
+    px, largest 1.08 px (with 50 steps the largest reached 1.21 px, past the old 1.2 bound)."""
     n_steps = 10
     fixed, moving, tess, theta_true = synthetic_pair(rng, (14, 14, 14), (3, 3, 3), 2.0, n_steps,
                                                      (1, 2))
-    result = register(fixed, moving, tess, steps=50, lr=0.02, n_steps=n_steps, progress=False)
+    result = register(fixed, moving, tess, steps=80, lr=0.02, n_steps=n_steps, progress=False)
     check_result(result, fixed, moving, tess, n_steps)
     assert result.final_loss < 0.15 * result.loss_history[0]
     assert rel_err(result.theta, theta_true) < 0.45
     mean, largest, shift = displacement_error(result, theta_true, n_steps)
-    assert mean < 0.15 and largest < 1.2 and shift > 0.3
+    assert mean < 0.15 and largest < 1.5 and shift > 0.3
 
 
 def test_channels_ncc_and_float32(rng):
