@@ -3,7 +3,8 @@
 # Usage (repository root, on a machine with a GPU):  OUT=/tmp/out bash benchmarks/device_run.sh
 # Environment: BENCH_ARGS (extra benchmark options), TESTS (pytest selection, default: -m gpu tests),
 # BENCH_SOFT_ARGS (extra bench_soft.py options), SOFT=0 (skip bench_soft.py), ECC=0 (skip bench_ecc.py),
-# DEFORM=1 (also run bench_deformable.py),
+# DEFORM=1 (also run bench_deformable.py), CPAB=1 (bench_cpab.py with the VJP's checkpoints on
+# the device and recomputed, and profile_cpab.py), REGISTER=1 (bench_register.py),
 # NCU=1 (also count instructions per voxel with Nsight Compute).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,6 +31,18 @@ fi
 
 if [ "${DEFORM:-0}" = 1 ]; then
   python3 benchmarks/bench_deformable.py 2>&1 | tee "$OUT/bench_deformable.log"
+fi
+
+if [ "${CPAB:-0}" = 1 ]; then
+  for mode in device recompute; do
+    python3 benchmarks/bench_cpab.py --checkpoints "$mode" --json "$OUT/bench_cpab_$mode.json" 2>&1 \
+      | tee "$OUT/bench_cpab_$mode.log"
+  done
+  python3 benchmarks/profile_cpab.py 2>&1 | tee "$OUT/profile_cpab.log"
+fi
+
+if [ "${REGISTER:-0}" = 1 ]; then
+  python3 benchmarks/bench_register.py --json "$OUT/register.json" 2>&1 | tee "$OUT/register.log"
 fi
 
 if [ "${SASS:-0}" = 1 ] && command -v nvdisasm >/dev/null; then
