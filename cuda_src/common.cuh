@@ -19,6 +19,20 @@ __device__ __forceinline__ float half_to_float(half h) {
     return f;
 }
 
+// Arithmetic rounded once per operation, as NumPy rounds it: the intrinsics keep the compiler
+// from contracting a product and a sum into one fused multiply-add, so a kernel that repeats a
+// NumPy expression operation by operation gets NumPy's values.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+
 // Read an element of a storage type as the type comparisons are made in.
 template <typename To, typename From>
 __device__ __forceinline__ To convert(From v) { return static_cast<To>(v); }

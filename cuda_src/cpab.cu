@@ -51,12 +51,7 @@ constexpr int MAX_SEGMENT = 16;  // the largest checkpoint_every the backward su
 // array from the forward): the host picks S >= ceil(T / MAX_LOCAL_CHECKPOINTS) for that mode.
 constexpr int MAX_LOCAL_CHECKPOINTS = 16;
 
-// -- roundings the compiler may not fuse ----------------------------------------------------
-
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+// -- roundings the compiler may not fuse: add_rn, mul_rn (common.cuh) -----------------------
 
 // s + e == a + b exactly, s = fl(a + b) (Knuth's two-sum).
 template <typename T>

@@ -15,17 +15,6 @@ namespace optim {
 
 constexpr int THREADS = 256;
 
-__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div(double a, double b) { return __ddiv_rn(a, b); }
-__device__ __forceinline__ float root(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double root(double a) { return __dsqrt_rn(a); }
-
 // c1 = 1 - b1, c2 = 1 - b2, step = lr / (1 - b1^t), inv = 1 / sqrt(1 - b2^t), each already
 // rounded to T by the host as NumPy rounds the Python floats.
 template <typename T>
@@ -35,11 +24,11 @@ adam_step(T* __restrict__ params, T* __restrict__ m, T* __restrict__ v, const T*
     const i64 i = (i64)blockIdx.x * THREADS + threadIdx.x;
     if (i >= n) return;
     const T g = grad[i];
-    const T mi = add(mul(m[i], b1), mul(c1, g));
-    const T vi = add(mul(v[i], b2), mul(c2, mul(g, g)));
+    const T mi = add_rn(mul_rn(m[i], b1), mul_rn(c1, g));
+    const T vi = add_rn(mul_rn(v[i], b2), mul_rn(c2, mul_rn(g, g)));
     m[i] = mi;
     v[i] = vi;
-    params[i] = sub(params[i], div(mul(step, mi), add(mul(root(vi), inv), eps)));
+    params[i] = sub_rn(params[i], div_rn(mul_rn(step, mi), add_rn(mul_rn(sqrt_rn(vi), inv), eps)));
 }
 
 }  // namespace optim

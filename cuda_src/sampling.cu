@@ -47,18 +47,6 @@ constexpr int GRID_NONFINITE = 1, IMAGE_NONFINITE = 2;
 constexpr int ROW_CHANNELS = 8;  // channels per pass of image_rows (accumulators in registers)
 
 // ---------------------------------------------------------------------------------------------
-// Arithmetic rounded once per operation, as NumPy rounds it
-
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div(double a, double b) { return __ddiv_rn(a, b); }
-
-// ---------------------------------------------------------------------------------------------
 // Storage: loads into the computation type R, stores of R into the output type
 
 template <typename R>
@@ -118,12 +106,12 @@ __device__ __forceinline__ R reflect_coordinate(R x, R& dx, int size, bool align
     }
     const R low = align ? R(0) : R(-0.5);
     const R span = align ? R(size - 1) : R(size);
-    R t = sub(x, low);
+    R t = sub_rn(x, low);
     const bool negative = t < R(0);
     t = fabs(t);
     const R extra = fmod(t, span);
-    const bool odd = fmod(floor(div(t, span)), R(2)) == R(1);
-    x = add(odd ? sub(span, extra) : extra, low);
+    const bool odd = fmod(floor(div_rn(t, span)), R(2)) == R(1);
+    x = add_rn(odd ? sub_rn(span, extra) : extra, low);
     if (odd != negative) dx = -dx;
     return clip_coordinate(x, dx, size);
 }
@@ -132,9 +120,9 @@ __device__ __forceinline__ R reflect_coordinate(R x, R& dx, int size, bool align
 // derivative with respect to g.
 template <typename R>
 __device__ __forceinline__ R coordinate(R g, int size, int padding, bool align, R& dx) {
-    const R scale = align ? mul(R(size - 1), R(0.5)) : mul(R(size), R(0.5));
-    R x = mul(add(g, R(1)), scale);
-    if (!align) x = sub(x, R(0.5));
+    const R scale = align ? mul_rn(R(size - 1), R(0.5)) : mul_rn(R(size), R(0.5));
+    R x = mul_rn(add_rn(g, R(1)), scale);
+    if (!align) x = sub_rn(x, R(0.5));
     dx = scale;
     if (padding == BORDER) {
         x = clip_coordinate(x, dx, size);
@@ -198,8 +186,8 @@ struct Cell {
                 w[a][1] = R(0);
             } else {
                 const R x0 = floor(x);
-                w[a][0] = sub(add(x0, R(1)), x);
-                w[a][1] = sub(x, x0);
+                w[a][0] = sub_rn(add_rn(x0, R(1)), x);
+                w[a][1] = sub_rn(x, x0);
                 i0[a] = (int)x0;
             }
         }
@@ -215,7 +203,7 @@ struct Cell {
                 const int i = i0[a] + o;
                 in &= i >= 0 && i < dims.size[a];
                 p += (I)min(max(i, 0), dims.size[a] - 1) * dims.stride[a];
-                weight = a == 0 ? w[a][o] : mul(weight, w[a][o]);
+                weight = a == 0 ? w[a][o] : mul_rn(weight, w[a][o]);
             }
             pix[k] = p;
             wt[k] = weight;
@@ -262,7 +250,7 @@ __device__ __forceinline__ void forward_item(const T* __restrict__ image, const 
         R acc = R(0);
 #pragma unroll
         for (int k = 0; k < cell.K; ++k)
-            if (cell.in(k)) acc = add(acc, mul(cell.wt[k], load<R>(img + cell.pix[k])));
+            if (cell.in(k)) acc = add_rn(acc, mul_rn(cell.wt[k], load<R>(img + cell.pix[k])));
         store(out + plane * P + it.p, acc);
     }
 }
@@ -321,8 +309,8 @@ __device__ __forceinline__ void backward_item(const T* __restrict__ image, const
 #pragma unroll
             for (int k = 0; k < K; ++k) {
                 if (!cell.in(k)) continue;
-                if (values) s[k] = add(s[k], mul(load<R>(image + plane * S + cell.pix[k]), go));
-                if (need_image) atomicAdd(dimage + plane * S + cell.pix[k], mul(cell.wt[k], go));
+                if (values) s[k] = add_rn(s[k], mul_rn(load<R>(image + plane * S + cell.pix[k]), go));
+                if (need_image) atomicAdd(dimage + plane * S + cell.pix[k], mul_rn(cell.wt[k], go));
             }
         }
     }
@@ -338,10 +326,10 @@ __device__ __forceinline__ void backward_item(const T* __restrict__ image, const
                 R dw = cell.offset(k, a) ? s[k] : -s[k];
 #pragma unroll
                 for (int b = 0; b < NDIM; ++b)
-                    if (b != a) dw = mul(dw, cell.w[b][cell.offset(k, b)]);
-                gx = add(gx, dw);
+                    if (b != a) dw = mul_rn(dw, cell.w[b][cell.offset(k, b)]);
+                gx = add_rn(gx, dw);
             }
-            gx = mul(gx, cell.dx[a]);
+            gx = mul_rn(gx, cell.dx[a]);
         }
         dgrid[it.np * NDIM + (NDIM - 1 - a)] = gx;
     }
@@ -419,7 +407,7 @@ image_rows(const R* __restrict__ gout, const i64* __restrict__ ent, const R* __r
             const R* go = gout + (n * C + c0) * P + p;
 #pragma unroll
             for (int j = 0; j < ROW_CHANNELS; ++j)
-                if (c0 + j < c_end) acc[j] = add(acc[j], mul(wv, go[j * P]));
+                if (c0 + j < c_end) acc[j] = add_rn(acc[j], mul_rn(wv, go[j * P]));
         }
 #pragma unroll
         for (int j = 0; j < ROW_CHANNELS; ++j)
