@@ -29,11 +29,7 @@
 //                            summed in registers while the cell does not change and flushed
 //                            on a change (and at the end): then the lanes of the warp that
 //                            flush the same cell add their sums in shared memory and one lane
-//                            adds them (MODE >= 1; MODE 0: every lane its own). MODE 2 adds
-//                            them to a block-wide cache of cells in shared memory (a block's
-//                            points are neighbours and visit few cells), which is added to G
-//                            once per block and cell; a cell whose slot another cell holds
-//                            goes to G directly. MODE 1 issues the float64 atomics on G.
+//                            issues the float64 atomics (MODE 1; MODE 0: every lane its own).
 //   frechet_cells            one thread per cell: dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K}, the
 //                            adjoint Frechet derivative of expm by Van Loan's block exponential.
 //   expm_cells               one thread per cell: E_c = expm(h A~_c), top K rows, in the
@@ -345,55 +341,11 @@ struct Moments {
     }
 };
 
-// The block-wide cache of per-cell moments (MODE 2): SLOTS cells, direct-mapped by cell index
-// (a block's cells are mostly consecutive indices), each slot claimed once for good by the first
-// cell that reaches it (tag -1: free).
-template <int K>
-struct MomentCache {
-    static constexpr int SIZE = Moments<K>::SIZE;
-    static constexpr int SLOTS = K == 3 ? 128 : 256;  // 3D: 12 KB of sums, beside 24 KB of scratch
-    double* sums;     // SLOTS * SIZE
-    long long* tags;  // SLOTS
-
-    __device__ __forceinline__ void clear() {
-        for (int s = threadIdx.x; s < SLOTS; s += blockDim.x) tags[s] = -1;
-        for (int s = threadIdx.x; s < SLOTS * SIZE; s += blockDim.x) sums[s] = 0.0;
-    }
-    // Add sum to cell's slot when the cell holds it or can claim it; false when another has it.
-    __device__ __forceinline__ bool add(i64 cell, const double* sum) {
-        const int slot = (int)(cell & (SLOTS - 1));
-        long long tag = *(volatile long long*)(tags + slot);
-        if (tag == -1) {
-            tag = (long long)atomicCAS((unsigned long long*)(tags + slot), ~0ULL,
-                                       (unsigned long long)cell);
-            if (tag == -1) tag = cell;  // claimed
-        }
-        if (tag != cell) return false;
-        #pragma unroll
-        for (int i = 0; i < SIZE; ++i)
-            if (sum[i] != 0.0) atomicAdd(sums + slot * SIZE + i, sum[i]);
-        return true;
-    }
-    // After the block's last flush (and a barrier): every held slot into G.
-    __device__ __forceinline__ void drain(double* __restrict__ G) const {
-        for (int s = threadIdx.x; s < SLOTS; s += blockDim.x) {
-            const long long cell = tags[s];
-            if (cell < 0) continue;
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i) {
-                const double v = sums[s * SIZE + i];
-                if (v != 0.0) atomicAdd(G + cell * SIZE + i, v);
-            }
-        }
-    }
-};
-
-// Add the sums of every lane of the warp that flushes now: lanes flushing the same cell pool
-// their sums through shared memory and the lowest of them adds them, to the block's cache
-// (MODE 2, where its slot allows) or to G. `scratch` is this warp's 32 * SIZE doubles.
+// Add the sums of every lane of the warp that flushes now into G: lanes flushing the same cell
+// pool their sums through shared memory and the lowest of them issues the atomics (MODE 1; MODE
+// 0: every lane its own). `scratch` is this warp's 32 * SIZE doubles.
 template <int K, int MODE>
-__device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ G, double* scratch,
-                                      MomentCache<K>& cache) {
+__device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ G, double* scratch) {
     constexpr int SIZE = Moments<K>::SIZE;
     if (MODE == 0) {  // every lane adds its own sums
         if (m.cell >= 0)
@@ -417,12 +369,10 @@ __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ 
             #pragma unroll
             for (int i = 0; i < SIZE; ++i) sum[i] += scratch[i * 32 + other];
         }
-        if (MODE != 2 || !cache.add(m.cell, sum)) {
-            double* dst = G + m.cell * SIZE;
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i)
-                if (sum[i] != 0.0) atomicAdd(dst + i, sum[i]);
-        }
+        double* dst = G + m.cell * SIZE;
+        #pragma unroll
+        for (int i = 0; i < SIZE; ++i)
+            if (sum[i] != 0.0) atomicAdd(dst + i, sum[i]);
     }
     __syncwarp(active);
 }
@@ -431,14 +381,13 @@ __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ 
 // (m_0 lambda_0, not yet summed over a shared batch), `G` (Bt C, K (K+1)) float64 moments
 // accumulated when `need_theta`. Checkpoints as integrate_forward keeps them, or none with
 // `recompute` (ceil(n_steps / S) <= MAX_LOCAL_CHECKPOINTS, the host's promise). MODE: how the
-// moments reach G (0: per-lane atomics, 1: warp-pooled, 2: warp-pooled into the block's cache).
+// moments reach G (0: per-lane atomics, 1: warp-pooled).
 template <typename T, int K, bool PROJECT, int MODE>
 __device__ __forceinline__ void backward_item(
         const Item& it, const T* __restrict__ points, const T* __restrict__ E,
         const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
         double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
-        int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch,
-        MomentCache<K>& cache) {
+        int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch) {
     double lam[K];
     #pragma unroll
     for (int k = 0; k < K; ++k) lam[k] = cotangent[it.idx * K + k];
@@ -491,7 +440,7 @@ __device__ __forceinline__ void backward_item(
             }
             if (need_theta) {
                 if (flats[i] != m.cell) {
-                    if (m.cell >= 0) flush<K, MODE>(m, G, my_scratch, cache);
+                    if (m.cell >= 0) flush<K, MODE>(m, G, my_scratch);
                     m.reset(flats[i]);
                 }
                 #pragma unroll
@@ -503,7 +452,7 @@ __device__ __forceinline__ void backward_item(
             }
         }
     }
-    if (need_theta) flush<K, MODE>(m, G, my_scratch, cache);
+    if (need_theta) flush<K, MODE>(m, G, my_scratch);
     if (need_points) {
         int inside0 = (1 << K) - 1;
         if (PROJECT) {
@@ -524,26 +473,13 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
                    int points_shared, int theta_shared, int n_steps, int S, int need_points,
                    int need_theta, int recompute, int n0, int n1, int n2) {
     constexpr int SIZE = Moments<K>::SIZE;
-    constexpr int SLOTS = MODE == 2 ? MomentCache<K>::SLOTS : 1;
     __shared__ double scratch[MODE >= 1 ? WARPS * 32 * SIZE : 1];
-    __shared__ double cache_sums[SLOTS * SIZE];
-    __shared__ long long cache_tags[SLOTS];
-    MomentCache<K> cache{cache_sums, cache_tags};
-    const bool cached = MODE == 2 && need_theta;  // uniform over the block
-    if (cached) {
-        cache.clear();
-        __syncthreads();
-    }
     Item it;
     if (item_of(B, N, points_shared, theta_shared, C, it)) {
         const Grid g = {{n0, n1, n2}};
         backward_item<T, K, PROJECT, MODE>(it, points, E, checkpoints, cotangent, grad_points, G, B,
                                            N, n_steps, S, need_points, need_theta, recompute, g,
-                                           scratch + (threadIdx.x / 32) * 32 * SIZE, cache);
-    }
-    if (cached) {
-        __syncthreads();
-        cache.drain(G);
+                                           scratch + (threadIdx.x / 32) * 32 * SIZE);
     }
 }
 

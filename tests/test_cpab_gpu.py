@@ -272,11 +272,10 @@ def test_vjp_pools_a_warp_in_one_cell(rng, moments):
 
 @pytest.mark.parametrize("shape,batch", [((16, 16), 1), ((12, 20), 3), ((4, 4, 4), 1),
                                          ((3, 5, 4), 2)])
-def test_vjp_block_cache_collisions(rng, moments, shape, batch):
-    """More cells than the block cache has slots (2D 1024 and 960 cells for 256 slots, 3D 320 and
-    300 cells for 128), points scattered over all of them and, with a batch, per-item cells
-    (offset indices): slots taken by other cells send the sums to the global moments directly.
-    Every mode equals the NumPy path."""
+def test_vjp_many_cells(rng, moments, shape, batch):
+    """Many cells (2D 1024 and 960, 3D 320 and 300), points scattered over all of them and, with
+    a batch, per-item cells (offset indices): every mode of summing the moments equals the
+    NumPy path."""
     cp = _cp()
     tess = Tessellation(shape)
     theta = draw_theta(tess, rng, n=batch, largest=3.0)

@@ -30,14 +30,13 @@ MAX_LOCAL_CHECKPOINTS = 16  # cpab::MAX_LOCAL_CHECKPOINTS
 # segments start), and T > 256 falls back to "device".
 CHECKPOINTS = "device"
 # How the backward's per-cell moments reach the global sums (cpab.cu, integrate_backward's
-# MODE): "lane" (float64 atomics from every lane), "warp" (the lanes of a warp that flush one
-# cell pool their sums first), "block" (pooled, then summed per cell in a shared-memory cache
-# of the block, added to the global sums once per block). benchmarks/profile_cpab.py times them:
-# on the H200 "warp" is fastest (2D b32 256^2 tess 16: lane 2.02, warp 1.67, block 1.88 ms;
-# 3D 128^3 tess 10: 4.42, 3.29, 4.03 ms): the shared-memory float64 atomics and the block's
-# larger shared footprint cost more than the global atomics they save.
+# MODE): "lane" (float64 atomics from every lane) or "warp" (the lanes of a warp that flush one
+# cell pool their sums first). benchmarks/profile_cpab.py times both: on the H200 (2D b32 256^2
+# tess 16 / 3D 128^3 tess 10) lane 2.02 / 4.42 ms, warp 1.67 / 3.29 ms. A third mode, pooled
+# sums added to a per-block shared-memory cache of cells and flushed once per block, measured
+# 1.88 / 4.03 ms (shared float64 atomics and a larger shared footprint) and was removed.
 MOMENTS = "warp"
-MOMENT_MODES = {"lane": 0, "warp": 1, "block": 2}
+MOMENT_MODES = {"lane": 0, "warp": 1}
 _CTYPE = {"float32": "float", "float64": "double"}
 _GRID = ("int32",) * 3
 
