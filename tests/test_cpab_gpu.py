@@ -202,14 +202,16 @@ def test_vjp_matches_numpy(shape, zb, rng):
                                            err_msg=f"{name} S={S}")
 
 
+@pytest.mark.parametrize("mode", ["recompute", "device"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", [(4, 4), (2, 3, 2)])
-def test_vjp_with_recomputed_checkpoints(monkeypatch, rng, shape, dtype):
-    """CHECKPOINTS = "recompute": no checkpoint array (the backward kernel reruns each
-    trajectory into local memory), the same cotangents as NumPy; S raised where T / S would
-    exceed the local checkpoints (T = 100, S = 1 -> 7), the device array kept past T = 256."""
+def test_vjp_with_recomputed_checkpoints(monkeypatch, rng, shape, dtype, mode):
+    """CHECKPOINTS = "recompute" (the default): no checkpoint array (the backward kernel reruns
+    each trajectory into local memory), the same cotangents as NumPy; S raised where T / S would
+    exceed the local checkpoints (T = 100, S = 1 -> 7), the device array kept past T = 256.
+    "device": always the forward's checkpoint array, the same cotangents."""
     cp = _cp()
-    monkeypatch.setattr(_integrate_cupy, "CHECKPOINTS", "recompute")
+    monkeypatch.setattr(_integrate_cupy, "CHECKPOINTS", mode)
     tess = Tessellation(shape)
     theta = draw_theta(tess, rng, n=2, largest=6.0).astype(dtype)
     pts = rng.random((3000, len(shape))).astype(dtype)
@@ -220,7 +222,7 @@ def test_vjp_with_recomputed_checkpoints(monkeypatch, rng, shape, dtype):
         want = pb_np(cot)
         out, residuals = integrate.__cutopo_op__.forward(cp.asarray(pts), cp.asarray(theta), tess,
                                                           n_steps=n_steps, checkpoint_every=S)
-        assert (residuals.checkpoints is None) == own
+        assert (residuals.checkpoints is None) == (own and mode == "recompute")
         _, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=n_steps,
                            checkpoint_every=S)
         got = pb(cp.asarray(cot))

@@ -27,8 +27,10 @@ MAX_LOCAL_CHECKPOINTS = 16  # cpab::MAX_LOCAL_CHECKPOINTS
 # keeps its checkpoints in the thread's local memory: one more forward pass, no such array).
 # "recompute" needs ceil(T / S) <= MAX_LOCAL_CHECKPOINTS with S <= MAX_SEGMENT: S is raised to
 # ceil(T / MAX_LOCAL_CHECKPOINTS) where needed (the same adjoint: checkpoints only say where
-# segments start), and T > 256 falls back to "device".
-CHECKPOINTS = "device"
+# segments start), and T > 256 falls back to "device". Measured on the H200 (bench_cpab, 2D b32
+# 256^2 tess 16 / 3D 128^3 tess 10): peak memory 274 -> 56 MB / 409 -> 82 MB, forward+VJP
+# 2.56 -> 2.87 ms / 5.44 -> 5.59 ms; "recompute" is the default for that memory.
+CHECKPOINTS = "recompute"
 # How the backward's per-cell moments reach the global sums (cpab.cu, integrate_backward's
 # MODE): "lane" (float64 atomics from every lane) or "warp" (the lanes of a warp that flush one
 # cell pool their sums first). benchmarks/profile_cpab.py times both: on the H200 (2D b32 256^2

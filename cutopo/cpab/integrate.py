@@ -395,7 +395,9 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     vec(dL/dA)``, ``dL/dpoints = m_0 * lambda_0`` (summed over the batch when shared). Work
     O(T N + d C), no [d, N] Jacobian; the trajectory is recomputed from checkpoints every S
     steps, so the backward costs one more forward plus the sweep. lambda and G are
-    accumulated in float64.
+    accumulated in float64. On CuPy inputs the backward kernel also recomputes the
+    checkpoints themselves (kept in each thread's local memory, for T <= 256): the VJP then
+    holds no (T / S, B, N, K) array and its memory is that of the forward.
 
     Convention
     ----------
