@@ -5,6 +5,7 @@
 # BENCH_SOFT_ARGS (extra bench_soft.py options), SOFT=0 (skip bench_soft.py), ECC=0 (skip bench_ecc.py),
 # DEFORM=1 (also run bench_deformable.py), CPAB=1 (bench_cpab.py with the VJP's checkpoints on
 # the device and recomputed, and profile_cpab.py), REGISTER=1 (bench_register.py),
+# TRANSFORM=1 (bench_transform_image.py: transform_image's fused path against the composed one),
 # NCU=1 (also count instructions per voxel with Nsight Compute).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -43,6 +44,11 @@ fi
 
 if [ "${REGISTER:-0}" = 1 ]; then
   python3 benchmarks/bench_register.py --json "$OUT/register.json" 2>&1 | tee "$OUT/register.log"
+fi
+
+if [ "${TRANSFORM:-0}" = 1 ]; then
+  python3 benchmarks/bench_transform_image.py --json "$OUT/transform_image.json" 2>&1 \
+    | tee "$OUT/transform_image.log"
 fi
 
 if [ "${SASS:-0}" = 1 ] && command -v nvdisasm >/dev/null; then

@@ -36,7 +36,8 @@
 //                            points' dtype.
 //   ell_product              A = B theta and dL/dtheta = B^T dL/dA with the sparse basis in ELL
 //                            layout (at most K + 1 entries per row of B), one thread per row.
-#include "common.cuh"
+// sampling.cuh (with common.cuh): the fused warp samples as grid_sample does
+#include "sampling.cuh"
 
 namespace cutopo {
 namespace cpab {
@@ -377,52 +378,47 @@ __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ 
     __syncwarp(active);
 }
 
-// The backward: `cotangent` (B, N, K) float64 in, `grad_points` (B, N, K) float64 out
-// (m_0 lambda_0, not yet summed over a shared batch), `G` (Bt C, K (K+1)) float64 moments
-// accumulated when `need_theta`. Checkpoints as integrate_forward keeps them, or none with
-// `recompute` (ceil(n_steps / S) <= MAX_LOCAL_CHECKPOINTS, the host's promise). MODE: how the
-// moments reach G (0: per-lane atomics, 1: warp-pooled).
-template <typename T, int K, bool PROJECT, int MODE>
-__device__ __forceinline__ void backward_item(
-        const Item& it, const T* __restrict__ points, const T* __restrict__ E,
-        const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
-        double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
-        int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch) {
-    double lam[K];
-    #pragma unroll
-    for (int k = 0; k < K; ++k) lam[k] = cotangent[it.idx * K + k];
+// The forward once more, x_t kept at t = 0, S, 2S, ... in `own` (the same steps in the same
+// order as integrate_forward, so the same values); x ends at x_T.
+template <typename T, int K, bool PROJECT>
+__device__ __forceinline__ void recompute_checkpoints(T (&x)[K], const T* __restrict__ E,
+                                                      i64 cell_offset, const Grid& g, int n_steps,
+                                                      int S, T (&own)[MAX_LOCAL_CHECKPOINTS][K]) {
+    int inside;
+    for (int t = 0; t < n_steps; ++t) {
+        if (t % S == 0)
+            #pragma unroll
+            for (int k = 0; k < K; ++k) own[t / S][k] = x[k];
+        step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+    }
+}
 
+// lambda_T -> lambda_0 (in place) through the trajectory, segment by segment from the last
+// checkpoint: `own` (recompute) or the forward's `checkpoints` at row `row` of planes of
+// `plane` elements. Adds mu_{t+1} [x_t; 1]^T to G when `need_theta`. MODE: how the moments
+// reach G (0: per-lane atomics, 1: warp-pooled).
+template <typename T, int K, bool PROJECT, int MODE>
+__device__ __forceinline__ void adjoint_sweep(
+        double (&lam)[K], const T* __restrict__ E, i64 cell_offset, const Grid& g, int n_steps,
+        int S, bool recompute, const T (&own)[MAX_LOCAL_CHECKPOINTS][K],
+        const T* __restrict__ checkpoints, i64 row, i64 plane, double* __restrict__ G,
+        int need_theta, double* my_scratch) {
     T xs[MAX_SEGMENT][K];   // x_t of the segment's steps (local memory: indexed at run time)
     i64 flats[MAX_SEGMENT];
     int insides[MAX_SEGMENT];
     Moments<K> m;
     m.reset(-1);
-    const i64 plane = B * N * K;
     const int segments = (n_steps + S - 1) / S;
-    // recompute: the forward's trajectory again, x_t kept at t = 0, S, 2S, ... (the same steps
-    // in the same order as integrate_forward, so the same values)
-    T own[MAX_LOCAL_CHECKPOINTS][K];
-    if (recompute) {
-        T x[K];
-        int inside;
-        start_point<T, K, PROJECT>(points, it.point_row, x, inside);
-        for (int t = 0; t < n_steps; ++t) {
-            if (t % S == 0)
-                #pragma unroll
-                for (int k = 0; k < K; ++k) own[t / S][k] = x[k];
-            step<T, K, PROJECT>(x, E, it.cell_offset, g, inside);
-        }
-    }
     for (int j = segments - 1; j >= 0; --j) {
         const int L = min(S, n_steps - j * S);
         T x[K];
         #pragma unroll
         for (int k = 0; k < K; ++k)
-            x[k] = recompute ? own[j][k] : checkpoints[(i64)j * plane + it.idx * K + k];
+            x[k] = recompute ? own[j][k] : checkpoints[(i64)j * plane + row * K + k];
         for (int i = 0; i < L; ++i) {
             #pragma unroll
             for (int k = 0; k < K; ++k) xs[i][k] = x[k];
-            flats[i] = step<T, K, PROJECT>(x, E, it.cell_offset, g, insides[i]);
+            flats[i] = step<T, K, PROJECT>(x, E, cell_offset, g, insides[i]);
         }
         for (int i = L - 1; i >= 0; --i) {
             double mu[K];
@@ -453,6 +449,30 @@ __device__ __forceinline__ void backward_item(
         }
     }
     if (need_theta) flush<K, MODE>(m, G, my_scratch);
+}
+
+// The backward: `cotangent` (B, N, K) float64 in, `grad_points` (B, N, K) float64 out
+// (m_0 lambda_0, not yet summed over a shared batch), `G` (Bt C, K (K+1)) float64 moments
+// accumulated when `need_theta`. Checkpoints as integrate_forward keeps them, or none with
+// `recompute` (ceil(n_steps / S) <= MAX_LOCAL_CHECKPOINTS, the host's promise).
+template <typename T, int K, bool PROJECT, int MODE>
+__device__ __forceinline__ void backward_item(
+        const Item& it, const T* __restrict__ points, const T* __restrict__ E,
+        const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
+        double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
+        int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch) {
+    double lam[K];
+    #pragma unroll
+    for (int k = 0; k < K; ++k) lam[k] = cotangent[it.idx * K + k];
+    T own[MAX_LOCAL_CHECKPOINTS][K];
+    if (recompute) {
+        T x[K];
+        int inside;
+        start_point<T, K, PROJECT>(points, it.point_row, x, inside);
+        recompute_checkpoints<T, K, PROJECT>(x, E, it.cell_offset, g, n_steps, S, own);
+    }
+    adjoint_sweep<T, K, PROJECT, MODE>(lam, E, it.cell_offset, g, n_steps, S, recompute != 0, own,
+                                       checkpoints, it.idx, B * N * K, G, need_theta, my_scratch);
     if (need_points) {
         int inside0 = (1 << K) - 1;
         if (PROJECT) {
@@ -481,6 +501,162 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
                                            N, n_steps, S, need_points, need_theta, recompute, g,
                                            scratch + (threadIdx.x / 32) * 32 * SIZE);
     }
+}
+
+// -- transform_image: the trajectory and the sample in one thread --------------------------------
+//
+// out[b, c, p] = image[b, c](phi_b(x_p)) with x_p the centre of output pixel p: one thread per
+// (batch item, pixel) computes the centre, integrates it (registers) and samples every channel
+// at x_T, so no (B, *spatial, K) grid exists. The backward recomputes the trajectory with its
+// checkpoints in local memory, scatters the image cotangent (atomics) and turns the sample's
+// point cotangent into lambda_T for the adjoint sweep. Every operation is the composed path's
+// (cutopo/cpab/transform.py: integrate, then grid_sample at 2 phi[..., ::-1] - 1 with
+// align_corners=False) with the same roundings, so both give the same output.
+
+// The centre of pixel p (C order) of a grid of dims.size: ((i_k + 1/2) / size_k) in float64,
+// rounded once to T, as transform.pixel_centres.
+template <typename T, int K>
+__device__ __forceinline__ void pixel_centre(i64 p, const sampling::Dims<i64, K>& dims, T (&x)[K]) {
+    #pragma unroll
+    for (int k = K - 1; k >= 0; --k) {
+        const i64 n = dims.size[k];
+        const i64 q = p / n;
+        x[k] = (T)div_rn((double)(p - q * n) + 0.5, (double)n);
+        p = q;
+    }
+}
+
+// The corners and weights around x_T: grid_sample's normalised coordinate x first, 2 x - 1
+// rounded in T (transform._to_normalised), widened to R (exact), align_corners=False.
+template <typename T, typename R, int K, bool NEAREST>
+__device__ __forceinline__ void sample_cell(const T (&x)[K], const sampling::Dims<i64, K>& dims,
+                                            int padding, sampling::Cell<R, K, NEAREST>& cell) {
+    R gn[K];
+    #pragma unroll
+    for (int k = 0; k < K; ++k) gn[K - 1 - k] = convert<R>(sub_rn(mul_rn(T(2), x[k]), T(1)));
+    cell.setup(gn, dims, padding, false);
+}
+
+// image (Bi, channels, S) with Bi 1 (shared) or B, out (B, channels, S), E as integrate's.
+template <typename T, typename TI, typename R, typename O, int K, bool PROJECT, bool NEAREST>
+__global__ void __launch_bounds__(THREADS)
+warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restrict__ out, i64 B,
+             i64 C, int theta_shared, int image_shared, int channels, int n_steps, int padding,
+             int n0, int n1, int n2, int d, int h, int w) {
+    const sampling::Dims<i64, K> dims(d, h, w);
+    const i64 S = dims.stride[0] * dims.size[0];
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * S) return;
+    const i64 b = idx / S, p = idx - b * S;
+    const Grid g = {{n0, n1, n2}};
+    const i64 cell_offset = (theta_shared ? 0 : b) * C;
+    T x[K];
+    pixel_centre<T, K>(p, dims, x);  // inside the box: P leaves it alone
+    int inside;
+    for (int t = 0; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+    sampling::Cell<R, K, NEAREST> cell;
+    sample_cell<T, R, K, NEAREST>(x, dims, padding, cell);
+    const TI* img = image + (image_shared ? 0 : b) * channels * S;
+    for (int c = 0; c < channels; ++c) {
+        R acc = R(0);
+        #pragma unroll
+        for (int k = 0; k < cell.K; ++k)
+            if (cell.in(k)) acc = add_rn(acc, mul_rn(cell.wt[k], sampling::load<R>(img + c * S + cell.pix[k])));
+        sampling::store(out + (b * channels + c) * S + p, acc);
+    }
+}
+
+// gout (B, channels, S) in R; dimage (Bi, channels, S) in R, zero-initialised, when
+// `need_image`; G as integrate_backward's when `need_theta` (bilinear only: nearest sampling
+// is piecewise constant, its theta cotangent zero). S_seg: the checkpoint segment
+// (ceil(n_steps / S_seg) <= MAX_LOCAL_CHECKPOINTS, the host's promise).
+template <typename T, typename TI, typename R, int K, bool PROJECT, bool NEAREST>
+__global__ void __launch_bounds__(THREADS)
+warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __restrict__ gout,
+              R* __restrict__ dimage, double* __restrict__ G, i64 B, i64 C, int theta_shared,
+              int image_shared, int channels, int n_steps, int S_seg, int padding, int need_image,
+              int need_theta, int n0, int n1, int n2, int d, int h, int w) {
+    constexpr int SIZE = Moments<K>::SIZE;
+    __shared__ double scratch[WARPS * 32 * SIZE];
+    const sampling::Dims<i64, K> dims(d, h, w);
+    const i64 S = dims.stride[0] * dims.size[0];
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * S) return;
+    const i64 b = idx / S, p = idx - b * S;
+    const Grid g = {{n0, n1, n2}};
+    const i64 cell_offset = (theta_shared ? 0 : b) * C;
+    const bool theta_wanted = need_theta && !NEAREST;
+    T x[K];
+    pixel_centre<T, K>(p, dims, x);
+    T own[MAX_LOCAL_CHECKPOINTS][K];
+    if (theta_wanted) {
+        recompute_checkpoints<T, K, PROJECT>(x, E, cell_offset, g, n_steps, S_seg, own);
+    } else {
+        int inside;
+        for (int t = 0; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+    }
+    sampling::Cell<R, K, NEAREST> cell;
+    sample_cell<T, R, K, NEAREST>(x, dims, padding, cell);
+    constexpr int KC = sampling::Cell<R, K, NEAREST>::K;
+    const i64 image_row = (image_shared ? 0 : b) * channels;
+    R s[KC];  // per corner: sum over channels of value times output cotangent
+    #pragma unroll
+    for (int k = 0; k < KC; ++k) s[k] = R(0);
+    for (int c = 0; c < channels; ++c) {
+        const R go = gout[(b * channels + c) * S + p];
+        const TI* img = image + (image_row + c) * S;
+        #pragma unroll
+        for (int k = 0; k < KC; ++k) {
+            if (!cell.in(k)) continue;
+            if (theta_wanted) s[k] = add_rn(s[k], mul_rn(sampling::load<R>(img + cell.pix[k]), go));
+            if (need_image) atomicAdd(dimage + (image_row + c) * S + cell.pix[k], mul_rn(cell.wt[k], go));
+        }
+    }
+    if (!theta_wanted) return;
+    // grid_sample's grid cotangent along image axis a (sampling.cu, backward_item), then
+    // transform._from_normalised_cotangent: d phi_a = 2 d grid_{K-1-a}, exact in R and float64.
+    double lam[K];
+    #pragma unroll
+    for (int a = 0; a < K; ++a) {
+        R gx = R(0);
+        #pragma unroll
+        for (int k = 0; k < KC; ++k) {
+            R dw = cell.offset(k, a) ? s[k] : -s[k];
+            #pragma unroll
+            for (int q = 0; q < K; ++q)
+                if (q != a) dw = mul_rn(dw, cell.w[q][cell.offset(k, q)]);
+            gx = add_rn(gx, dw);
+        }
+        lam[a] = convert<double>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
+    }
+    adjoint_sweep<T, K, PROJECT, 1>(lam, E, cell_offset, g, n_steps, S_seg, true, own,
+                                    (const T*)nullptr, 0, 0, G, 1,
+                                    scratch + (threadIdx.x / 32) * 32 * SIZE);
+}
+
+// -- the step-size guard on the device ----------------------------------------------------------
+
+// Bit 1 of *flags when h max_c ||A_c,lin||_F > max_norm (integrate's check_step_size), bit 2
+// when an entry of A is not finite: register's device steps read the flags once per chunk of
+// steps instead of once per step.
+template <int K>
+__global__ void __launch_bounds__(THREADS)
+step_guard(const double* __restrict__ A, i64 cells, int n_steps, double max_norm,
+           int* __restrict__ flags) {
+    const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cells) return;
+    double s = 0.0;
+    bool finite = true;
+    #pragma unroll
+    for (int k = 0; k < K; ++k)
+        #pragma unroll
+        for (int q = 0; q <= K; ++q) {
+            const double a = A[c * (K * (K + 1)) + k * (K + 1) + q];
+            finite &= isfinite(a);
+            if (q < K) s += a * a;
+        }
+    const int bad = (finite ? 0 : 2) | (sqrt(s) / n_steps > max_norm ? 1 : 0);
+    if (bad) atomicOr(flags, bad);
 }
 
 // -- the sparse basis: A = B theta and dL/dtheta = B^T dL/dA -----------------------------------

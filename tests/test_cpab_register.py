@@ -500,3 +500,76 @@ def test_register_on_the_gpu_matches_numpy(rng):
     assert levels.theta.shape == (fine.n_params,) and np.isfinite(levels.loss_history).all()
     np.testing.assert_allclose(prolong(cp.asarray(cpu.theta), tess, fine).get(),
                                prolong(cpu.theta, tess, fine), rtol=0, atol=1e-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_device_steps_follow_the_eager_loop(monkeypatch, rng, dtype):
+    """CuPy + MSE levels run as chunks of prepared launches with no host read per step
+    (_register_cupy); the eager loop of cutopo.vjp steps (DEVICE_STEPS = False) is the oracle:
+    the same losses and theta up to the atomics' summation order, through partial chunks,
+    smoothness, two levels, channels, the slip boundary and nearest sampling."""
+    import cupy as cp
+
+    from cutopo.cpab import _register_cupy
+
+    monkeypatch.setattr(_register_cupy, "CHUNK", 7)
+    fixed, moving, tess, _ = synthetic_pair(rng, (26, 22), (4, 4), 2.0, 10, (1, 3))
+    fixed = np.stack([fixed, fixed ** 2]).astype(dtype)
+    moving = np.stack([moving, moving ** 2]).astype(dtype)
+    slip = Tessellation((4, 4), zero_boundary="slip")
+    cases = [dict(tess=tess, steps=(9, 17), levels=2, smoothness=1e-4),
+             dict(tess=slip, steps=16, padding_mode="zeros"),
+             dict(tess=tess, steps=8, mode="nearest")]
+    rtol = 1e-9 if dtype == np.float64 else 2e-4
+    for case in cases:
+        kwargs = dict(lr=0.02, n_steps=10, progress=False, **case)
+        tess_c = kwargs.pop("tess")
+        runs = []
+        for device_steps in (True, False):
+            monkeypatch.setattr(_register_cupy, "DEVICE_STEPS", device_steps)
+            runs.append(register(cp.asarray(fixed), cp.asarray(moving), tess_c, **kwargs))
+        fast, eager = runs
+        assert fast.loss_history.shape == eager.loss_history.shape == (sum(np.atleast_1d(
+            case["steps"])),)
+        np.testing.assert_allclose(fast.loss_history, eager.loss_history, rtol=rtol, err_msg=str(case))
+        np.testing.assert_allclose(fast.theta.get(), eager.theta.get(), rtol=0,
+                                   atol=rtol * float(np.abs(eager.theta.get()).max()) + 1e-30,
+                                   err_msg=str(case))
+        assert fast.theta.dtype == eager.theta.dtype == dtype
+        if case.get("mode") == "nearest":                 # zero theta cotangent: theta stays 0
+            assert not cp.any(fast.theta)
+
+
+@pytest.mark.gpu
+def test_device_steps_replay_a_chunk_that_trips_the_guard(monkeypatch, rng):
+    """A theta0 too large for n_steps = 2 sets the device guard flag in the first chunk: the
+    chunk is replayed eagerly from its saved state, which raises n_steps as the eager loop
+    does, and the device steps go on with the raised n_steps."""
+    import cupy as cp
+
+    from cutopo.cpab import _register_cupy
+
+    monkeypatch.setattr(_register_cupy, "CHUNK", 5)
+    fixed, moving, tess, theta_true = synthetic_pair(rng, (24, 24), (2, 2), 2.0, 10, (1, 3))
+    A = tess.affine_maps(theta_true[None])[0]
+    largest = float(np.sqrt((A[..., :2] ** 2).sum(axis=(-2, -1))).max())
+    theta0 = theta_true * (3.0 / largest)            # h max ||A|| = 1.5 > 0.5 at n_steps = 2
+    runs, built = [], []
+    original = _register_cupy.Level.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(args[4])                        # n_steps of every Level built
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_register_cupy.Level, "__init__", counting_init)
+    for device_steps in (True, False):
+        monkeypatch.setattr(_register_cupy, "DEVICE_STEPS", device_steps)
+        runs.append(register(cp.asarray(fixed), cp.asarray(moving), tess, steps=12, lr=0.01,
+                             n_steps=2, theta0=cp.asarray(theta0), progress=False))
+    fast, eager = runs
+    assert fast.n_steps == eager.n_steps > 2
+    assert built[0] == 2 and built[-1] == fast.n_steps and len(built) == 2
+    np.testing.assert_allclose(fast.loss_history, eager.loss_history, rtol=1e-9)
+    np.testing.assert_allclose(fast.theta.get(), eager.theta.get(), rtol=0,
+                               atol=1e-9 * float(np.abs(eager.theta.get()).max()))

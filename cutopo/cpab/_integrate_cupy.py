@@ -188,10 +188,12 @@ def affine_maps(tess, theta2):
     return A.reshape(len(theta2) * tess.n_cells, tess.ndim, tess.ndim + 1)
 
 
-def setup(points, theta, tess, n_steps, name, dtype, *, pending=()) -> Plan:
+def setup(points, theta, tess, n_steps, name, dtype, *, pending=(), messages=()) -> Plan:
     """The plan of one integrate/log_jacobian call; arguments already checked, except for the
     device-side finiteness reductions in ``pending`` (see velocity.check_points_theta), which
-    are read together with the step-size guard's norm: one host synchronisation per call."""
+    are read together with the step-size guard's norm: one host synchronisation per call.
+    Entries of ``pending`` after the first are (1,) float64 arrays, 1 where the caller's check
+    passed, each with its error message in ``messages``."""
     import cupy
 
     K, C = tess.ndim, tess.n_cells
@@ -204,6 +206,9 @@ def setup(points, theta, tess, n_steps, name, dtype, *, pending=()) -> Plan:
     values = cupy.concatenate(list(pending) + [largest]).get()
     if len(pending):
         raise_not_finite(values[:2])
+        for ok, message in zip(values[2:-1], messages):   # the caller's own checks
+            if not ok:
+                raise ValueError(message)
     check_step_size(float(values[-1]), n_steps, name)
     h = 1.0 / n_steps
     E = cupy.empty(A.shape, dtype=dtype)
@@ -244,13 +249,17 @@ def integrate(plan: Plan, *, checkpoint_every=None, log_det=False):
     return out, (chk if keep else None), (ld if log_det else None)
 
 
+def local_segment(n_steps, S):
+    """The segment length (S or more) with which a thread keeps a trajectory's checkpoints in
+    its local memory, or None when n_steps is too long for them."""
+    S = max(S, -(-n_steps // MAX_LOCAL_CHECKPOINTS))
+    return S if S <= MAX_SEGMENT else None
+
+
 def recompute_segment(n_steps, S):
     """The segment length of a backward that recomputes its checkpoints, or None when
     CHECKPOINTS is "device" or n_steps is too long for the threads' local checkpoints."""
-    if CHECKPOINTS != "recompute":
-        return None
-    S = max(S, -(-n_steps // MAX_LOCAL_CHECKPOINTS))
-    return S if S <= MAX_SEGMENT else None
+    return local_segment(n_steps, S) if CHECKPOINTS == "recompute" else None
 
 
 def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
@@ -274,14 +283,20 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
            (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
             plan.n_steps, S, int(need_points), int(need_theta), int(recompute))
            + _grid(plan.shape))
-    grad_theta = None
-    if need_theta:
-        cells = len(G)
-        dA = cupy.empty_like(G)
-        launch(_frechet_sig(K), _blocks(cells, 64), 64, (plan.A, G, dA, cells, plan.h))
-        _, basis_t = _basis_tables(plan.tess)
-        grad_theta = _ell_product(basis_t, dA.reshape(plan.n_theta, -1), plan.tess.n_params)
+    grad_theta = theta_cotangent(plan, G) if need_theta else None
     return (grad_points if need_points else None), grad_theta
+
+
+def theta_cotangent(plan: Plan, G):
+    """dL/dtheta (Bt, d) float64 from the per-cell moments G (Bt C, K (K+1)): dL/dA_c by the
+    adjoint Frechet derivative of expm, then B^T."""
+    import cupy
+
+    cells = len(G)
+    dA = cupy.empty_like(G)
+    launch(_frechet_sig(plan.K), _blocks(cells, 64), 64, (plan.A, G, dA, cells, plan.h))
+    _, basis_t = _basis_tables(plan.tess)
+    return _ell_product(basis_t, dA.reshape(plan.n_theta, -1), plan.tess.n_params)
 
 
 def velocity(points, theta, tess, dtype):

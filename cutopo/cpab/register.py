@@ -19,6 +19,7 @@ from .._adam import Adam
 from .._array import array_module, as_array, is_cupy_array, to_numpy
 from .._progress import ProgressBar
 from ..vjp import vjp
+from . import _register_cupy
 from ._checks import check_count
 from .folding import folding_fraction as _folding_fraction
 from .integrate import MAX_STEP_NORM
@@ -321,8 +322,12 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     loss and its gradient in the warped image (written out for both losses), the pullback,
     and :class:`cutopo._adam.Adam`'s update, all array operations on the images' device; the
     loss history stays there until the end, and the progress bar reads the loss only when it
-    redraws (about ten times a second), so on the GPU the steps run without host
-    synchronisation otherwise.
+    redraws (about ten times a second). On CuPy images with ``loss="mse"`` the same step runs
+    as a fixed sequence of kernel launches on buffers made once per level (the fused warp,
+    the MSE gradient, the fused warp's backward, the Frechet adjoint, Adam), and the
+    step-size guard and the finiteness of theta become device flags read once every 100
+    steps: a chunk that trips them is replayed from its start through the ``cutopo.vjp``
+    loop, which raises ``n_steps`` (or the error) exactly as it would have.
 
     The transformation is a diffeomorphism for every theta, so no regulariser is needed
     against folding; the tessellation sets the smoothness. The folding fraction is reported
@@ -395,16 +400,21 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
         return vjp(transform_image, moving4, theta, t, wrt="theta", n_steps=n_steps, **warp)
 
     start = time.perf_counter()
-    history = []
+    history = []                                  # 1-D pieces: a step's value, or a chunk's
     with ProgressBar(sum(per_level), "register", enabled=progress) as bar:
         for level, (t, count) in enumerate(zip(chain, per_level)):
             if level:
                 theta = prolong(theta, chain[level - 1], t).astype(dtype, copy=False)
             optimiser = Adam(theta, lr, betas=betas)
             Q = _dirichlet(t, xp, dtype) if smoothness else None
-            for k in range(count):
+
+            def lr_at(k, count=count):
                 if lr_schedule == "cosine":
-                    optimiser.lr = 0.5 * lr * (1 + math.cos(math.pi * k / count))
+                    return 0.5 * lr * (1 + math.cos(math.pi * k / count))
+                return lr
+
+            def eager_step(k, t=t, optimiser=optimiser, Q=Q):
+                optimiser.lr = lr_at(k)
                 warped, pullback = forward(t)
                 value, d_warped = objective(warped)
                 d_theta = pullback(d_warped)[1]
@@ -413,15 +423,40 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
                     value = value + smoothness * (theta * Q_theta).sum()
                     d_theta = d_theta + (2 * smoothness) * Q_theta
                 optimiser.step(d_theta)
-                history.append(value)
+                history.append(value.reshape(1))
                 bar.update(1, status=lambda: f"loss {float(value):.4g}")
+
+            # CuPy and MSE: chunks of steps on the device with no host read per step; a chunk
+            # that tripped the step-size guard (or met a non-finite theta) is replayed eagerly
+            # from its start, which raises n_steps (or the error) where the eager loop would.
+            device_level, k = None, 0
+            while k < count:
+                stop = min(count, k + _register_cupy.CHUNK)
+                if _register_cupy.usable(moving4, loss, n_steps):
+                    if device_level is None or device_level.n_steps != n_steps:
+                        device_level = _register_cupy.Level(moving4, fixed4, theta, t, n_steps,
+                                                            mode, padding_mode)
+                    saved = (theta.copy(), optimiser.m.copy(), optimiser.v.copy(), optimiser.t)
+                    device_level.clear()
+                    values = device_level.run(k, stop, optimiser, lr_at,
+                                              (Q, smoothness) if smoothness else None, bar)
+                    if not device_level.flagged():
+                        history.append(values)
+                        k = stop
+                        continue
+                    theta[...], optimiser.m[...], optimiser.v[...] = saved[:3]
+                    optimiser.t = saved[3]
+                    bar.update(k - stop)
+                for step in range(k, stop):
+                    eager_step(step)
+                k = stop
     warped = forward(tess)[0]
     final = objective(warped)[0]
     if smoothness:
         final = final + smoothness * (theta * _dirichlet(tess, xp, dtype)(theta)).sum()
     final_loss = float(final)
     if history:
-        history = to_numpy(xp.stack(history)).astype(np.float64)
+        history = to_numpy(xp.concatenate(history)).astype(np.float64)
     else:
         history = np.zeros(0)
     seconds = time.perf_counter() - start

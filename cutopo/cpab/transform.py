@@ -9,6 +9,12 @@ backwards compute only the cotangents that are asked for):
   ``to_normalised(phi) = 2 phi[..., ::-1] - 1`` (axis order reversed to grid_sample's x first,
   the unit box onto [-1, 1] with ``align_corners=False``, so that pixel centres land on pixel
   centres).
+
+On CuPy images ``transform_image`` is not composed: one kernel per call integrates every pixel
+centre and samples the image at its end point (``_warp_cupy``, with the same operations and
+roundings, so the same output), and its VJP recomputes the trajectories, so no grid and no
+checkpoints are ever stored. ``FUSED = False`` selects the composition (the fused path's test
+oracle; also taken for n_steps > 256, beyond the backward's local checkpoints).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import numpy as np
 from .._array import array_module, is_cupy_array
 from ..sampling import grid_sample
 from ..vjp import register
+from . import _warp_cupy
 from ._checks import check_count
 from .integrate import integrate
 from .tessellation import Tessellation
@@ -91,6 +98,10 @@ def _from_normalised_cotangent(d_grid):
 
 _INTEGRATE = integrate.__cutopo_op__
 _GRID_SAMPLE = grid_sample.__cutopo_op__
+# CuPy images: one kernel integrates every pixel centre and samples there (_warp_cupy), with no
+# grid array and a backward that recomputes the trajectories; False: the composition below
+# (integrate, then grid_sample), kept as the fused path's test oracle and for n_steps > 256.
+FUSED = True
 
 
 # -- transform_grid --------------------------------------------------------------------------------
@@ -216,6 +227,12 @@ def _sum_to(g, n):
 
 def _image_forward(image, theta, tess, *, n_steps=50, mode="bilinear", padding_mode="border"):
     image, B = _check_image(image, theta, tess)
+    if FUSED and is_cupy_array(image) and _warp_cupy.supports(n_steps):
+        theta_dtype = array_module(theta).asarray(theta).dtype
+        centres = centres_like(image, image.shape[2:], _theta_dtype(theta_dtype)
+                               if theta_dtype.kind in "fiu" else np.float64)
+        out, res = _warp_cupy.forward(image, theta, tess, n_steps, mode, padding_mode, centres)
+        return out, res
     theta2 = array_module(theta).asarray(theta)
     theta2 = theta2[None] if theta2.ndim == 1 else theta2
     spatial = image.shape[2:]
@@ -229,10 +246,12 @@ def _image_forward(image, theta, tess, *, n_steps=50, mode="bilinear", padding_m
 
 
 def _image_backward(residuals, cotangent, needs):
-    grid_res, sample_res, n_image, n_theta, theta_ndim = residuals
     need_image, need_theta = needs[0], needs[1]
     if not (need_image or need_theta):
         return None, None, None
+    if isinstance(residuals, _warp_cupy.Residuals):
+        return _warp_cupy.backward(residuals, cotangent, need_image, need_theta) + (None,)
+    grid_res, sample_res, n_image, n_theta, theta_ndim = residuals
     d_image, d_grid = _GRID_SAMPLE.backward(sample_res, cotangent, (need_image, need_theta))
     if need_image:
         d_image = _sum_to(d_image, n_image)
@@ -304,6 +323,11 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
     conversion and integrate's VJP; the cotangent of an argument broadcast over the batch is
     summed over it. The result is exact almost everywhere: bilinear interpolation has kinks at
     pixel boundaries and the integration scheme at cell faces (one-sided derivatives there).
+
+    On CuPy arrays one fused kernel integrates and samples (n_steps <= 256): the same output
+    as the composition, bit for bit, without the (B, *spatial, K) grid; its VJP recomputes
+    each trajectory in its thread, so the forward and backward together hold no more than
+    the image, the output, their cotangents and per-cell tables.
 
     Convention
     ----------

@@ -1,0 +1,151 @@
+"""CuPy path of :func:`cutopo.cpab.transform_image`: the fused kernels ``warp_forward`` and
+``warp_backward`` of ``cuda_src/cpab.cu`` (its section "transform_image" describes them).
+
+One thread per (batch item, pixel) integrates the pixel centre and samples the image at the
+end point, so the (B, *spatial, K) grid of the composed path (``transform_grid`` then
+``grid_sample``) never exists, nor the VJP's checkpoints: the backward recomputes each
+trajectory in its thread. The result equals the composed path's (same operations, same
+roundings); the theta cotangent sums the same terms in another order.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import sampling as _sampling
+from .._cuda.compile import register_instances
+from .._cuda.launch import Signature, launch
+from .._sampling_cupy import PADDING_CODES, _dims
+from . import _integrate_cupy as icp
+from .velocity import check_points_theta
+from ._checks import check_count
+
+FAMILY = icp.FAMILY
+THREADS = icp.THREADS
+_CTYPE = {"float16": "cutopo::half", "float32": "float", "float64": "double"}
+# (image storage, computation, output) for each trajectory dtype: the computation dtype is
+# float64 when the trajectory's or the image's is (grid_sample's rule for a grid of that dtype).
+TYPES = {"float32": (("float16", "float32", "float32"), ("float32", "float32", "float32"),
+                     ("float64", "float64", "float64")),
+         "float64": (("float16", "float64", "float64"), ("float32", "float64", "float64"),
+                     ("float64", "float64", "float64"))}
+
+
+def _flag(b):
+    return "true" if b else "false"
+
+
+def _forward_sig(t, ti, r, o, K, project, nearest):
+    name = (f"cutopo::cpab::warp_forward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {_CTYPE[o]}, {K}, "
+            f"{_flag(project)}, {_flag(nearest)}>")
+    return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{ti}", f"ptr:{o}", "int64", "int64")
+                     + ("int32",) * 11)
+
+
+def _backward_sig(t, ti, r, K, project, nearest):
+    name = (f"cutopo::cpab::warp_backward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {K}, "
+            f"{_flag(project)}, {_flag(nearest)}>")
+    return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{ti}", f"ptr:{r}", f"ptr:{r}", "ptr:float64",
+                                    "int64", "int64") + ("int32",) * 14)
+
+
+def _instances():
+    for t, combos in TYPES.items():
+        for ti, r, o in combos:
+            for K in (2, 3):
+                for project in (False, True):
+                    for nearest in (False, True):
+                        yield _forward_sig(t, ti, r, o, K, project, nearest).name
+                        yield _backward_sig(t, ti, r, K, project, nearest).name
+
+
+register_instances(FAMILY, _instances)
+
+
+def supports(n_steps) -> bool:
+    """Whether the backward can keep an n_steps trajectory's checkpoints in local memory
+    (n_steps <= 256); longer ones take the composed path."""
+    return icp.local_segment(n_steps, 4) is not None
+
+
+def _image_finite(image):
+    """(1,) float64 on the device: 1 where the image holds no NaN or inf."""
+    import cupy
+
+    return cupy.isfinite(image).all(keepdims=True).reshape(1).astype(np.float64)
+
+
+@dataclasses.dataclass
+class Residuals:
+    plan: object            # _integrate_cupy.Plan of the trajectories (its points unused)
+    image: object           # (Bi, C, S) C-contiguous, storage dtype
+    n_image: int            # Bi
+    spatial: tuple
+    real: np.dtype          # computation dtype of the sample
+    nearest: bool
+    padding: int
+    theta_ndim: int
+
+
+def forward(image, theta, tess, n_steps, mode, padding_mode, centres):
+    """(out (B, C, *spatial), Residuals) for a CuPy image (N, C, *spatial) and theta; ``centres``
+    are the pixel centres (spatial product, K) in the trajectory dtype (shape and dtype only
+    matter: the kernel makes its centres itself, with the same values)."""
+    import cupy
+
+    _sampling._choice(mode, "mode", _sampling.MODES)
+    _sampling._choice(padding_mode, "padding_mode", _sampling.PADDING_MODES)
+    image = _sampling._float_array(image, "image")
+    n_steps = check_count(n_steps, "n_steps")
+    pending = []
+    _, theta, dtype = check_points_theta(centres, theta, tess, "transform_image", pending=pending)
+    pending.append(_image_finite(image))
+    plan = icp.setup(centres, theta, tess, n_steps, "transform_image", dtype, pending=pending,
+                     messages=(_sampling._IMAGE_NOT_FINITE,))
+    N, C = image.shape[:2]
+    spatial = tuple(int(s) for s in image.shape[2:])
+    if 0 in spatial:
+        raise ValueError(f"image: spatial shape {spatial} has a zero-length axis")
+    S = int(np.prod(spatial))
+    B = max(N, plan.n_theta)
+    ti, r, o = next(c for c in TYPES[dtype.name] if c[0] == image.dtype.name)
+    img = cupy.ascontiguousarray(image).reshape(N, C, S)
+    out = cupy.empty((B, C, S), dtype=o)
+    K = tess.ndim
+    padding = PADDING_CODES[padding_mode]
+    launch(_forward_sig(dtype.name, ti, r, o, K, plan.project, mode == "nearest"),
+           icp._blocks(B * S), THREADS,
+           (plan.E, img, out, B, plan.C, int(plan.n_theta == 1), int(N == 1), C, n_steps, padding)
+           + icp._grid(plan.shape) + _dims(spatial))
+    res = Residuals(plan, img, N, spatial, np.dtype(r), mode == "nearest", padding, theta.ndim)
+    return out.reshape((B, C) + spatial), res
+
+
+def backward(res: Residuals, cotangent, need_image, need_theta):
+    """(d_image (Bi, C, *spatial) in the computation dtype or None, d_theta float64 or None)."""
+    import cupy
+
+    plan, img = res.plan, res.image
+    Bi, C, S = img.shape
+    B = max(Bi, plan.n_theta)
+    K = plan.K
+    g = cupy.ascontiguousarray(cotangent, dtype=res.real).reshape(B, C, S)
+    d_image = cupy.zeros((Bi, C, S), dtype=res.real) if need_image else cupy.empty(0, res.real)
+    wants_moments = need_theta and not res.nearest
+    G = cupy.zeros((plan.n_theta * plan.C, K * (K + 1)) if wants_moments else (0,),
+                   dtype=np.float64)
+    segment = icp.local_segment(plan.n_steps, 4)
+    if need_image or wants_moments:
+        launch(_backward_sig(plan.dtype.name, img.dtype.name, res.real.name, K, plan.project,
+                             res.nearest), icp._blocks(B * S), THREADS,
+               (plan.E, img, g, d_image, G, B, plan.C, int(plan.n_theta == 1), int(Bi == 1), C,
+                plan.n_steps, segment, res.padding, int(need_image), int(wants_moments))
+               + icp._grid(plan.shape) + _dims(res.spatial))
+    d_theta = None
+    if need_theta:
+        d_theta = (icp.theta_cotangent(plan, G) if wants_moments
+                   else cupy.zeros((plan.n_theta, plan.tess.n_params), dtype=np.float64))
+        if res.theta_ndim == 1:
+            d_theta = d_theta[0]
+    return (d_image.reshape((Bi, C) + res.spatial) if need_image else None), d_theta
