@@ -31,7 +31,8 @@
 //                            flush the same cell add their sums in shared memory and one lane
 //                            issues the float64 atomics (MODE 1; MODE 0: every lane its own).
 //   frechet_cells            one thread per cell: dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K}, the
-//                            adjoint Frechet derivative of expm by Van Loan's block exponential.
+//                            adjoint Frechet derivative of expm, by the Taylor series of Van
+//                            Loan's block exponential (registers only: (K+1) x (K+1) blocks).
 //   expm_cells               one thread per cell: E_c = expm(h A~_c), top K rows, in the
 //                            points' dtype.
 //   ell_product              A = B theta and dL/dtheta = B^T dL/dA with the sparse basis in ELL
@@ -687,9 +688,8 @@ __constant__ double PADE_13[14] = {
     2.8101705462199623e-15, 1.5440497506703088e-17};  // repr() of NumPy's _PADE_13: same doubles
 constexpr double THETA_13 = 5.371920351148152;  // Higham (2005): Pade 13 is accurate below it
 
-// Loops over M x M matrices are unrolled (matrices in registers) up to M = 4, the step
-// matrices; the 2(K+1) blocks of frechet_cells stay rolled over local arrays, which keeps the
-// code small and the spills away (one thread per cell, once per backward).
+// Loops over M x M matrices are unrolled (matrices in registers) up to M = 4, the size of
+// every caller's matrices (K + 1); a larger M would stay rolled over local arrays.
 template <int M> struct UNROLL { static constexpr int value = M <= 4 ? M : 1; };
 
 template <int M>
@@ -821,10 +821,81 @@ expm_cells(const double* __restrict__ A, T* __restrict__ E, i64 cells, double h)
         for (int q = 0; q <= K; ++q) E[c * (K * (K + 1)) + k * (K + 1) + q] = (T)M[k][q];
 }
 
+// L(Y, Z), the Frechet derivative of expm at Y in the direction Z, for (K+1) x (K+1) matrices
+// in registers: the top-right block of expm([[Y, Z], [0, Y]]) (Van Loan) by its Taylor series
+// with scaling and squaring. With X = Y / 2^s, D = Z / 2^s and ||X||_1 <= 1/2, the series'
+// blocks P_k = X^k / k! and Q_k = (X Q_{k-1} + D P_{k-1}) / k (the top-right block of W^k / k!)
+// are summed to k = FRECHET_TERMS (the remainder is below 0.5^19 / 19! ~ 1e-22 of the sum), then
+// s squarings of [[E, L], [0, E]] give E <- E E, L <- E L + L E. Small norms are the rule here
+// (the step-size guard bounds h ||A_c,lin||), so s is usually 0.
+constexpr int FRECHET_TERMS = 18;
+
+template <int M>
+__device__ __forceinline__ void expm_frechet(const double (&Y)[M][M], const double (&Z)[M][M],
+                                             double (&L)[M][M]) {
+    double norm1 = 0.0;
+    #pragma unroll
+    for (int j = 0; j < M; ++j) {
+        double col = 0.0;
+        #pragma unroll
+        for (int i = 0; i < M; ++i) col += fabs(Y[i][j]);
+        norm1 = fmax(norm1, col);
+    }
+    int s = 0;
+    if (norm1 > 0.5) {
+        int e;
+        const double f = frexp(norm1 / 0.5, &e);  // norm1 / 0.5 = f 2^e, f in [0.5, 1)
+        s = f == 0.5 ? e - 1 : e;
+    }
+    const double scale = ldexp(1.0, -s);
+    double X[M][M], D[M][M], P[M][M], Q[M][M], E[M][M], T[M][M], U[M][M];
+    #pragma unroll
+    for (int i = 0; i < M; ++i)
+        #pragma unroll
+        for (int j = 0; j < M; ++j) {
+            X[i][j] = Y[i][j] * scale;
+            D[i][j] = Z[i][j] * scale;
+            P[i][j] = i == j ? 1.0 : 0.0;
+            E[i][j] = P[i][j];
+            Q[i][j] = 0.0;
+            L[i][j] = 0.0;
+        }
+    for (int k = 1; k <= FRECHET_TERMS; ++k) {
+        const double inv = 1.0 / k;
+        matmul<M>(X, Q, T);   // X Q_{k-1}
+        matmul<M>(D, P, U);   // D P_{k-1}
+        #pragma unroll
+        for (int i = 0; i < M; ++i)
+            #pragma unroll
+            for (int j = 0; j < M; ++j) Q[i][j] = (T[i][j] + U[i][j]) * inv;
+        matmul<M>(X, P, T);
+        #pragma unroll
+        for (int i = 0; i < M; ++i)
+            #pragma unroll
+            for (int j = 0; j < M; ++j) {
+                P[i][j] = T[i][j] * inv;
+                E[i][j] += P[i][j];
+                L[i][j] += Q[i][j];
+            }
+    }
+    for (int i = 0; i < s; ++i) {
+        matmul<M>(E, L, T);
+        matmul<M>(L, E, U);
+        #pragma unroll
+        for (int r = 0; r < M; ++r)
+            #pragma unroll
+            for (int j = 0; j < M; ++j) L[r][j] = T[r][j] + U[r][j];
+        matmul<M>(E, E, T);
+        #pragma unroll
+        for (int r = 0; r < M; ++r)
+            #pragma unroll
+            for (int j = 0; j < M; ++j) E[r][j] = T[r][j];
+    }
+}
+
 // dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K} for every cell with non-zero moments (zero for the
-// others): Van Loan's block exponential expm([[Y, Z], [0, Y]]) holds L(Y, Z) in its top-right
-// block. G is divided by its largest magnitude first (L is linear in it) so that it does not
-// drive the scaling, as NumPy's _expm_frechet_adjoint does.
+// others). G is divided by its largest magnitude first (L is linear in it; the same scaling as
+// NumPy's _expm_frechet_adjoint, which computes L by the 2(K+1) block exponential itself).
 template <int K>
 __global__ void __launch_bounds__(64)
 frechet_cells(const double* __restrict__ A, const double* __restrict__ G, double* __restrict__ dA,
@@ -833,24 +904,27 @@ frechet_cells(const double* __restrict__ A, const double* __restrict__ G, double
     const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cells) return;
     double scale = 0.0;
+    #pragma unroll
     for (int i = 0; i < SIZE; ++i) scale = fmax(scale, fabs(G[c * SIZE + i]));
     if (scale == 0.0) {
+        #pragma unroll
         for (int i = 0; i < SIZE; ++i) dA[c * SIZE + i] = 0.0;
         return;
     }
-    double W[2 * M][2 * M];
-    for (int i = 0; i < 2 * M; ++i)
-        for (int j = 0; j < 2 * M; ++j) W[i][j] = 0.0;
-    for (int k = 0; k < K; ++k)
-        for (int q = 0; q <= K; ++q) {
-            const double y = h * A[c * SIZE + k * (K + 1) + q];  // Y = (h A~)^T: Y[q][k]
-            W[q][k] = y;
-            W[M + q][M + k] = y;
-            W[k][M + q] = G[c * SIZE + k * (K + 1) + q] / scale;
+    double Y[M][M], Z[M][M], L[M][M];
+    #pragma unroll
+    for (int q = 0; q < M; ++q) {
+        #pragma unroll
+        for (int k = 0; k < M; ++k) {
+            Y[q][k] = k < K ? h * A[c * SIZE + k * (K + 1) + q] : 0.0;  // Y = (h A~)^T
+            Z[k][q] = k < K ? G[c * SIZE + k * (K + 1) + q] / scale : 0.0;
         }
-    expm_inplace<2 * M>(W);
+    }
+    expm_frechet<M>(Y, Z, L);
+    #pragma unroll
     for (int k = 0; k < K; ++k)
-        for (int q = 0; q <= K; ++q) dA[c * SIZE + k * (K + 1) + q] = h * (W[k][M + q] * scale);
+        #pragma unroll
+        for (int q = 0; q <= K; ++q) dA[c * SIZE + k * (K + 1) + q] = h * (L[k][q] * scale);
 }
 
 }  // namespace cpab

@@ -11,6 +11,8 @@ saved at its start, which raises n_steps (or the error) at the step where it wou
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._cuda.compile import register_instances
@@ -24,8 +26,11 @@ from ._checks import MAX_STEP_NORM
 CHUNK = 100
 # False: register runs every step through the eager loop (the tests' oracle for this path).
 DEVICE_STEPS = True
+# True: a level's step is captured once as a CUDA graph and replayed (one launch per step
+# instead of a dozen from Python); False: the same launches issued one by one.
+GRAPHS = True
 _CTYPE = {"float32": "float", "float64": "double"}
-_MSE_THREADS = 256      # optim::THREADS
+_OPTIM_THREADS = 256    # optim::THREADS
 _MSE_BLOCKS = 512       # enough blocks to fill the device for a grid-stride pass
 
 
@@ -36,11 +41,33 @@ def _guard_sig(K):
 
 def _mse_sig(t):
     return Signature("optim", f"cutopo::optim::mse_gradient<{_CTYPE[t]}>",
-                     (f"ptr:{t}",) * 3 + ("int64", t, "ptr:float64"))
+                     (f"ptr:{t}",) * 3 + ("int64", t, "ptr:float64", "ptr:int32"))
+
+
+def _gradient_sig(t):
+    return Signature("optim", f"cutopo::optim::theta_gradient<{_CTYPE[t]}>",
+                     ("ptr:float64", "ptr:float64", f"ptr:{t}", f"ptr:{t}", "int64", t, "int32",
+                      "ptr:float64", "ptr:int32"))
+
+
+def _adam_sig(t):
+    return Signature("optim", f"cutopo::optim::adam_scheduled<{_CTYPE[t]}>",
+                     (f"ptr:{t}",) * 4 + ("int64",) + (t,) * 5 + (f"ptr:{t}", f"ptr:{t}", "ptr:int32"))
+
+
+_ADVANCE = Signature("optim", "cutopo::optim::advance", ("ptr:int32",))
+
+
+def _instances():
+    for t in _CTYPE:
+        yield _mse_sig(t).name
+        yield _gradient_sig(t).name
+        yield _adam_sig(t).name
+    yield _ADVANCE.name
 
 
 register_instances(icp.FAMILY, lambda: (_guard_sig(K).name for K in (2, 3)))
-register_instances("optim", lambda: (_mse_sig(t).name for t in _CTYPE))
+register_instances("optim", _instances)
 
 
 def usable(moving4, loss, n_steps) -> bool:
@@ -52,13 +79,17 @@ def usable(moving4, loss, n_steps) -> bool:
 
 
 class Level:
-    """One level's theta cotangent as prepared launches: ``theta`` (the Adam parameters,
-    updated in place, so its address is fixed) against ``moving4``/``fixed4`` (1, C, *spatial)
-    of theta's dtype."""
+    """One level's registration steps as prepared launches on buffers made once: Adam on
+    ``optimiser.params`` (theta, updated in place, so every address is fixed) for the MSE of
+    ``moving4`` warped against ``fixed4`` ((1, C, *spatial), theta's dtype), plus
+    ``smoothness * theta.Q theta`` (Q the Dirichlet matrix) when ``smoothness`` is not 0."""
 
-    def __init__(self, moving4, fixed4, theta, tess, n_steps, mode, padding_mode):
+    def __init__(self, moving4, fixed4, optimiser, tess, n_steps, mode, padding_mode, smoothness):
         import cupy
 
+        from .smoothness import dirichlet_matrix
+
+        theta = optimiser.params
         t = theta.dtype.name
         K, C, d = tess.ndim, tess.n_cells, tess.n_params
         size = K * (K + 1)
@@ -67,82 +98,131 @@ class Level:
         S = int(np.prod(spatial))
         h = 1.0 / n_steps
         self.n_steps, self.dtype, self.size = n_steps, theta.dtype, channels * S
-        self.nearest = mode == "nearest"
+        self.optimiser, self.smoothness = optimiser, float(smoothness)
+        nearest = mode == "nearest"
         project = tess.zero_boundary in ("noslip", "slip")
         padding = PADDING_CODES[padding_mode]
         (idx, val, R), (idx_t, val_t, R_t) = icp._basis_tables(tess)
 
-        self.A = cupy.empty((C, size), dtype=np.float64)
-        self.E = cupy.empty((C, size), dtype=t)
-        self.G = cupy.empty((C, size), dtype=np.float64)
-        self.dA = cupy.empty((1, C * size), dtype=np.float64)
-        self.grad = cupy.zeros((1, d), dtype=np.float64)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.graph = None
+        self.counter = cupy.zeros(1, dtype=np.int32)
         self.flags = cupy.zeros(1, dtype=np.int32)
-        self.moving = cupy.ascontiguousarray(moving4).reshape(1, channels, S)
-        self.fixed = cupy.ascontiguousarray(fixed4).reshape(-1)
-        self.warped = cupy.empty((1, channels, S), dtype=t)
-        self.d_warped = cupy.empty_like(self.warped)
+        self.sums = cupy.zeros(CHUNK, dtype=np.float64)        # squared errors per step
+        self.penalty = cupy.zeros(CHUNK, dtype=np.float64)     # theta . Q theta per step
+        self.steps = cupy.zeros(CHUNK, dtype=t)                # Adam's step sizes per step
+        self.invs = cupy.zeros(CHUNK, dtype=t)                 # and 1 / sqrt(1 - b2^t)
+        A = cupy.empty((C, size), dtype=np.float64)
+        E = cupy.empty((C, size), dtype=t)
+        self.G = cupy.empty((C, size), dtype=np.float64)
+        dA = cupy.empty((1, C * size), dtype=np.float64)
+        grad = cupy.zeros((1, d), dtype=np.float64)
+        q = cupy.zeros((1, d), dtype=np.float64)
+        grad_T = cupy.empty(d, dtype=t)
+        moving = cupy.ascontiguousarray(moving4).reshape(1, channels, S)
+        fixed = cupy.ascontiguousarray(fixed4).reshape(-1)
+        warped = cupy.empty((1, channels, S), dtype=t)
+        d_warped = cupy.empty_like(warped)
         theta2 = theta.reshape(1, d)
         warp = icp._grid(tess.shape) + _dims(spatial)
         blocks = icp._blocks
-        self.forward = [
-            PreparedLaunch(icp._ell_sig(t), blocks(C * size), icp.THREADS,
-                           (idx, val, theta2, self.A, C * size, d, 1, R)),
-            PreparedLaunch(_guard_sig(K), blocks(C), icp.THREADS,
-                           (self.A, C, n_steps, MAX_STEP_NORM, self.flags)),
-            PreparedLaunch(icp._expm_sig(t, K), blocks(C, 128), 128, (self.A, self.E, C, h)),
-            PreparedLaunch(wcp._forward_sig(t, t, t, t, K, project, self.nearest), blocks(S),
-                           icp.THREADS, (self.E, self.moving, self.warped, 1, C, 1, 1, channels,
-                                         n_steps, padding) + warp),
-        ]
+        b1, b2 = optimiser.betas
         n = self.size
-        self.mse = PreparedLaunch(_mse_sig(t), min(_MSE_BLOCKS, -(-n // _MSE_THREADS)), _MSE_THREADS,
-                                  (self.warped, self.fixed, self.d_warped, n, 2.0 / n, None))
-        # nearest sampling is piecewise constant: its theta cotangent is zero (self.grad)
-        self.backward = [] if self.nearest else [
-            PreparedLaunch(wcp._backward_sig(t, t, t, K, project, False), blocks(S), icp.THREADS,
-                           (self.E, self.moving, self.d_warped, cupy.empty(0, dtype=t), self.G, 1,
-                            C, 1, 1, channels, n_steps, icp.local_segment(n_steps, 4), padding, 0,
-                            1) + warp),
-            PreparedLaunch(icp._frechet_sig(K), blocks(C, 64), 64, (self.A, self.G, self.dA, C, h)),
-            PreparedLaunch(icp._ell_sig("float64"), blocks(d), icp.THREADS,
-                           (idx_t, val_t, self.dA, self.grad, d, C * size, 1, R_t)),
+        launches = [
+            PreparedLaunch(icp._ell_sig(t), blocks(C * size), icp.THREADS,
+                           (idx, val, theta2, A, C * size, d, 1, R)),
+            PreparedLaunch(_guard_sig(K), blocks(C), icp.THREADS,
+                           (A, C, n_steps, MAX_STEP_NORM, self.flags)),
+            PreparedLaunch(icp._expm_sig(t, K), blocks(C, 128), 128, (A, E, C, h)),
+            PreparedLaunch(wcp._forward_sig(t, t, t, t, K, project, nearest), blocks(S),
+                           icp.THREADS, (E, moving, warped, 1, C, 1, 1, channels, n_steps,
+                                         padding) + warp),
+            PreparedLaunch(_mse_sig(t), min(_MSE_BLOCKS, -(-n // _OPTIM_THREADS)), _OPTIM_THREADS,
+                           (warped, fixed, d_warped, n, 2.0 / n, self.sums, self.counter)),
         ]
+        if not nearest:   # nearest sampling is piecewise constant: a zero theta cotangent
+            launches += [
+                self.G.fill,
+                PreparedLaunch(wcp._backward_sig(t, t, t, K, project, False), blocks(S),
+                               icp.THREADS, (E, moving, d_warped, cupy.empty(0, dtype=t), self.G,
+                                             1, C, 1, 1, channels, n_steps,
+                                             icp.local_segment(n_steps, 4), padding, 0, 1) + warp),
+                PreparedLaunch(icp._frechet_sig(K), blocks(C, 64), 64, (A, self.G, dA, C, h)),
+                PreparedLaunch(icp._ell_sig("float64"), blocks(d), icp.THREADS,
+                               (idx_t, val_t, dA, grad, d, C * size, 1, R_t)),
+            ]
+        if smoothness:
+            q_idx, q_val, q_R = icp._ell(dirichlet_matrix(tess))
+            launches.append(PreparedLaunch(icp._ell_sig(t), blocks(d), icp.THREADS,
+                                           (q_idx, q_val, theta2, q, d, d, 1, q_R)))
+        launches += [
+            PreparedLaunch(_gradient_sig(t), blocks(d, _OPTIM_THREADS), _OPTIM_THREADS,
+                           (grad, q, theta, grad_T, d, 2 * self.smoothness, int(bool(smoothness)),
+                            self.penalty, self.counter)),
+            PreparedLaunch(_adam_sig(t), blocks(d, _OPTIM_THREADS), _OPTIM_THREADS,
+                           (theta, optimiser.m, optimiser.v, grad_T, d, b1, 1 - b1, b2, 1 - b2,
+                            optimiser.eps, self.steps, self.invs, self.counter)),
+            PreparedLaunch(_ADVANCE, 1, 1, (self.counter,)),
+        ]
+        self._launches = launches
 
-    def theta_cotangent(self, loss_sum):
-        """The MSE's gradient in theta, (d,) float64; adds the squared error's sum to the (1,)
-        float64 device array ``loss_sum``."""
-        for launch in self.forward:
-            launch()
-        self.mse(loss_sum)
-        if self.backward:
-            self.G.fill(0)
-            for launch in self.backward:
-                launch()
-        return self.grad[0]
+    def _step(self):
+        for launch in self._launches:
+            launch() if isinstance(launch, PreparedLaunch) else launch(0)
 
-    def run(self, start, stop, optimiser, lr_at, smooth, bar):
-        """Steps ``start`` .. ``stop - 1``: Adam on ``optimiser.params`` with the step sizes
-        ``lr_at(k)``, plus ``weight * theta.Q theta`` when ``smooth`` is (Q, weight). Returns
-        the steps' loss values ((stop - start,) in theta's dtype, on the device)."""
+    def _replay(self):
+        """One step on self.stream: the captured graph (made at the first call), or the
+        launches one by one."""
+        if not GRAPHS:
+            self._step()
+            return
+        if self.graph is None:
+            self.stream.begin_capture()
+            try:
+                self._step()
+            finally:
+                self.graph = self.stream.end_capture()
+        self.graph.launch(self.stream)
+
+    def run(self, start, stop, lr_at, bar):
+        """Steps ``start`` .. ``stop - 1`` (at most CHUNK) with step sizes ``lr_at(k)``; the
+        optimiser's state advances as if :meth:`Adam.step` had run. Returns the steps' loss
+        values ((stop - start,) in theta's dtype, on the device)."""
         import cupy
 
         n = stop - start
-        sums = cupy.zeros(n, dtype=np.float64)
-        theta = optimiser.params
-        smooth_values = cupy.zeros(n, dtype=self.dtype) if smooth else None
-        for i in range(n):
-            optimiser.lr = lr_at(start + i)
-            d_theta = self.theta_cotangent(sums[i:i + 1]).astype(self.dtype)
-            if smooth:
-                Q, weight = smooth
-                Q_theta = Q(theta)
-                smooth_values[i] = (theta * Q_theta).sum()
-                d_theta = d_theta + (2 * weight) * Q_theta
-            optimiser.step(d_theta)
-            bar.update(1, status=lambda i=i: f"loss {float(sums[i]) / self.size:.4g}")
-        values = (sums / self.size).astype(self.dtype)
-        return values + smooth[1] * smooth_values if smooth else values
+        opt = self.optimiser
+        b1, b2 = opt.betas
+        # Adam.step's scalars, as it computes them (Python floats, rounded to theta's dtype)
+        ts = range(opt.t + 1, opt.t + n + 1)
+        steps = [lr_at(start + i) / (1 - b1 ** t) for i, t in enumerate(ts)]
+        invs = [1.0 / math.sqrt(1 - b2 ** t) for t in ts]
+        caller = cupy.cuda.get_current_stream()
+        with self.stream:
+            self.stream.wait_event(caller.record())            # theta's last writes first
+            self.steps[:n].set(np.asarray(steps, dtype=self.dtype), self.stream)
+            self.invs[:n].set(np.asarray(invs, dtype=self.dtype), self.stream)
+            self.counter.fill(0)
+            self.sums.fill(0)
+            self.penalty.fill(0)
+            for i in range(n):
+                self._replay()
+                bar.update(1, status=lambda i=i: f"loss {self._value(i):.4g}")
+            values = (self.sums[:n] / self.size).astype(self.dtype)
+            if self.smoothness:
+                values = values + self.smoothness * self.penalty[:n].astype(self.dtype)
+        caller.wait_event(self.stream.record())
+        opt.t += n
+        opt.lr = lr_at(stop - 1)
+        return values
+
+    def _value(self, i):
+        """Step i's loss on the host (the progress bar's, when it redraws)."""
+        self.stream.synchronize()
+        value = float(self.sums[i].get(stream=self.stream)) / self.size
+        if self.smoothness:
+            value += self.smoothness * float(self.penalty[i].get(stream=self.stream))
+        return value
 
     def flagged(self) -> bool:
         """Whether a step since the last :meth:`clear` tripped the step-size guard or met a

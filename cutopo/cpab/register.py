@@ -434,12 +434,12 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
                 stop = min(count, k + _register_cupy.CHUNK)
                 if _register_cupy.usable(moving4, loss, n_steps):
                     if device_level is None or device_level.n_steps != n_steps:
-                        device_level = _register_cupy.Level(moving4, fixed4, theta, t, n_steps,
-                                                            mode, padding_mode)
+                        device_level = _register_cupy.Level(moving4, fixed4, optimiser, t,
+                                                            n_steps, mode, padding_mode,
+                                                            smoothness)
                     saved = (theta.copy(), optimiser.m.copy(), optimiser.v.copy(), optimiser.t)
                     device_level.clear()
-                    values = device_level.run(k, stop, optimiser, lr_at,
-                                              (Q, smoothness) if smoothness else None, bar)
+                    values = device_level.run(k, stop, lr_at, bar)
                     if not device_level.flagged():
                         history.append(values)
                         k = stop
