@@ -539,11 +539,14 @@ __device__ __forceinline__ void sample_cell(const T (&x)[K], const sampling::Dim
 }
 
 // image (Bi, channels, S) with Bi 1 (shared) or B, out (B, channels, S), E as integrate's.
+// With `keep`, checkpoints (ceil(n_steps / S_seg), B, S, K) receives x_t at t = 0, S_seg, ...
+// for a backward that does not recompute them.
 template <typename T, typename TI, typename R, typename O, int K, bool PROJECT, bool NEAREST>
 __global__ void __launch_bounds__(THREADS)
-warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restrict__ out, i64 B,
-             i64 C, int theta_shared, int image_shared, int channels, int n_steps, int padding,
-             int n0, int n1, int n2, int d, int h, int w) {
+warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restrict__ out,
+             T* __restrict__ checkpoints, i64 B, i64 C, int theta_shared, int image_shared,
+             int channels, int n_steps, int S_seg, int keep, int padding, int n0, int n1, int n2,
+             int d, int h, int w) {
     const sampling::Dims<i64, K> dims(d, h, w);
     const i64 S = dims.stride[0] * dims.size[0];
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -554,7 +557,13 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
     T x[K];
     pixel_centre<T, K>(p, dims, x);  // inside the box: P leaves it alone
     int inside;
-    for (int t = 0; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+    const i64 plane = B * S * K;
+    for (int t = 0; t < n_steps; ++t) {
+        if (keep && t % S_seg == 0)
+            #pragma unroll
+            for (int k = 0; k < K; ++k) checkpoints[(i64)(t / S_seg) * plane + idx * K + k] = x[k];
+        step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+    }
     sampling::Cell<R, K, NEAREST> cell;
     sample_cell<T, R, K, NEAREST>(x, dims, padding, cell);
     const TI* img = image + (image_shared ? 0 : b) * channels * S;
@@ -569,14 +578,16 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
 
 // gout (B, channels, S) in R; dimage (Bi, channels, S) in R, zero-initialised, when
 // `need_image`; G as integrate_backward's when `need_theta` (bilinear only: nearest sampling
-// is piecewise constant, its theta cotangent zero). S_seg: the checkpoint segment
-// (ceil(n_steps / S_seg) <= MAX_LOCAL_CHECKPOINTS, the host's promise).
+// is piecewise constant, its theta cotangent zero). S_seg: the checkpoint segment; with
+// `recompute` the thread recomputes its checkpoints into local memory (ceil(n_steps / S_seg)
+// <= MAX_LOCAL_CHECKPOINTS, the host's promise), else it reads warp_forward's.
 template <typename T, typename TI, typename R, int K, bool PROJECT, bool NEAREST>
 __global__ void __launch_bounds__(THREADS)
 warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __restrict__ gout,
-              R* __restrict__ dimage, double* __restrict__ G, i64 B, i64 C, int theta_shared,
-              int image_shared, int channels, int n_steps, int S_seg, int padding, int need_image,
-              int need_theta, int n0, int n1, int n2, int d, int h, int w) {
+              R* __restrict__ dimage, double* __restrict__ G, const T* __restrict__ checkpoints,
+              i64 B, i64 C, int theta_shared, int image_shared, int channels, int n_steps,
+              int S_seg, int recompute, int padding, int need_image, int need_theta, int n0,
+              int n1, int n2, int d, int h, int w) {
     constexpr int SIZE = Moments<K>::SIZE;
     __shared__ double scratch[WARPS * 32 * SIZE];
     const sampling::Dims<i64, K> dims(d, h, w);
@@ -587,14 +598,21 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
     const Grid g = {{n0, n1, n2}};
     const i64 cell_offset = (theta_shared ? 0 : b) * C;
     const bool theta_wanted = need_theta && !NEAREST;
+    const i64 plane = B * S * K;
     T x[K];
-    pixel_centre<T, K>(p, dims, x);
     T own[MAX_LOCAL_CHECKPOINTS][K];
-    if (theta_wanted) {
-        recompute_checkpoints<T, K, PROJECT>(x, E, cell_offset, g, n_steps, S_seg, own);
+    int inside;
+    if (theta_wanted && !recompute) {  // x_T from the last checkpoint
+        const int last = (n_steps - 1) / S_seg;
+        #pragma unroll
+        for (int k = 0; k < K; ++k) x[k] = checkpoints[(i64)last * plane + idx * K + k];
+        for (int t = last * S_seg; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
     } else {
-        int inside;
-        for (int t = 0; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+        pixel_centre<T, K>(p, dims, x);
+        if (theta_wanted)
+            recompute_checkpoints<T, K, PROJECT>(x, E, cell_offset, g, n_steps, S_seg, own);
+        else
+            for (int t = 0; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
     }
     sampling::Cell<R, K, NEAREST> cell;
     sample_cell<T, R, K, NEAREST>(x, dims, padding, cell);
@@ -630,8 +648,8 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
         }
         lam[a] = convert<double>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
     }
-    adjoint_sweep<T, K, PROJECT, 1>(lam, E, cell_offset, g, n_steps, S_seg, true, own,
-                                    (const T*)nullptr, 0, 0, G, 1,
+    adjoint_sweep<T, K, PROJECT, 1>(lam, E, cell_offset, g, n_steps, S_seg, recompute != 0, own,
+                                    checkpoints, idx, plane, G, 1,
                                     scratch + (threadIdx.x / 32) * 32 * SIZE);
 }
 

@@ -506,8 +506,9 @@ def test_register_on_the_gpu_matches_numpy(rng):
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_device_steps_follow_the_eager_loop(monkeypatch, rng, dtype, graphs):
-    """CuPy + MSE levels run as chunks of prepared launches (replayed as a captured CUDA graph,
-    or launched one by one) with no host read per step (_register_cupy); the eager loop of
+    """CuPy + MSE levels run as chunks of prepared launches (replayed as a captured CUDA graph
+    with the forward's checkpoints kept, or launched one by one with the checkpoints
+    recomputed) with no host read per step (_register_cupy); the eager loop of
     cutopo.vjp steps (DEVICE_STEPS = False) is the oracle: the same losses and theta up to the
     atomics' summation order, through partial chunks, smoothness, two levels, channels, the
     slip boundary and nearest sampling."""
@@ -517,6 +518,8 @@ def test_device_steps_follow_the_eager_loop(monkeypatch, rng, dtype, graphs):
 
     monkeypatch.setattr(_register_cupy, "CHUNK", 7)
     monkeypatch.setattr(_register_cupy, "GRAPHS", graphs)
+    if not graphs:     # and the backward that recomputes the trajectories' checkpoints
+        monkeypatch.setattr(_register_cupy, "KEEP_CHECKPOINTS_BYTES", 0)
     fixed, moving, tess, _ = synthetic_pair(rng, (26, 22), (4, 4), 2.0, 10, (1, 3))
     fixed = np.stack([fixed, fixed ** 2]).astype(dtype)
     moving = np.stack([moving, moving ** 2]).astype(dtype)

@@ -4,10 +4,12 @@ The eager loop of :func:`cutopo.cpab.register` calls ``cutopo.vjp(transform_imag
 every step, whose finiteness checks and step-size guard are read on the host, and whose generic
 launches convert every argument: at 512^2 that host work costs several times the kernels. Here
 one level's step is a fixed sequence of prepared launches on buffers allocated once (A = B theta,
-the guard into a device flag, expm, the fused warp, the MSE gradient, the fused warp's backward,
-the adjoint Frechet derivative, B^T), and the flags are read once per chunk of :data:`CHUNK`
-steps. The caller replays a chunk whose flags are set through the eager loop, from the state
-saved at its start, which raises n_steps (or the error) at the step where it would have anyway.
+the guard into a device flag, expm, the fused warp keeping its checkpoints, the MSE gradient,
+the fused warp's backward, the adjoint Frechet derivative, B^T, the Dirichlet term, Adam),
+captured once as a CUDA graph and replayed, and the flags are read once per chunk of
+:data:`CHUNK` steps. The caller replays a chunk whose flags are set through the eager loop,
+from the state saved at its start, which raises n_steps (or the error) at the step where it
+would have anyway.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ DEVICE_STEPS = True
 # True: a level's step is captured once as a CUDA graph and replayed (one launch per step
 # instead of a dozen from Python); False: the same launches issued one by one.
 GRAPHS = True
+# Bytes of trajectory checkpoints a level may keep: the forward then writes x_t every 16
+# steps and the backward starts its segments there instead of integrating every trajectory
+# again (at 512^2 a sixth of the step); above it the backward recomputes them.
+KEEP_CHECKPOINTS_BYTES = 1 << 30
 _CTYPE = {"float32": "float", "float64": "double"}
 _OPTIM_THREADS = 256    # optim::THREADS
 _MSE_BLOCKS = 512       # enough blocks to fill the device for a grid-stride pass
@@ -123,6 +129,10 @@ class Level:
         fixed = cupy.ascontiguousarray(fixed4).reshape(-1)
         warped = cupy.empty((1, channels, S), dtype=t)
         d_warped = cupy.empty_like(warped)
+        segment = icp.local_segment(n_steps, icp.MAX_SEGMENT)
+        planes = -(-n_steps // segment)
+        keep = not nearest and planes * S * K * theta.dtype.itemsize <= KEEP_CHECKPOINTS_BYTES
+        checkpoints = cupy.empty((planes, S, K) if keep else (0,), dtype=t)
         theta2 = theta.reshape(1, d)
         warp = icp._grid(tess.shape) + _dims(spatial)
         blocks = icp._blocks
@@ -135,8 +145,8 @@ class Level:
                            (A, C, n_steps, MAX_STEP_NORM, self.flags)),
             PreparedLaunch(icp._expm_sig(t, K), blocks(C, 128), 128, (A, E, C, h)),
             PreparedLaunch(wcp._forward_sig(t, t, t, t, K, project, nearest), blocks(S),
-                           icp.THREADS, (E, moving, warped, 1, C, 1, 1, channels, n_steps,
-                                         padding) + warp),
+                           icp.THREADS, (E, moving, warped, checkpoints, 1, C, 1, 1, channels,
+                                         n_steps, segment, int(keep), padding) + warp),
             PreparedLaunch(_mse_sig(t), min(_MSE_BLOCKS, -(-n // _OPTIM_THREADS)), _OPTIM_THREADS,
                            (warped, fixed, d_warped, n, 2.0 / n, self.sums, self.counter)),
         ]
@@ -145,8 +155,8 @@ class Level:
                 self.G.fill,
                 PreparedLaunch(wcp._backward_sig(t, t, t, K, project, False), blocks(S),
                                icp.THREADS, (E, moving, d_warped, cupy.empty(0, dtype=t), self.G,
-                                             1, C, 1, 1, channels, n_steps,
-                                             icp.local_segment(n_steps, 4), padding, 0, 1) + warp),
+                                             checkpoints, 1, C, 1, 1, channels, n_steps, segment,
+                                             int(not keep), padding, 0, 1) + warp),
                 PreparedLaunch(icp._frechet_sig(K), blocks(C, 64), 64, (A, self.G, dA, C, h)),
                 PreparedLaunch(icp._ell_sig("float64"), blocks(d), icp.THREADS,
                                (idx_t, val_t, dA, grad, d, C * size, 1, R_t)),

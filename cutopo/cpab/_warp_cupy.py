@@ -39,15 +39,15 @@ def _flag(b):
 def _forward_sig(t, ti, r, o, K, project, nearest):
     name = (f"cutopo::cpab::warp_forward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {_CTYPE[o]}, {K}, "
             f"{_flag(project)}, {_flag(nearest)}>")
-    return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{ti}", f"ptr:{o}", "int64", "int64")
-                     + ("int32",) * 11)
+    return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{ti}", f"ptr:{o}", f"ptr:{t}", "int64",
+                                    "int64") + ("int32",) * 13)
 
 
 def _backward_sig(t, ti, r, K, project, nearest):
     name = (f"cutopo::cpab::warp_backward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {K}, "
             f"{_flag(project)}, {_flag(nearest)}>")
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{ti}", f"ptr:{r}", f"ptr:{r}", "ptr:float64",
-                                    "int64", "int64") + ("int32",) * 14)
+                                    f"ptr:{t}", "int64", "int64") + ("int32",) * 15)
 
 
 def _instances():
@@ -116,8 +116,8 @@ def forward(image, theta, tess, n_steps, mode, padding_mode, centres):
     padding = PADDING_CODES[padding_mode]
     launch(_forward_sig(dtype.name, ti, r, o, K, plan.project, mode == "nearest"),
            icp._blocks(B * S), THREADS,
-           (plan.E, img, out, B, plan.C, int(plan.n_theta == 1), int(N == 1), C, n_steps, padding)
-           + icp._grid(plan.shape) + _dims(spatial))
+           (plan.E, img, out, cupy.empty(0, dtype=dtype), B, plan.C, int(plan.n_theta == 1),
+            int(N == 1), C, n_steps, 1, 0, padding) + icp._grid(plan.shape) + _dims(spatial))
     res = Residuals(plan, img, N, spatial, np.dtype(r), mode == "nearest", padding, theta.ndim)
     return out.reshape((B, C) + spatial), res
 
@@ -139,8 +139,9 @@ def backward(res: Residuals, cotangent, need_image, need_theta):
     if need_image or wants_moments:
         launch(_backward_sig(plan.dtype.name, img.dtype.name, res.real.name, K, plan.project,
                              res.nearest), icp._blocks(B * S), THREADS,
-               (plan.E, img, g, d_image, G, B, plan.C, int(plan.n_theta == 1), int(Bi == 1), C,
-                plan.n_steps, segment, res.padding, int(need_image), int(wants_moments))
+               (plan.E, img, g, d_image, G, cupy.empty(0, dtype=plan.dtype), B, plan.C,
+                int(plan.n_theta == 1), int(Bi == 1), C, plan.n_steps, segment, 1, res.padding,
+                int(need_image), int(wants_moments))
                + icp._grid(plan.shape) + _dims(res.spatial))
     d_theta = None
     if need_theta:
