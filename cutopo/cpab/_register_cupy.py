@@ -182,17 +182,32 @@ class Level:
 
     def _replay(self):
         """One step on self.stream: the captured graph (made at the first call), or the
-        launches one by one."""
-        if not GRAPHS:
+        launches one by one (GRAPHS off, or a capture this CuPy or driver refused)."""
+        if GRAPHS and self.graph is None:
+            self.graph = self._capture()
+        if GRAPHS and self.graph:
+            self.graph.launch(self.stream)
+        else:
             self._step()
-            return
-        if self.graph is None:
+
+    def _capture(self):
+        """The step as a CUDA graph, or False where it cannot be captured. Nothing runs
+        during a capture, so a refused one leaves no trace; an error of the step itself
+        surfaces again when the launches then run one by one."""
+        try:
             self.stream.begin_capture()
-            try:
-                self._step()
-            finally:
-                self.graph = self.stream.end_capture()
-        self.graph.launch(self.stream)
+        except Exception:
+            return False
+        error = None
+        try:
+            self._step()
+        except Exception as exc:
+            error = exc
+        try:
+            graph = self.stream.end_capture()
+        except Exception as exc:
+            error = error or exc
+        return False if error is not None else graph
 
     def run(self, start, stop, lr_at, bar):
         """Steps ``start`` .. ``stop - 1`` (at most CHUNK) with step sizes ``lr_at(k)``; the
