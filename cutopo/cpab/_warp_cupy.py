@@ -80,7 +80,6 @@ def _image_finite(image):
 class Residuals:
     plan: object            # _integrate_cupy.Plan of the trajectories (its points unused)
     image: object           # (Bi, C, S) C-contiguous, storage dtype
-    n_image: int            # Bi
     spatial: tuple
     real: np.dtype          # computation dtype of the sample
     nearest: bool
@@ -88,20 +87,22 @@ class Residuals:
     theta_ndim: int
 
 
-def forward(image, theta, tess, n_steps, mode, padding_mode, centres):
-    """(out (B, C, *spatial), Residuals) for a CuPy image (N, C, *spatial) and theta; ``centres``
-    are the pixel centres (spatial product, K) in the trajectory dtype (shape and dtype only
-    matter: the kernel makes its centres itself, with the same values)."""
+def forward(image, theta, tess, n_steps, mode, padding_mode):
+    """(out (B, C, *spatial), Residuals) for a CuPy image (N, C, *spatial) and theta."""
     import cupy
 
     _sampling._choice(mode, "mode", _sampling.MODES)
     _sampling._choice(padding_mode, "padding_mode", _sampling.PADDING_MODES)
     image = _sampling._float_array(image, "image")
     n_steps = check_count(n_steps, "n_steps")
+    # The kernels make the pixel centres themselves; integrate's checks and plan are given one
+    # float32 point, which gives the trajectories transform_grid's dtype (theta's, at least
+    # float32) and costs no pass over a grid of centres.
+    probe = cupy.full((1, tess.ndim), 0.5, dtype=np.float32)
     pending = []
-    _, theta, dtype = check_points_theta(centres, theta, tess, "transform_image", pending=pending)
+    _, theta, dtype = check_points_theta(probe, theta, tess, "transform_image", pending=pending)
     pending.append(_image_finite(image))
-    plan = icp.setup(centres, theta, tess, n_steps, "transform_image", dtype, pending=pending,
+    plan = icp.setup(probe, theta, tess, n_steps, "transform_image", dtype, pending=pending,
                      messages=(_sampling._IMAGE_NOT_FINITE,))
     N, C = image.shape[:2]
     spatial = tuple(int(s) for s in image.shape[2:])
@@ -118,7 +119,7 @@ def forward(image, theta, tess, n_steps, mode, padding_mode, centres):
            icp._blocks(B * S), THREADS,
            (plan.E, img, out, cupy.empty(0, dtype=dtype), B, plan.C, int(plan.n_theta == 1),
             int(N == 1), C, n_steps, 1, 0, padding) + icp._grid(plan.shape) + _dims(spatial))
-    res = Residuals(plan, img, N, spatial, np.dtype(r), mode == "nearest", padding, theta.ndim)
+    res = Residuals(plan, img, spatial, np.dtype(r), mode == "nearest", padding, theta.ndim)
     return out.reshape((B, C) + spatial), res
 
 

@@ -324,10 +324,11 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     loss history stays there until the end, and the progress bar reads the loss only when it
     redraws (about ten times a second). On CuPy images with ``loss="mse"`` the same step runs
     as a fixed sequence of kernel launches on buffers made once per level (the fused warp,
-    the MSE gradient, the fused warp's backward, the Frechet adjoint, Adam), and the
-    step-size guard and the finiteness of theta become device flags read once every 100
-    steps: a chunk that trips them is replayed from its start through the ``cutopo.vjp``
-    loop, which raises ``n_steps`` (or the error) exactly as it would have.
+    the MSE gradient, the fused warp's backward, the Frechet adjoint, Adam), captured once as
+    a CUDA graph and replayed; the step-size guard and the finiteness of theta become device
+    flags read once every 100 steps: a chunk that trips them is replayed from its start
+    through the ``cutopo.vjp`` loop, which raises ``n_steps`` (or the error) exactly as it
+    would have.
 
     The transformation is a diffeomorphism for every theta, so no regulariser is needed
     against folding; the tessellation sets the smoothness. The folding fraction is reported

@@ -228,11 +228,7 @@ def _sum_to(g, n):
 def _image_forward(image, theta, tess, *, n_steps=50, mode="bilinear", padding_mode="border"):
     image, B = _check_image(image, theta, tess)
     if FUSED and is_cupy_array(image) and _warp_cupy.supports(n_steps):
-        theta_dtype = array_module(theta).asarray(theta).dtype
-        centres = centres_like(image, image.shape[2:], _theta_dtype(theta_dtype)
-                               if theta_dtype.kind in "fiu" else np.float64)
-        out, res = _warp_cupy.forward(image, theta, tess, n_steps, mode, padding_mode, centres)
-        return out, res
+        return _warp_cupy.forward(image, theta, tess, n_steps, mode, padding_mode)
     theta2 = array_module(theta).asarray(theta)
     theta2 = theta2[None] if theta2.ndim == 1 else theta2
     spatial = image.shape[2:]
