@@ -404,9 +404,12 @@ __device__ __forceinline__ void adjoint_sweep(
         int S, bool recompute, const T (&own)[MAX_LOCAL_CHECKPOINTS][K],
         const T* __restrict__ checkpoints, i64 row, i64 plane, double* __restrict__ G,
         int need_theta, double* my_scratch) {
-    T xs[MAX_SEGMENT][K];   // x_t of the segment's steps (local memory: indexed at run time)
-    i64 flats[MAX_SEGMENT];
-    int insides[MAX_SEGMENT];
+    // The segment's steps in local memory (indexed at run time), as compact as they go: x_t,
+    // the cell within the item's block of cells (an int: a block of 2^31 cells would not fit
+    // in memory) and P's mask (a byte).
+    T xs[MAX_SEGMENT][K];
+    int cells[MAX_SEGMENT];
+    unsigned char masks[MAX_SEGMENT];
     Moments<K> m;
     m.reset(-1);
     const int segments = (n_steps + S - 1) / S;
@@ -419,15 +422,19 @@ __device__ __forceinline__ void adjoint_sweep(
         for (int i = 0; i < L; ++i) {
             #pragma unroll
             for (int k = 0; k < K; ++k) xs[i][k] = x[k];
-            flats[i] = step<T, K, PROJECT>(x, E, cell_offset, g, insides[i]);
+            int inside;
+            cells[i] = (int)(step<T, K, PROJECT>(x, E, cell_offset, g, inside) - cell_offset);
+            if (PROJECT) masks[i] = (unsigned char)inside;
         }
         for (int i = L - 1; i >= 0; --i) {
+            const i64 flat = cell_offset + cells[i];
+            const int inside = PROJECT ? masks[i] : 0;
             double mu[K];
             #pragma unroll
             for (int k = 0; k < K; ++k)
-                mu[k] = (!PROJECT || ((insides[i] >> k) & 1)) ? lam[k] : 0.0;
+                mu[k] = (!PROJECT || ((inside >> k) & 1)) ? lam[k] : 0.0;
             T e[K * (K + 1)];
-            load_cell<T, K>(E + flats[i] * (K * (K + 1)), e);
+            load_cell<T, K>(E + flat * (K * (K + 1)), e);
             #pragma unroll
             for (int q = 0; q < K; ++q) {
                 double v = 0.0;
@@ -436,9 +443,9 @@ __device__ __forceinline__ void adjoint_sweep(
                 lam[q] = v;
             }
             if (need_theta) {
-                if (flats[i] != m.cell) {
+                if (flat != m.cell) {
                     if (m.cell >= 0) flush<K, MODE>(m, G, my_scratch);
-                    m.reset(flats[i]);
+                    m.reset(flat);
                 }
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
