@@ -37,6 +37,12 @@
 //                            points' dtype.
 //   ell_product              A = B theta and dL/dtheta = B^T dL/dA with the sparse basis in ELL
 //                            layout (at most K + 1 entries per row of B), one thread per row.
+//   warp_forward,            transform_image fused: one thread per (batch item, pixel) makes
+//   warp_backward            the pixel centre, integrates it and samples the image there (no
+//                            grid array); the backward scatters the image cotangent and sweeps
+//                            the trajectory back as integrate_backward does (section below).
+//   step_guard               one thread per cell: integrate's step-size guard as a device flag
+//                            (register's device steps).
 // sampling.cuh (with common.cuh): the fused warp samples as grid_sample does
 #include "sampling.cuh"
 
