@@ -599,3 +599,61 @@ def test_device_steps_when_capture_is_refused(monkeypatch, rng):
     np.testing.assert_allclose(plain.loss_history, graph.loss_history, rtol=1e-9)
     np.testing.assert_allclose(plain.theta.get(), graph.theta.get(), rtol=0,
                                atol=1e-9 * float(np.abs(graph.theta.get()).max()))
+
+
+def test_chunked_steps_restore_and_replay_a_flagged_chunk(monkeypatch, rng):
+    """register's chunk logic without a GPU: a stand-in for _register_cupy.Level that scribbles
+    over the optimiser's state and flags its first chunk, then takes exact eager steps. The
+    flagged chunk must be restored from its start and replayed eagerly, the later chunks kept,
+    the history assembled in order: theta and the history equal the eager loop's bit for bit."""
+    from cutopo.cpab import _register_cupy
+    from cutopo.cpab.transform import transform_image
+    from cutopo.vjp import vjp
+
+    class StandIn:
+        built = []
+
+        def __init__(self, moving4, fixed4, optimiser, tess, n_steps, mode, padding_mode,
+                     smoothness):
+            StandIn.built.append(n_steps)
+            self.n_steps, self.optimiser, self.runs, self.flag = n_steps, optimiser, 0, False
+            self.moving4, self.fixed4, self.tess = moving4, fixed4, tess
+
+        def clear(self):
+            self.flag = False
+
+        def flagged(self):
+            return self.flag
+
+        def run(self, start, stop, lr_at, bar):
+            self.runs += 1
+            opt = self.optimiser
+            if self.runs == 1:                  # garbage, then "the guard tripped"
+                opt.params += 1.0
+                opt.m += 1.0
+                opt.v += 1.0
+                opt.t += 7
+                self.flag = True
+                return np.zeros(stop - start)
+            values = []
+            for k in range(start, stop):
+                opt.lr = lr_at(k)
+                warped, pullback = vjp(transform_image, self.moving4, opt.params, self.tess,
+                                       wrt="theta", n_steps=self.n_steps)
+                value, d_warped = mse(warped, self.fixed4)
+                opt.step(pullback(d_warped)[1])
+                values.append(value)
+                bar.update(1)
+            return np.stack(values)
+
+    fixed, moving, tess, _ = synthetic_pair(rng, (16, 18), (2, 2), 1.5, 10, (1, 2))
+    kwargs = dict(steps=12, lr=0.02, n_steps=10, progress=False)
+    eager = register(fixed, moving, tess, **kwargs)
+    monkeypatch.setattr(_register_cupy, "CHUNK", 5)
+    monkeypatch.setattr(_register_cupy, "usable", lambda *args: True)
+    monkeypatch.setattr(_register_cupy, "Level", StandIn)
+    chunked = register(fixed, moving, tess, **kwargs)
+    assert StandIn.built == [10]                # one level, n_steps unchanged: built once
+    np.testing.assert_array_equal(chunked.theta, eager.theta)
+    np.testing.assert_array_equal(chunked.loss_history, eager.loss_history)
+    assert chunked.loss_history.shape == (12,)
