@@ -19,7 +19,9 @@ internal chunk boundary s (it is s - 1 or s). Then:
   pixels whose first seam axis is a and whose seam coordinate along a belongs to s.
 
 So every pixel is counted exactly once, with its whole neighbourhood at hand, and only the
-seams (four planes per internal boundary) are copied. The histograms (int64, shape
+seams (four planes per internal boundary) are copied. Periodic boundaries (``ecc`` only) pad
+the array by one wrapped pixel per side and make the pads seam coordinates that nothing
+counts (see ``_wrapped``). The histograms (int64, shape
 (*batch, T)) are added by a tree sum, then cumulated.
 
 The task graph is built directly (no map_blocks/rechunk/reduction layers), one task per chunk:
@@ -102,21 +104,27 @@ def _check_ndim(x, ndim, name):
     return int(ndim)
 
 
-def _check_boundary(boundary):
+def _check_boundary(boundary, spatial, name):
+    """True for "periodic" (every spatial axis must then be at least 3 long), False for "box"."""
     if not isinstance(boundary, str):
         raise TypeError(f"boundary must be 'box' or 'periodic', got {boundary!r}")
-    if boundary == "periodic":
-        raise NotImplementedError("cutopo.dask: periodic boundaries are not supported yet (the "
-                                  "streamed path supports them: cutopo.ecc(memmap_or_zarr, ..., "
-                                  "boundary='periodic'))")
-    if boundary != "box":
+    if boundary not in ("box", "periodic"):
         raise ValueError(f"boundary must be 'box' or 'periodic', got {boundary!r}")
+    if boundary == "periodic" and min(spatial) < 3:
+        raise ValueError(f"{name}: boundary='periodic' needs every spatial axis to have length "
+                         f">= 3, got spatial shape {tuple(spatial)}")
+    return boundary == "periodic"
 
 
 class _Axis:
-    """The seams of one spatial axis: its chunk starts, seam coordinates and their owners."""
+    """The seams of one spatial axis: its chunk starts, seam coordinates and their owners.
 
-    def __init__(self, chunks):
+    ``halo``: the axis's first and last coordinates are a wrapped copy (the periodic case,
+    see :func:`ecc`): they are neighbours, never counted. They count as seam coordinates that
+    no face owns, so no interior and no face counts them, and ``counted`` leaves them out of
+    the faces of the other axes."""
+
+    def __init__(self, chunks, halo=False):
         self.chunks = tuple(int(c) for c in chunks)
         self.starts = np.concatenate([[0], np.cumsum(self.chunks)]).astype(int)
         self.n = int(self.starts[-1])
@@ -129,6 +137,11 @@ class _Axis:
                 self.seam[i] = True
                 if self.owner[i] < 0:
                     self.owner[i] = s
+        self.counted = np.ones(self.n, dtype=bool)
+        if halo:
+            self.counted[[0, -1]] = False
+            self.seam[[0, -1]] = True
+            self.owner[[0, -1]] = -1
 
     def span(self, j):
         return int(self.starts[j]), int(self.starts[j + 1])
@@ -140,13 +153,14 @@ class _Axis:
         return range(first, last + 1)
 
 
-def _axes(x, ndim):
-    return [_Axis(c) for c in x.chunks[x.ndim - ndim:]]
+def _axes(x, ndim, halo=False):
+    return [_Axis(c, halo) for c in x.chunks[x.ndim - ndim:]]
 
 
 def _face_masks(axes, a, s, r0, r1):
     """Owned masks of face (a, s), planes [r0, r1) along a: its own seam coordinates along a,
-    the non-seam coordinates of the axes before a, everything along the axes after a."""
+    the non-seam coordinates of the axes before a, every counted coordinate along the axes
+    after a."""
     masks = []
     for b, ax in enumerate(axes):
         if b < a:
@@ -154,7 +168,7 @@ def _face_masks(axes, a, s, r0, r1):
         elif b == a:
             masks.append(ax.owner[r0:r1] == s)
         else:
-            masks.append(np.ones(ax.n, dtype=bool))
+            masks.append(ax.counted.copy())
     return masks
 
 
@@ -206,15 +220,16 @@ class _FaceSpec:
         self.masks, self.origin = state
 
 
-def _graph(x, ndim, counter, prefix):
+def _graph(x, ndim, counter, prefix, halo=False):
     """The lazy (*batch, *counter.tail) int64 result of ``counter`` over the chunks of ``x``
-    (see the module docstring)."""
+    (see the module docstring); ``halo``: the outermost coordinates of every spatial axis are
+    a wrapped copy, not counted (:func:`ecc`'s periodic case)."""
     lead = x.ndim - ndim
-    axes = _axes(x, ndim)
+    axes = _axes(x, ndim, halo)
     nblocks = [len(ax.chunks) for ax in axes]
     chunked = [a for a in range(ndim) if nblocks[a] > 1]
     merge = len(chunked) <= 1
-    name = f"{prefix}-{tokenize(x.name, counter.token())}"
+    name = f"{prefix}-{tokenize(x.name, counter.token(), halo)}"
     part_name, piece_name, edge_name, face_name, sum_name = (
         name + "-part", name + "-piece", name + "-edges", name + "-face", name + "-sum")
     faces = {}
@@ -570,9 +585,11 @@ def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     ndim : {None, 2, 3}, optional
     connectivity : {1, ndim}, optional
         As for :func:`cutopo.ecc`.
-    boundary : {"box"}, optional
-        ``"periodic"`` raises NotImplementedError here (the streamed path of :func:`cutopo.ecc`
-        supports it).
+    boundary : {"box", "periodic"}, optional
+        As for :func:`cutopo.ecc`: ``"periodic"`` is the cubical complex of the torus (every
+        spatial axis at least 3 long). The array is then padded by one wrapped pixel on each
+        side of every spatial axis (``dask.array.pad``, the pads merged into the outer chunks)
+        and the pads are neighbours only, never counted; NumPy and CuPy chunks alike.
 
     Returns
     -------
@@ -595,6 +612,9 @@ def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     >>> curve = cutopo.dask.ecc(darr, [1, 3, 5, 7])
     >>> bool((curve.compute() == cutopo.ecc(image, [1, 3, 5, 7])).all())
     True
+    >>> torus = cutopo.dask.ecc(darr, [1, 3, 5, 7], boundary="periodic")
+    >>> bool((torus.compute() == cutopo.ecc(image, [1, 3, 5, 7], boundary="periodic")).all())
+    True
     """
     x = _check_dask(darr, "darr")
     ndim = _check_ndim(x, ndim, "darr")
@@ -604,14 +624,36 @@ def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     if any(s == 0 for s in x.shape[x.ndim - ndim:]):
         raise ValueError(f"darr: spatial shape {x.shape[x.ndim - ndim:]} has a zero-length axis")
     tconn = check_connectivity(connectivity, ndim)
-    _check_boundary(boundary)
+    periodic = _check_boundary(boundary, x.shape[x.ndim - ndim:], "darr")
     probe = np.empty(0, dtype=x.dtype)
     if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
         thresholds = _linear_thresholds(x, thresholds)
     elif is_cupy_array(thresholds):
         thresholds = to_numpy(thresholds)
     t, _ = check_thresholds(thresholds, probe)
-    return _graph(x, ndim, _EccCounter(t, ndim, tconn), "cutopo-ecc")
+    if periodic:
+        x = _wrapped(x, ndim)
+    return _graph(x, ndim, _EccCounter(t, ndim, tconn), "cutopo-ecc", halo=periodic)
+
+
+def _wrapped(x, ndim):
+    """``x`` with one wrapped pixel on each side of every spatial axis, the pads merged into the
+    outermost chunks (a volume cut in slabs stays cut in slabs: no chunk of one plane).
+
+    The torus's ECC is the box rule's count over the original pixels of this array: a pixel's
+    contribution depends only on its 3^ndim neighbourhood, which the pads give it as the torus
+    does, and the box rule's owner of a cell (by value, then by direction) is translation
+    invariant, so of the copies of a torus cell exactly one has its owner among the original
+    pixels (as for the CUDA path of :func:`cutopo.ecc`)."""
+    lead = x.ndim - ndim
+    padded = da.pad(x, [(0, 0)] * lead + [(1, 1)] * ndim, mode="wrap")
+    chunks = list(x.chunks[:lead])
+    for c in x.chunks[lead:]:
+        c = list(c)
+        c[0] += 1
+        c[-1] += 1
+        chunks.append(tuple(c))
+    return padded.rechunk(tuple(chunks))
 
 
 def _linear_thresholds(x, n):
@@ -652,7 +694,7 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     connectivity : {1, ndim}, optional
         As for :func:`cutopo.ect` (host values; a count needs no pass over the data).
     boundary : {"box"}, optional
-        ``"periodic"`` raises NotImplementedError here.
+        ``"periodic"`` raises NotImplementedError here (:func:`cutopo.ect` supports it).
 
     Returns
     -------
@@ -684,7 +726,10 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     if any(n == 0 for n in spatial):
         raise ValueError(f"dmask: spatial shape {spatial} has a zero-length axis")
     tconn = check_connectivity(connectivity, ndim)
-    _check_boundary(boundary)
+    if _check_boundary(boundary, spatial, "dmask"):
+        raise NotImplementedError("cutopo.dask.ect: periodic boundaries are not supported yet "
+                                  "(cutopo.ect supports them on NumPy arrays and streamed "
+                                  "inputs)")
     coords = _ect._axis_coordinates(spatial)
     reach, _, _ = _ect._reach(coords, dirs64)
     if not math.isfinite(reach):

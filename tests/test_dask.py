@@ -151,7 +151,11 @@ def test_validation(rng):
     with pytest.raises(TypeError, match="dask.array"):
         cd.ecc(img, 3)
     with pytest.raises(NotImplementedError, match="periodic"):
-        cd.ecc(d, 3, boundary="periodic")
+        cd.ect(d > 0.5, [[1.0, 0.0]], 3, boundary="periodic")
+    with pytest.raises(ValueError, match="length >= 3"):
+        cd.ecc(da.from_array(img[:2]), 3, boundary="periodic")
+    with pytest.raises(TypeError, match="boundary"):
+        cd.ecc(d, 3, boundary=1)
     with pytest.raises(ValueError, match="boundary"):
         cd.ecc(d, 3, boundary="torus")
     with pytest.raises(TypeError, match="dtype int64"):
@@ -257,3 +261,51 @@ def test_cupy_branch_on_a_fake_device(monkeypatch, rng, interior, ndim, shape, c
     dirs = rng.normal(size=(3, ndim))
     got = cd.ect(d > 1, dirs, 7, connectivity=ndim).compute()
     np.testing.assert_array_equal(got, cutopo.ect(img > 1, dirs, 7, connectivity=ndim))
+
+
+PERIODIC_CASES = [
+    (2, (17, 13), ((5, 7, 5), (3, 10))),         # chunked along both axes: face tasks
+    (2, (12, 15), (12, 15)),                     # one chunk: the wrap inside one chunk
+    (2, (20, 9), ((1, 6, 12, 1), 9)),            # slabs, one-plane chunks at both ends
+    (3, (7, 6, 8), ((3, 4), 6, (2, 5, 1))),
+    (3, (9, 5, 6), (9, (1, 2, 2), 6)),           # the chunked axis is not the first
+    (3, (3, 3, 4), (3, 3, (2, 2))),              # the smallest torus
+]
+
+
+@pytest.mark.parametrize("interior", ["masked", "plain"])
+@pytest.mark.parametrize("ndim,shape,chunks", PERIODIC_CASES)
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_periodic_ecc_equals_single_array_and_enumeration(monkeypatch, rng, ndim, shape, chunks,
+                                                          conn, interior):
+    """boundary="periodic": the torus, exactly: equal to cutopo.ecc of the whole array and to
+    the cell enumeration of the torus, with ties across chunk faces and across the wrap (each
+    axis's first plane a copy of its last) and NaN pixels; chunk interiors counted masked or
+    "plain" (the whole chunk minus its seam planes: the CuPy default, here on NumPy chunks)."""
+    from oracles import periodic_ecc_oracle
+
+    monkeypatch.setitem(cd.INTERIOR, "numpy", interior)
+    monkeypatch.setattr(cd, "PLAIN_MIN_LENGTH", 2)
+    connectivity = 1 if conn == "V" else ndim
+    img = tied_across_faces(rng, shape, chunks, ndim)
+    for a in range(ndim):
+        first, last = [slice(None)] * ndim, [slice(None)] * ndim
+        first[a], last[a] = 0, -1
+        img[tuple(first)] = img[tuple(last)]
+    img[rng.random(shape) < 0.03] = np.nan
+    t = np.array([-1.0, 0.0, 0.5, 1.0, 2.0])
+    lazy = cd.ecc(da.from_array(img, chunks=chunks), t, connectivity=connectivity,
+                  boundary="periodic")
+    got = lazy.compute()
+    np.testing.assert_array_equal(got, cutopo.ecc(img, t, connectivity=connectivity,
+                                                  boundary="periodic"))
+    np.testing.assert_array_equal(got, periodic_ecc_oracle(img, t, connectivity))
+
+
+@pytest.mark.parametrize("conn", [1, 2])
+def test_periodic_batches_and_counts(rng, conn):
+    img = rng.integers(0, 4, (3, 14, 11)).astype(np.uint8)
+    d = da.from_array(img, chunks=(2, (5, 9), (4, 7)))
+    got = cd.ecc(d, 4, ndim=2, connectivity=conn, boundary="periodic").compute()
+    np.testing.assert_array_equal(got, cutopo.ecc(img, 4, ndim=2, connectivity=conn,
+                                                  boundary="periodic"))

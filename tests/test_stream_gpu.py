@@ -289,6 +289,30 @@ def test_dask_cupy_layouts(monkeypatch, rng, interior, ndim, shape, chunks, conn
     np.testing.assert_array_equal(got.get(), cutopo.ecc(g, t, ndim=ndim, connectivity=connectivity).get())
 
 
+@pytest.mark.parametrize("interior", ["plain", "masked"])
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_dask_cupy_periodic(monkeypatch, rng, conn, interior):
+    """boundary="periodic" with CuPy chunks (the wrapped pads are made by dask.array.pad on the
+    device): the torus's ECC of the whole array, ties across the wrap included."""
+    cp = cupy_module()
+    da = pytest.importorskip("dask.array")
+    import cutopo.dask as cd
+
+    monkeypatch.setitem(cd.INTERIOR, "cupy", interior)
+    monkeypatch.setattr(cd, "PLAIN_MIN_LENGTH", 2)
+    img = image_of(rng, (40, 30, 50), "float32", levels=4)
+    img[0] = img[-1]                                  # ties across the wrap
+    img[:, :, 24] = img[:, :, 25]                     # and across a chunk face
+    g = cp.asarray(img)
+    d = da.from_array(g, chunks=((1, 19, 20), 30, (25, 25)), asarray=False)
+    connectivity = 1 if conn == "V" else 3
+    t = np.array([0.0, 1.0, 2.0, 3.0])
+    got = cd.ecc(d, t, connectivity=connectivity, boundary="periodic").compute()
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_array_equal(got.get(), cutopo.ecc(img, t, connectivity=connectivity,
+                                                        boundary="periodic"))
+
+
 def test_dask_cuda_cluster(rng):
     """One worker per GPU (dask_cuda.LocalCUDACluster), CuPy chunks made on the workers."""
     cp = cupy_module()
