@@ -351,34 +351,38 @@ def _entries_t(part, b0, dirs, coords, own=None, periodic=False, tconn=True, wra
         yield _Chunk(b0, nb, ids, row, c[flat], h, tuple(coords[a][idx[a]] for a in range(ndim)))
 
 
-def _entries(mask_b, dirs, coords, tconn, own=None, periodic=False, wrap0=None):
+def _entries(mask_b, dirs, coords, tconn, own=None, periodic=False, wrap0=None, general=False):
     """All entries, chunked over images and directions so that memory stays bounded.
 
     ``own``: count only the pixels marked by these per-axis masks (a block with its halo).
     ``periodic``: the torus complex (every construction then takes the per-direction pass);
     ``wrap0``: see :func:`cutopo._ecc_numpy.contributions_from_keys` (streamed slabs).
+    ``general``: ``coords`` are not increasing along their axes (a block padded with wrapped
+    copies carries the coordinates of the pixels it copies), so no corner of a cell is known
+    to be its highest: the V construction takes the per-direction pass too.
     """
     B = mask_b.shape[0]
     N = math.prod(mask_b.shape[1:])
     step = max(1, _PASS_ELEMENTS // N)
     for b0 in range(0, B, step):
         part = mask_b[b0:b0 + step]
-        if tconn or periodic:
+        if tconn or periodic or general:
             yield from _entries_t(part, b0, dirs, coords, own, periodic, tconn, wrap0)
         else:
             yield from _entries_v(part, b0, dirs, coords, own)
 
 
-def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=None):
+def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=None, general=False):
     """int64 (B, D, T) exact ECT of the NumPy masks ``mask_b`` (B, *spatial) at the positions
-    ``coords`` (one array per axis), counting only the pixels that ``own`` marks.
+    ``coords`` (one array per axis), counting only the pixels that ``own`` marks (``general``:
+    see :func:`_entries`).
 
     The ECT is linear in the contributions, so the curves of the blocks of a volume (each with
     its halo, owning disjoint pixels, at the volume's positions) add up to the volume's.
     """
     B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
     hist = np.zeros((B, D, T + 1), dtype=np.int64)
-    for ch in _entries(mask_b, dirs64, coords, tconn, own, periodic, wrap0):
+    for ch in _entries(mask_b, dirs64, coords, tconn, own, periodic, wrap0, general):
         k = ch.ids.size
         # bin = first k with h <= t_k (T when none): the pixel counts from threshold k on.
         bins = np.searchsorted(t, ch.h, side="left")

@@ -19,9 +19,9 @@ internal chunk boundary s (it is s - 1 or s). Then:
   pixels whose first seam axis is a and whose seam coordinate along a belongs to s.
 
 So every pixel is counted exactly once, with its whole neighbourhood at hand, and only the
-seams (four planes per internal boundary) are copied. Periodic boundaries (``ecc`` only) pad
-the array by one wrapped pixel per side and make the pads seam coordinates that nothing
-counts (see ``_wrapped``). The histograms (int64, shape
+seams (four planes per internal boundary) are copied. Periodic boundaries pad the array by one
+wrapped pixel per side and make the pads seam coordinates that nothing counts (see
+``_wrapped``; for the ECT the pads carry the positions of the pixels they copy). The histograms (int64, shape
 (*batch, T)) are added by a tree sum, then cumulated.
 
 The task graph is built directly (no map_blocks/rechunk/reduction layers), one task per chunk:
@@ -531,13 +531,15 @@ class _EctCounter:
 
     plain_ok = False
 
-    def __init__(self, dirs64, coords, t, tconn):
+    def __init__(self, dirs64, coords, t, tconn, wrapped=False):
         self.dirs64, self.coords, self.t, self.tconn = dirs64, coords, t, tconn
+        self.wrapped = wrapped  # coords of a padded volume: its pads carry the copied pixels'
         self.ndim = dirs64.shape[1]
         self.tail = (dirs64.shape[0], int(t.size))
 
     def token(self):
-        return ("ect", self.dirs64, self.t, self.tconn, tuple(c.size for c in self.coords))
+        return ("ect", self.dirs64, self.t, self.tconn, tuple(c.size for c in self.coords),
+                self.wrapped)
 
     def zeros(self, xp, nimg):
         return xp.zeros((nimg,) + self.tail, dtype=np.int64)
@@ -550,6 +552,8 @@ class _EctCounter:
         mask_b = mask_b if mask_b.dtype == np.bool_ else mask_b != 0
         coords = [c[o:o + n] for c, o, n in zip(self.coords, origin, spatial)]
         if is_cupy_array(slab):
+            if self.wrapped:  # the CUDA kernels take the box's heights (ect() refuses this)
+                raise NotImplementedError("cutopo.dask.ect: periodic boundaries need NumPy chunks")
             from . import _band_cupy
 
             out, _ = _band_cupy.ect_forward(_cupy().ascontiguousarray(mask_b), self.dirs64, coords,
@@ -557,7 +561,8 @@ class _EctCounter:
         else:
             from . import _ect
 
-            out = _ect.curves(np.asarray(mask_b), self.dirs64, coords, self.t, self.tconn, masks)
+            out = _ect.curves(np.asarray(mask_b), self.dirs64, coords, self.t, self.tconn, masks,
+                              general=self.wrapped)
         hist += out.reshape(hist.shape)
 
     def finish(self, total):
@@ -693,8 +698,10 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     thresholds : int or 1-D array
     connectivity : {1, ndim}, optional
         As for :func:`cutopo.ect` (host values; a count needs no pass over the data).
-    boundary : {"box"}, optional
-        ``"periodic"`` raises NotImplementedError here (:func:`cutopo.ect` supports it).
+    boundary : {"box", "periodic"}, optional
+        As for :func:`cutopo.ect`; ``"periodic"`` (the torus, NumPy chunks only, as
+        :func:`cutopo.ect`) pads as :func:`ecc` does, the pads carrying the positions of the
+        pixels they copy.
 
     Returns
     -------
@@ -708,6 +715,9 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     >>> dirs = [[1.0, 0.0], [0.6, 0.8]]
     >>> lazy = cutopo.dask.ect(da.from_array(mask, chunks=(15, 12)), dirs, 16)
     >>> bool((lazy.compute() == cutopo.ect(mask, dirs, 16)).all())
+    True
+    >>> torus = cutopo.dask.ect(da.from_array(mask, chunks=(15, 12)), dirs, 16, boundary="periodic")
+    >>> bool((torus.compute() == cutopo.ect(mask, dirs, 16, boundary="periodic")).all())
     True
     """
     from . import _ect
@@ -726,13 +736,18 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     if any(n == 0 for n in spatial):
         raise ValueError(f"dmask: spatial shape {spatial} has a zero-length axis")
     tconn = check_connectivity(connectivity, ndim)
-    if _check_boundary(boundary, spatial, "dmask"):
-        raise NotImplementedError("cutopo.dask.ect: periodic boundaries are not supported yet "
-                                  "(cutopo.ect supports them on NumPy arrays and streamed "
-                                  "inputs)")
+    periodic = _check_boundary(boundary, spatial, "dmask")
+    if periodic and is_cupy_array(getattr(x, "_meta", None)):
+        raise NotImplementedError("cutopo.dask.ect: periodic boundaries need NumPy chunks "
+                                  "(cutopo.ect has no periodic CUDA path yet)")
     coords = _ect._axis_coordinates(spatial)
     reach, _, _ = _ect._reach(coords, dirs64)
     if not math.isfinite(reach):
         raise ValueError("directions: too large, the pixel heights overflow float64")
     t, _ = _ect._check_thresholds(thresholds, coords, dirs64)
-    return _graph(x, ndim, _EctCounter(dirs64, coords, t, tconn), "cutopo-ect")
+    if periodic:
+        # the pads are copies: they carry the positions (heights) of the pixels they copy
+        x = _wrapped(x, ndim)
+        coords = [np.concatenate([c[-1:], c, c[:1]]) for c in coords]
+    return _graph(x, ndim, _EctCounter(dirs64, coords, t, tconn, wrapped=periodic), "cutopo-ect",
+                  halo=periodic)

@@ -150,8 +150,6 @@ def test_validation(rng):
     d = da.from_array(img, chunks=4)
     with pytest.raises(TypeError, match="dask.array"):
         cd.ecc(img, 3)
-    with pytest.raises(NotImplementedError, match="periodic"):
-        cd.ect(d > 0.5, [[1.0, 0.0]], 3, boundary="periodic")
     with pytest.raises(ValueError, match="length >= 3"):
         cd.ecc(da.from_array(img[:2]), 3, boundary="periodic")
     with pytest.raises(TypeError, match="boundary"):
@@ -309,3 +307,26 @@ def test_periodic_batches_and_counts(rng, conn):
     got = cd.ecc(d, 4, ndim=2, connectivity=conn, boundary="periodic").compute()
     np.testing.assert_array_equal(got, cutopo.ecc(img, 4, ndim=2, connectivity=conn,
                                                   boundary="periodic"))
+
+
+@pytest.mark.parametrize("ndim,shape,chunks", [
+    (2, (17, 13), ((5, 7, 5), (3, 10))),
+    (2, (20, 9), ((1, 6, 12, 1), 9)),
+    (3, (7, 6, 8), ((3, 4), 6, (2, 5, 1))),
+    (3, (5, 4, 6), (5, (1, 3), 6)),
+])
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_periodic_ect_equals_single_array(rng, ndim, shape, chunks, conn):
+    """boundary="periodic" ECT of NumPy chunks: equal to cutopo.ect's torus, with foreground
+    touching every face (cells across the wrap) and axis-aligned directions (tied heights)."""
+    connectivity = 1 if conn == "V" else ndim
+    mask = rng.random(shape) < 0.55
+    for a in range(ndim):
+        first, last = [slice(None)] * ndim, [slice(None)] * ndim
+        first[a], last[a] = 0, -1
+        mask[tuple(first)] |= mask[tuple(last)]
+    dirs = np.concatenate([np.eye(ndim), -np.eye(ndim)[:1], rng.normal(size=(3, ndim))])
+    lazy = cd.ect(da.from_array(mask, chunks=chunks), dirs, 11, connectivity=connectivity,
+                  boundary="periodic")
+    want = cutopo.ect(mask, dirs, 11, connectivity=connectivity, boundary="periodic")
+    np.testing.assert_array_equal(lazy.compute(), want)
