@@ -19,6 +19,7 @@ def _load(name):
     ("torch_topology_loss", "torch_topology_loss.png", "torch"),
     ("jax_topology_loss", "jax_topology_loss.png", "jax"),
     ("cpab_align_torch", "cpab_align_torch.png", "torch"),
+    ("deformable_keypoints_torch", "deformable_keypoints_torch.png", "torch"),
 ])
 def test_example_writes_its_figure(tmp_path, name, figure, needs, capsys):
     if needs:
