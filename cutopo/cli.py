@@ -177,6 +177,10 @@ def add_ecc_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--connectivity", choices=("1", "full"), default="1",
                    help="1: V construction (4-/6-connected foreground); full: connectivity=ndim, "
                         "T construction (8-/26-connected). Default 1")
+    c.add_argument("--boundary", choices=("box", "periodic"), default="box",
+                   help="box: the image is all there is; periodic: the torus, every axis wrapping "
+                        "around (simulation boxes; every axis >= 3; files read in slabs are then "
+                        "counted on the CPU unless --scheduler). Default box")
     c.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto: the GPU when CuPy sees one, else NumPy (default auto)")
     c.add_argument("--stream", action="store_true",
@@ -255,7 +259,8 @@ def _check_paths(paths) -> None:
                            f"(use {', '.join(SUPPORTED_EXTENSIONS)})")
 
 
-def _compute(name, image, spec: _Thresholds, connectivity: str, device: str, *, timed: bool) -> _Result:
+def _compute(name, image, spec: _Thresholds, connectivity: str, device: str, *, timed: bool,
+             boundary="box") -> _Result:
     """The ECC of one host image on ``device``; ``timed`` adds a warm-up on the GPU and a timing."""
     import cutopo
     from ._array import to_device, to_numpy
@@ -270,9 +275,9 @@ def _compute(name, image, spec: _Thresholds, connectivity: str, device: str, *, 
             thresholds = spec.count
             values = to_numpy(cutopo.linear_thresholds(x, spec.count))
         if timed and device == "gpu":  # the first call compiles the kernel: keep it out of the timing
-            to_numpy(cutopo.ecc(x, thresholds, connectivity=conn))
+            to_numpy(cutopo.ecc(x, thresholds, connectivity=conn, boundary=boundary))
         start = time.perf_counter()
-        curve = to_numpy(cutopo.ecc(x, thresholds, connectivity=conn))
+        curve = to_numpy(cutopo.ecc(x, thresholds, connectivity=conn, boundary=boundary))
         seconds = time.perf_counter() - start
     except (ValueError, TypeError) as exc:
         raise CLIError(f"{name}: {exc}") from None
@@ -287,9 +292,11 @@ def _streams(path, args) -> bool:
             or path.rstrip("/\\").lower().endswith(".zarr"))
 
 
-def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, scheduler) -> _Result:
+def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, scheduler,
+                      boundary="box") -> _Result:
     """The ECC of a file read in slabs (cutopo.ecc streaming), or with cutopo.dask on a
-    dask.distributed scheduler when ``scheduler`` is an address."""
+    dask.distributed scheduler when ``scheduler`` is an address. Periodic slabs are counted on
+    the CPU (cutopo.ecc streams the torus through the CPU only)."""
     import cutopo
     from . import _stream
     from ._array import to_numpy
@@ -301,10 +308,12 @@ def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, s
     except ImportError as exc:
         raise CLIError(f"{name}: {exc} (pip install zarr)") from None
     conn = 1 if connectivity == "1" else src.ndim
+    if boundary == "periodic" and scheduler is None:
+        device = "cpu"
     start = time.perf_counter()
     try:
         if scheduler is not None:
-            curve, values = _compute_on_scheduler(src, spec, conn, device, scheduler)
+            curve, values = _compute_on_scheduler(src, spec, conn, device, scheduler, boundary)
         else:
             values = spec.values
             if not spec.shared:
@@ -312,7 +321,7 @@ def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, s
                 values = _stream.linear_thresholds(
                     source, spec.count,
                     _stream.slab_bytes(None, "cpu", source, 2 * src.dtype.itemsize))
-            curve = cutopo.ecc(src, values, connectivity=conn,
+            curve = cutopo.ecc(src, values, connectivity=conn, boundary=boundary,
                                device="cuda" if device == "gpu" else "cpu")
     except (ValueError, TypeError) as exc:
         raise CLIError(f"{name}: {exc}") from None
@@ -321,7 +330,8 @@ def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, s
                    seconds=time.perf_counter() - start, device=device, connectivity=conn)
 
 
-def _compute_on_scheduler(src, spec: _Thresholds, conn: int, device: str, scheduler):
+def _compute_on_scheduler(src, spec: _Thresholds, conn: int, device: str, scheduler,
+                          boundary="box"):
     """(curve, thresholds) of a LazyFile with cutopo.dask on a dask.distributed scheduler."""
     try:
         import dask.array as da
@@ -335,10 +345,11 @@ def _compute_on_scheduler(src, spec: _Thresholds, conn: int, device: str, schedu
     except OSError as exc:
         raise CLIError(f"--scheduler {scheduler}: cannot connect ({exc})") from None
     with client:
-        return _scheduled_ecc(client, da, cd, src, spec, conn, device)
+        return _scheduled_ecc(client, da, cd, src, spec, conn, device, boundary)
 
 
-def _scheduled_ecc(client, da, cd, src, spec: _Thresholds, conn: int, device: str):
+def _scheduled_ecc(client, da, cd, src, spec: _Thresholds, conn: int, device: str,
+                   boundary="box"):
     plane = math.prod(src.shape[1:]) * src.dtype.itemsize
     darr = da.from_array(src, chunks=(max(1, (128 << 20) // plane),) + tuple(src.shape[1:]),
                          asarray=True, fancy=False)
@@ -347,7 +358,7 @@ def _scheduled_ecc(client, da, cd, src, spec: _Thresholds, conn: int, device: st
 
         darr = darr.map_blocks(cupy.asarray, meta=cupy.empty((0,) * src.ndim, dtype=src.dtype))
     values = spec.values if spec.shared else cd._linear_thresholds(darr, spec.count)
-    curve = client.compute(cd.ecc(darr, values, connectivity=conn)).result()
+    curve = client.compute(cd.ecc(darr, values, connectivity=conn, boundary=boundary)).result()
     return curve, values
 
 
@@ -452,9 +463,10 @@ def run_ecc(args) -> int:
 
     if not args.paths:
         for name, load in _samples():
-            results.append(_compute(name, load(), spec, args.connectivity, device, timed=True))
+            results.append(_compute(name, load(), spec, args.connectivity, device, timed=True,
+                                    boundary=args.boundary))
         rep.say(f"cutopo {__version__}: Euler characteristic curves, connectivity {conn_text}, "
-                f"thresholds {spec.source}")
+                f"boundary {args.boundary}, thresholds {spec.source}")
         _print_table(rep, results)
     else:
         from tqdm import tqdm
@@ -466,7 +478,7 @@ def run_ecc(args) -> int:
             for path in bar:
                 if _streams(path, args):
                     results.append(_compute_streamed(path, spec, args.connectivity, device,
-                                                     args.scheduler))
+                                                     args.scheduler, args.boundary))
                     continue
                 try:
                     image = read_image(path, note=rep.note)
@@ -474,9 +486,10 @@ def run_ecc(args) -> int:
                     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     raise CLIError(message if message.startswith(f"{path}:")
                                    else f"{path}: cannot read ({message})") from None
-                results.append(_compute(path, image, spec, args.connectivity, device, timed=False))
+                results.append(_compute(path, image, spec, args.connectivity, device, timed=False,
+                                        boundary=args.boundary))
         rep.say(f"{len(results)} file(s), {spec.size} thresholds ({spec.source}), "
-                f"connectivity {conn_text}, device {device}")
+                f"connectivity {conn_text}, boundary {args.boundary}, device {device}")
 
     csv_path = args.csv if args.csv is not None else (
         os.path.join(args.out, "ecc.csv") if args.paths else None)

@@ -204,3 +204,28 @@ def test_help_and_python_m(tmp_path):
     run = subprocess.run([sys.executable, "-m", "cutopo", "ecc", "--help"], capture_output=True, text=True,
                          cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 0 and "--thresholds-file" in run.stdout
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_periodic_boundary(tmp_path, stream):
+    """--boundary periodic: the torus's curves, in memory and read in slabs (on the CPU);
+    an axis shorter than 3 exits 2 with the library's message."""
+    rng = _rng()
+    a = rng.integers(0, 6, size=(9, 12), dtype=np.uint8)
+    a[0] = a[-1]                                      # ties across the wrap
+    b = rng.normal(size=(5, 4, 7)).astype(np.float32)
+    paths = [tmp_path / "a.npy", tmp_path / "b.npy"]
+    np.save(paths[0], a)
+    np.save(paths[1], b)
+    out = tmp_path / "c.npy"
+    extra = ["--stream"] if stream else []
+    assert cli.main(["ecc", *map(str, paths), "--device", "cpu", "--boundary", "periodic",
+                     "--range", "-2", "5", "--thresholds", "15", "--connectivity", "full",
+                     "--npy", str(out), "--no-plot", "--quiet", *extra]) == 0
+    t = np.linspace(-2, 5, 15)
+    want = [cutopo.ecc(im, t, connectivity=im.ndim, boundary="periodic") for im in (a, b)]
+    np.testing.assert_array_equal(np.load(out), np.stack(want))
+    assert not np.array_equal(want[0], cutopo.ecc(a, t, connectivity=2))  # not the box's
+    np.save(tmp_path / "thin.npy", a[:2])
+    assert cli.main(["ecc", str(tmp_path / "thin.npy"), "--boundary", "periodic", "--device",
+                     "cpu", "--no-plot", "--quiet", *extra]) == 2

@@ -584,7 +584,12 @@ def test_cli_scheduler(tmp_path, rng):
         assert main(["ecc", str(tmp_path / "a.npy"), "--scheduler", cluster.scheduler_address,
                      "--range", "0", "4", "--thresholds", "5", "--npy", str(out), "--no-plot",
                      "--quiet", "--device", "cpu"]) == 0
-    np.testing.assert_array_equal(np.load(out)[0], cutopo.ecc(img, np.linspace(0, 4, 5)))
+        np.testing.assert_array_equal(np.load(out)[0], cutopo.ecc(img, np.linspace(0, 4, 5)))
+        assert main(["ecc", str(tmp_path / "a.npy"), "--scheduler", cluster.scheduler_address,
+                     "--range", "0", "4", "--thresholds", "5", "--npy", str(out), "--no-plot",
+                     "--quiet", "--device", "cpu", "--boundary", "periodic"]) == 0
+    np.testing.assert_array_equal(np.load(out)[0], cutopo.ecc(img, np.linspace(0, 4, 5),
+                                                              boundary="periodic"))
 
 
 
