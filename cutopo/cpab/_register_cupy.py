@@ -77,11 +77,16 @@ register_instances("optim", _instances)
 
 
 def usable(moving4, loss, n_steps) -> bool:
-    """Whether a level can run here: CuPy images, the MSE loss, a fused-warp n_steps."""
+    """Whether a level can run here: CuPy images on the current device (a level's buffers,
+    stream and graph are made there), the MSE loss, a fused-warp n_steps."""
     from .._array import is_cupy_array
 
-    return (DEVICE_STEPS and loss == "mse" and is_cupy_array(moving4)
-            and moving4.dtype.name in _CTYPE and wcp.supports(n_steps))
+    if not (DEVICE_STEPS and loss == "mse" and is_cupy_array(moving4)):
+        return False
+    import cupy
+
+    return (moving4.device.id == cupy.cuda.Device().id and moving4.dtype.name in _CTYPE
+            and wcp.supports(n_steps))
 
 
 class Level:

@@ -88,7 +88,13 @@ class Residuals:
 
 
 def forward(image, theta, tess, n_steps, mode, padding_mode):
-    """(out (B, C, *spatial), Residuals) for a CuPy image (N, C, *spatial) and theta."""
+    """(out (B, C, *spatial), Residuals) for a CuPy image (N, C, *spatial) and theta, on the
+    image's device."""
+    with image.device:
+        return _forward(image, theta, tess, n_steps, mode, padding_mode)
+
+
+def _forward(image, theta, tess, n_steps, mode, padding_mode):
     import cupy
 
     _sampling._choice(mode, "mode", _sampling.MODES)
@@ -124,7 +130,13 @@ def forward(image, theta, tess, n_steps, mode, padding_mode):
 
 
 def backward(res: Residuals, cotangent, need_image, need_theta):
-    """(d_image (Bi, C, *spatial) in the computation dtype or None, d_theta float64 or None)."""
+    """(d_image (Bi, C, *spatial) in the computation dtype or None, d_theta float64 or None),
+    on the image's device."""
+    with res.image.device:
+        return _backward(res, cotangent, need_image, need_theta)
+
+
+def _backward(res: Residuals, cotangent, need_image, need_theta):
     import cupy
 
     plan, img = res.plan, res.image
