@@ -527,6 +527,22 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
 // (cutopo/cpab/transform.py: integrate, then grid_sample at 2 phi[..., ::-1] - 1 with
 // align_corners=False) with the same roundings, so both give the same output.
 
+// A warp kernel thread's (batch item, pixel) among B items of S pixels, and its item's block
+// of cells: item_of's counterpart for the kernels that make their own points.
+struct Pixel {
+    i64 S, idx, b, p, cell_offset;
+};
+
+__device__ __forceinline__ bool pixel_of(i64 B, i64 S, i64 C, int theta_shared, Pixel& px) {
+    px.S = S;
+    px.idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (px.idx >= B * S) return false;
+    px.b = px.idx / S;
+    px.p = px.idx - px.b * S;
+    px.cell_offset = (theta_shared ? 0 : px.b) * C;
+    return true;
+}
+
 // The centre of pixel p (C order) of a grid of dims.size: ((i_k + 1/2) / size_k) in float64,
 // rounded once to T, as transform.pixel_centres.
 template <typename T, int K>
@@ -561,12 +577,10 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
              int channels, int n_steps, int S_seg, int keep, int padding, int n0, int n1, int n2,
              int d, int h, int w) {
     const sampling::Dims<i64, K> dims(d, h, w);
-    const i64 S = dims.stride[0] * dims.size[0];
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= B * S) return;
-    const i64 b = idx / S, p = idx - b * S;
+    Pixel px;
+    if (!pixel_of(B, dims.stride[0] * dims.size[0], C, theta_shared, px)) return;
+    const i64 S = px.S, idx = px.idx, b = px.b, p = px.p, cell_offset = px.cell_offset;
     const Grid g = {{n0, n1, n2}};
-    const i64 cell_offset = (theta_shared ? 0 : b) * C;
     T x[K];
     pixel_centre<T, K>(p, dims, x);  // inside the box: P leaves it alone
     int inside;
@@ -604,12 +618,10 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
     constexpr int SIZE = Moments<K>::SIZE;
     __shared__ double scratch[WARPS * 32 * SIZE];
     const sampling::Dims<i64, K> dims(d, h, w);
-    const i64 S = dims.stride[0] * dims.size[0];
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= B * S) return;
-    const i64 b = idx / S, p = idx - b * S;
+    Pixel px;
+    if (!pixel_of(B, dims.stride[0] * dims.size[0], C, theta_shared, px)) return;
+    const i64 S = px.S, idx = px.idx, b = px.b, p = px.p, cell_offset = px.cell_offset;
     const Grid g = {{n0, n1, n2}};
-    const i64 cell_offset = (theta_shared ? 0 : b) * C;
     const bool theta_wanted = need_theta && !NEAREST;
     const i64 plane = B * S * K;
     T x[K];

@@ -43,6 +43,23 @@ adam_step(T* __restrict__ params, T* __restrict__ m, T* __restrict__ v, const T*
 }
 
 // -- register's device steps: the step index lives on the device ----------------------------------
+
+// sums[*counter] += the sum of every thread's acc in the block (warp shuffles, then one float64
+// atomic from thread 0); every thread of the block must call it.
+__device__ __forceinline__ void add_block_sum(double acc, double* __restrict__ sums,
+                                              const int* __restrict__ counter) {
+    __shared__ double partial[THREADS / 32];
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        #pragma unroll
+        for (int w = 0; w < THREADS / 32; ++w) total += partial[w];
+        atomicAdd(sums + *counter, total);
+    }
+}
 //
 // A captured CUDA graph replays fixed arguments, so what changes from step to step (the loss
 // slot, the step size and Adam's bias corrections) is read through *counter, the step's index
@@ -70,7 +87,6 @@ __global__ void __launch_bounds__(THREADS)
 theta_gradient(const double* __restrict__ grad, const double* __restrict__ q,
                const T* __restrict__ theta, T* __restrict__ grad_T, i64 n, T w2, int smooth,
                double* __restrict__ penalty, const int* __restrict__ counter) {
-    __shared__ double partial[THREADS / 32];
     const i64 i = (i64)blockIdx.x * THREADS + threadIdx.x;
     double acc = 0.0;
     if (i < n) {
@@ -83,16 +99,7 @@ theta_gradient(const double* __restrict__ grad, const double* __restrict__ q,
         grad_T[i] = g;
     }
     if (!smooth) return;
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double total = 0.0;
-        #pragma unroll
-        for (int w = 0; w < THREADS / 32; ++w) total += partial[w];
-        atomicAdd(penalty + *counter, total);
-    }
+    add_block_sum(acc, penalty, counter);
 }
 
 // grad = (warped - fixed) scale in T (scale = 2 / n rounded to T by the host, as NumPy's
@@ -103,7 +110,6 @@ template <typename T>
 __global__ void __launch_bounds__(THREADS)
 mse_gradient(const T* __restrict__ warped, const T* __restrict__ fixed, T* __restrict__ grad, i64 n,
              T scale, double* __restrict__ sums, const int* __restrict__ counter) {
-    __shared__ double partial[THREADS / 32];
     double acc = 0.0;
     for (i64 i = (i64)blockIdx.x * THREADS + threadIdx.x; i < n; i += (i64)gridDim.x * THREADS) {
         const T d = sub_rn(warped[i], fixed[i]);
@@ -111,16 +117,7 @@ mse_gradient(const T* __restrict__ warped, const T* __restrict__ fixed, T* __res
         const double dd = convert<double>(d);
         acc += dd * dd;
     }
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double total = 0.0;
-        #pragma unroll
-        for (int w = 0; w < THREADS / 32; ++w) total += partial[w];
-        atomicAdd(sums + *counter, total);
-    }
+    add_block_sum(acc, sums, counter);
 }
 
 __global__ void advance(int* counter) { *counter += 1; }
