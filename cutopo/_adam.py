@@ -66,12 +66,17 @@ class Adam:
         self.v = xp.zeros_like(params)
         self.t = 0
 
+    def scalars(self, t, lr=None):
+        """(step, root) of update number ``t`` (1-based) with step size ``lr`` (default
+        :attr:`lr`): ``lr / (1 - b1^t)`` and ``1 / sqrt(1 - b2^t)``, Python floats."""
+        b1, b2 = self.betas
+        return (self.lr if lr is None else lr) / (1 - b1 ** t), 1.0 / math.sqrt(1 - b2 ** t)
+
     def step(self, grad):
         """One update of :attr:`params` (in place) from the gradient ``grad`` (its shape)."""
         b1, b2 = self.betas
         self.t += 1
-        step = self.lr / (1 - b1 ** self.t)
-        root = 1.0 / math.sqrt(1 - b2 ** self.t)
+        step, root = self.scalars(self.t)
         if is_cupy_array(self.params):
             from . import _adam_cupy
 

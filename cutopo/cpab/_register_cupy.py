@@ -13,11 +13,10 @@ would have anyway.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .._cuda.compile import register_instances
+from .._adam_cupy import THREADS as _OPTIM_THREADS
 from .._cuda.launch import PreparedLaunch, Signature
 from .._sampling_cupy import PADDING_CODES, _dims
 from . import _integrate_cupy as icp
@@ -36,7 +35,6 @@ GRAPHS = True
 # again (at 512^2 a sixth of the step); above it the backward recomputes them.
 KEEP_CHECKPOINTS_BYTES = 1 << 30
 _CTYPE = {"float32": "float", "float64": "double"}
-_OPTIM_THREADS = 256    # optim::THREADS
 _MSE_BLOCKS = 512       # enough blocks to fill the device for a grid-stride pass
 
 
@@ -222,11 +220,8 @@ class Level:
 
         n = stop - start
         opt = self.optimiser
-        b1, b2 = opt.betas
-        # Adam.step's scalars, as it computes them (Python floats, rounded to theta's dtype)
-        ts = range(opt.t + 1, opt.t + n + 1)
-        steps = [lr_at(start + i) / (1 - b1 ** t) for i, t in enumerate(ts)]
-        invs = [1.0 / math.sqrt(1 - b2 ** t) for t in ts]
+        # Adam.step's scalars for the chunk's updates (rounded to theta's dtype by the tables)
+        steps, invs = zip(*(opt.scalars(opt.t + 1 + i, lr_at(start + i)) for i in range(n)))
         caller = cupy.cuda.get_current_stream()
         with self.stream:
             self.stream.wait_event(caller.record())            # theta's last writes first

@@ -16,24 +16,19 @@ import numpy as np
 from .. import sampling as _sampling
 from .._cuda.compile import register_instances
 from .._cuda.launch import Signature, launch
-from .._sampling_cupy import PADDING_CODES, _dims
+from .._sampling_cupy import _CTYPE, PADDING_CODES, _dims, _flag
 from . import _integrate_cupy as icp
 from .velocity import check_points_theta
 from ._checks import check_count
 
 FAMILY = icp.FAMILY
 THREADS = icp.THREADS
-_CTYPE = {"float16": "cutopo::half", "float32": "float", "float64": "double"}
 # (image storage, computation, output) for each trajectory dtype: the computation dtype is
 # float64 when the trajectory's or the image's is (grid_sample's rule for a grid of that dtype).
 TYPES = {"float32": (("float16", "float32", "float32"), ("float32", "float32", "float32"),
                      ("float64", "float64", "float64")),
          "float64": (("float16", "float64", "float64"), ("float32", "float64", "float64"),
                      ("float64", "float64", "float64"))}
-
-
-def _flag(b):
-    return "true" if b else "false"
 
 
 def _forward_sig(t, ti, r, o, K, project, nearest):
