@@ -55,12 +55,7 @@ def save_figure(out_dir, filename, panels, thresholds, curves, target, history):
     (an (image, label) pair) dashed in black. ``history``: the loss per step (log scale). Images
     are NumPy arrays.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.8))
+    fig, axes = subplots(5, (19, 3.8))
     for ax, (img, title) in zip(axes[:3], panels):
         ax.imshow(img, cmap="gray", vmin=0, vmax=1)
         ax.set_title(title)
@@ -74,9 +69,27 @@ def save_figure(out_dir, filename, panels, thresholds, curves, target, history):
     axes[4].semilogy(history)
     axes[4].set_xlabel("step")
     axes[4].set_title("loss")
+    path = write_figure(fig, out_dir, filename)
+    print(f"wrote {path}")
+    return path
+
+
+def subplots(ncols, figsize, **kwargs):
+    """(figure, axes) of one row of ``ncols`` panels, drawn without a display (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=figsize, **kwargs)
+
+
+def write_figure(fig, out_dir, filename):
+    """Lay out, save to ``out_dir/filename`` and close ``fig``; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = os.path.join(out_dir, filename)
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    print(f"wrote {path}")
     return path

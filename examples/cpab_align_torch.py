@@ -24,7 +24,7 @@ import cutopo.torch as ct
 from cutopo.cpab import Tessellation, transform_grid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, from any working directory
-from _common import parse_cli, reporting  # noqa: E402
+from _common import parse_cli, reporting, subplots, write_figure  # noqa: E402
 
 SIZE, CELLS, N_STEPS, MAX_SHIFT = 96, (4, 4), 20, 4.0  # pixels, cells per axis, integration, px
 
@@ -82,15 +82,10 @@ def main(out_dir=".", steps=100):
 
 
 def _figure(out_dir, images, history):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fixed, moving, warped = images
     panels = ((fixed, "fixed"), (moving, "moving"), (warped, "moving warped by phi_theta"),
               (np.abs(warped - fixed), "|warped - fixed|"))
-    fig, axes = plt.subplots(1, 5, figsize=(19, 3.8))
+    fig, axes = subplots(5, (19, 3.8))
     for i, (ax, (img, title)) in enumerate(zip(axes[:4], panels)):
         ax.imshow(img, cmap="gray", vmin=0, vmax=None if i == 3 else 1)  # the difference: own scale
         ax.set_title(title)
@@ -98,11 +93,7 @@ def _figure(out_dir, images, history):
     axes[4].semilogy(history)
     axes[4].set_xlabel("step")
     axes[4].set_title("MSE")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "cpab_align_torch.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return write_figure(fig, out_dir, "cpab_align_torch.png")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import cutopo
 import cutopo.torch as ct
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, from any working directory
-from _common import parse_cli, reporting  # noqa: E402
+from _common import parse_cli, reporting, subplots, write_figure  # noqa: E402
 
 K, C, G = 2, 16, 4                 # cameras, channels, channel groups
 SHAPES = [(32, 48), (16, 24)]      # (H, W) of the two scales, the same for both cameras
@@ -98,13 +98,8 @@ def main(out_dir=".", steps=200):
 
 
 def _figure(out_dir, feature, truth, start, learnt, history):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     H, W = SHAPES[0]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1.6, 1]})
+    fig, axes = subplots(2, (12, 4), gridspec_kw={"width_ratios": [1.6, 1]})
     ax = axes[0]
     ax.imshow(feature, cmap="gray", extent=(0, W, H, 0))   # pixel edges: u W, v H
     for pts, style, label in ((start, "x", "start"), (learnt, "+", "learnt"),
@@ -116,11 +111,7 @@ def _figure(out_dir, feature, truth, start, learnt, history):
     axes[1].semilogy(history)
     axes[1].set_xlabel("step")
     axes[1].set_title("MSE against the target aggregation")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "deformable_keypoints_torch.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return write_figure(fig, out_dir, "deformable_keypoints_torch.png")
 
 
 if __name__ == "__main__":
