@@ -109,6 +109,66 @@ __device__ __forceinline__ int contribution(const K (&nb)[pow3(NDIM)]) {
     return owned_cells<NDIM, TCONN>(TCONN ? ~lower : lower);
 }
 
+// The torus complex (boundary="periodic"). The neighbour q = p + o of p comes before p in the
+// torus' C order as in the box, except where q wraps around o's first non-zero axis a: at
+// p_a = 0 with o_a < 0 (q is the last plane) and at p_a = n_a - 1 with o_a > 0 (q is the first).
+// Bits of the offsets whose first non-zero component lies on ``axis`` and has sign ``sign``:
+template <int NDIM>
+__device__ constexpr unsigned first_axis_offsets(int axis, int sign) {
+    unsigned m = 0;
+    for (int j = 0; j < pow3(NDIM); ++j) {
+        for (int a = 0; a < NDIM; ++a) {
+            const int d = digit<NDIM>(j, a);
+            if (d != 0) {
+                if (a == axis && d == sign) m |= 1u << j;
+                break;
+            }
+        }
+    }
+    return m;
+}
+
+// Bits of the neighbours of pixel p (coordinates p, axis lengths n) whose tie-break flips.
+template <int NDIM, int A = 0>
+__device__ __forceinline__ unsigned torus_flips(const i64 (&p)[NDIM], const i64 (&n)[NDIM]) {
+    if constexpr (A == NDIM) {
+        return 0u;
+    } else {
+        constexpr unsigned below = first_axis_offsets<NDIM>(A, -1);
+        constexpr unsigned above = first_axis_offsets<NDIM>(A, 1);
+        return (p[A] == 0 ? below : 0u) | (p[A] == n[A] - 1 ? above : 0u) | torus_flips<NDIM, A + 1>(p, n);
+    }
+}
+
+// precedence_bits with the tie-break of the neighbours marked in ``flips`` reversed.
+template <int NDIM, int J = 0, typename K>
+__device__ __forceinline__ unsigned precedence_bits_flipped(const K (&nb)[pow3(NDIM)], K kp, unsigned flips) {
+    constexpr int N = pow3(NDIM);
+    if constexpr (J == N) {
+        return 0u;
+    } else if constexpr (J == (N - 1) / 2) {
+        return precedence_bits_flipped<NDIM, J + 1>(nb, kp, flips);
+    } else {
+        const bool before = earlier<NDIM>(J) != (((flips >> J) & 1u) != 0);
+        const bool l = before ? (nb[J] <= kp) : (nb[J] < kp);
+        return ((unsigned)l << J) | precedence_bits_flipped<NDIM, J + 1>(nb, kp, flips);
+    }
+}
+
+// How a sweep reads positions past the image: the box reads the outside key there, the torus
+// the pixel at the other end of the axis (a halo position is one past either end; positions
+// further out are tile overhang, neighbours of no counted pixel, and stay outside).
+struct BoxEdges {
+    static constexpr bool PERIODIC = false;
+    __device__ __forceinline__ static i64 wrap(i64 g, i64) { return g; }
+};
+struct TorusEdges {
+    static constexpr bool PERIODIC = true;
+    __device__ __forceinline__ static i64 wrap(i64 g, i64 n) { return g == -1 ? n - 1 : (g == n ? 0 : g); }
+};
+template <bool PERIODIC> struct EdgesOf { typedef BoxEdges type; };
+template <> struct EdgesOf<true> { typedef TorusEdges type; };
+
 // Which pixels of the swept image hand their contribution to the sink. The whole-image kernels
 // count every pixel; a block of a larger volume (an out-of-core slab, a Dask chunk) is swept
 // with its one-pixel halo, whose pixels are read as neighbours but counted by another block.
@@ -130,10 +190,12 @@ struct MaskedPixels {
 
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it.
-template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink, class Region = AllPixels>
+template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink, class Region = AllPixels,
+          class Edges = BoxEdges>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
-                                      const Sink& sink, const Region& counts = Region()) {
+                                      const Sink& sink, const Region& counts = Region(),
+                                      const Edges& = Edges()) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
     const int tx = threadIdx.x % TX;
     const int row0 = (threadIdx.x / TX) * PY + 1;  // first tile row of this thread, halo coords
@@ -150,7 +212,8 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
 
         // Keys of plane z into dst: the 32 tile columns row by row (lane = column, no division),
         // then the two halo columns of every row.
-        auto load_plane = [&](i64 z, K* dst) {
+        auto load_plane = [&](i64 z_unwrapped, K* dst) {
+            const i64 z = Edges::wrap(z_unwrapped, nz);
             const bool plane_inside = z >= 0 && z < nz;
             const i64 plane_base = image_base + z * ny * nx;
             for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
@@ -162,8 +225,12 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                     ly = (i - LY * TX) >> 1;
                     lx = (i & 1) ? LX - 1 : 0;
                 }
-                const i64 gy = y0 + ly - 1;
-                const i64 gx = x0 + lx - 1;
+                i64 gy = y0 + ly - 1;
+                i64 gx = x0 + lx - 1;
+                if constexpr (Edges::PERIODIC) {
+                    gy = Edges::wrap(gy, ny);
+                    gx = Edges::wrap(gx, nx);
+                }
                 K key = all_ones<K>();
                 if (plane_inside && gy >= 0 && gy < ny && gx >= 0 && gx < nx)
                     key = key_of(plane_base + gy * nx + gx);
@@ -217,9 +284,23 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                         for (int q = 0; q < 3; ++q) nb[(p * 3 + r) * 3 + q] = win[p][r][q];
                 const i64 gy = y0 + row0 + j - 1;
                 const i64 gx = x0 + tx;
-                if (gy < ny && gx < nx && counts(z, gy, gx))
-                    sink(contribution<NDIM, TCONN>(nb), nb[(pow3(NDIM) - 1) / 2],
-                         image_base + (z * ny + gy) * nx + gx);
+                if (gy < ny && gx < nx && counts(z, gy, gx)) {
+                    if constexpr (Edges::PERIODIC) {
+                        i64 p[NDIM], n[NDIM];
+                        if constexpr (NDIM == 3) {
+                            p[0] = z, p[1] = gy, p[2] = gx, n[0] = nz, n[1] = ny, n[2] = nx;
+                        } else {
+                            p[0] = gy, p[1] = gx, n[0] = ny, n[1] = nx;
+                        }
+                        const K kp = nb[(pow3(NDIM) - 1) / 2];
+                        const unsigned lower = precedence_bits_flipped<NDIM>(nb, kp, torus_flips<NDIM>(p, n));
+                        sink(owned_cells<NDIM, TCONN>(TCONN ? ~lower : lower), kp,
+                             image_base + (z * ny + gy) * nx + gx);
+                    } else {
+                        sink(contribution<NDIM, TCONN>(nb), nb[(pow3(NDIM) - 1) / 2],
+                             image_base + (z * ny + gy) * nx + gx);
+                    }
+                }
             }
             __syncthreads();  // the next step overwrites plane z-1
         }
@@ -698,8 +779,9 @@ struct MapSink {
     __device__ __forceinline__ void operator()(int c, u64, i64 i) const { out[i] = (signed char)c; }
 };
 
-// The int8 contribution map c(p) under the order (value, linear index), NaN as +inf.
-template <typename In, typename K, int NDIM, bool TCONN>
+// The int8 contribution map c(p) under the order (value, linear index), NaN as +inf; of the
+// box complex, or of the torus with PERIODIC (every axis >= 3).
+template <typename In, typename K, int NDIM, bool TCONN, bool PERIODIC = false>
 __global__ void __launch_bounds__(THREADS)
 ecc_contributions(const In* __restrict__ image, signed char* __restrict__ out, i64 nz, i64 ny,
                   i64 nx, int zchunk, int blocks_per_image) {
@@ -709,7 +791,7 @@ ecc_contributions(const In* __restrict__ image, signed char* __restrict__ out, i
     ValueKey<In, K> key_of{image};
     MapSink sink{out};
     sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
-                          key_of, sink);
+                          key_of, sink, AllPixels(), typename EdgesOf<PERIODIC>::type());
 }
 
 }  // namespace ecc

@@ -200,25 +200,25 @@ def _soft_ecc_plan(device_id, in_dtype, nimg, N, T, real):
     return SoftEccPlan(in_dtype, nimg, N, T, real)
 
 
-def _soft_ecc_inputs(image, ndim, tconn, T, real):
-    """(x as (nimg, N), its contribution map, the plan)."""
+def _soft_ecc_inputs(image, ndim, tconn, T, real, periodic=False):
+    """(x as (nimg, N), its contribution map (of the torus with ``periodic``), the plan)."""
     import cupy
 
     nimg = math.prod(image.shape[:image.ndim - ndim])
     N = math.prod(image.shape[image.ndim - ndim:])
     x = _ecc_cupy._image_view(cupy.ascontiguousarray(image)).reshape(nimg, N)
-    cmap = _ecc_cupy.euler_contributions(image, ndim, tconn).reshape(nimg, N)
+    cmap = _ecc_cupy.euler_contributions(image, ndim, tconn, periodic).reshape(nimg, N)
     plan = _soft_ecc_plan(cupy.cuda.Device().id, image.dtype, nimg, N, T, np.dtype(real))
     return x, cmap, plan
 
 
-def soft_ecc_forward(image, t, lam, w, ndim, tconn):
+def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False):
     """(nimg, T) curve in the dtype of ``t``; ``t`` host thresholds, ``lam`` the scale (same dtype)."""
     import cupy
 
     real, T = t.dtype, t.size
     with image.device:
-        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real)
+        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real, periodic)
         acc = cupy.zeros((plan.nimg, T), dtype=np.float64)
         sat = cupy.zeros((plan.nimg, T), dtype=np.int64)
         plan.forward(x, cmap, device_table(t), acc, sat, lam, w)
@@ -227,14 +227,14 @@ def soft_ecc_forward(image, t, lam, w, ndim, tconn):
     return out
 
 
-def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs):
+def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False):
     """(d_image in the dtype of t or None, d_t float64 (T,) or None, d_scale 0-d float64 or None)."""
     import cupy
 
     need_image, need_t, need_scale = needs
     real, T = t.dtype, t.size
     with image.device:
-        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real)
+        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real, periodic)
         g = cupy.ascontiguousarray(g.reshape(plan.nimg, T).astype(real, copy=False))
         d_image = cupy.empty((plan.nimg, plan.N) if need_image else (1,), dtype=real)
         dt = cupy.zeros(T, dtype=np.float64)
@@ -344,8 +344,11 @@ def _heights(coords_dev, spatial, dirs):
     return h
 
 
-def entries_t(mask_b, dirs_dev, coords_dev, own=None):
-    """Entries of the directions ``dirs_dev`` (a group), T construction: one pass per direction."""
+def entries_t(mask_b, dirs_dev, coords_dev, own=None, tconn=True, periodic=False):
+    """Entries of the directions ``dirs_dev`` (a group): one contribution pass per direction
+    under the value order of the heights. The T construction always takes it; the V
+    construction on the torus (``periodic``) or at positions that do not increase along their
+    axes (a block padded with wrapped copies), where no corner is the highest of every cell."""
     import cupy
 
     B = mask_b.shape[0]
@@ -355,25 +358,29 @@ def entries_t(mask_b, dirs_dev, coords_dev, own=None):
     H = _heights(coords_dev, spatial, dirs_dev)                       # (D, *spatial)
     vals = cupy.where(mask_b[None], H[:, None], np.inf).reshape((D * B,) + spatial)
     del H
-    c = _ecc_cupy.euler_contributions(vals, ndim, True).reshape(D, B, N)
+    c = _ecc_cupy.euler_contributions(vals, ndim, tconn, periodic).reshape(D, B, N)
     del vals
     c *= _owned(mask_b, own).reshape(1, B, N)
     lin, cc, seg, per_segment = _compact(c, B, N, D)
     return Entries(lin, cc, seg, cupy.arange(D, dtype=np.int32), per_segment)
 
 
-def direction_groups(mask_b, D, tconn):
-    """Direction ranges processed together: all for V, bounded height images for T."""
-    if not tconn:
+def direction_groups(mask_b, D, per_direction):
+    """Direction ranges processed together: all for the orthant passes, bounded height images
+    for the per-direction passes."""
+    if not per_direction:
         return [(0, D)]
     per = math.prod(mask_b.shape)
     step = max(1, T_PASS_ELEMENTS // max(per, 1))
     return [(d0, min(D, d0 + step)) for d0 in range(0, D, step)]
 
 
-def group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn, own=None):
-    if tconn:
-        return entries_t(mask_b, dirs_dev[d0:d1], coords_dev, own)
+def group_entries(mask_b, dirs64, d0, d1, dirs_dev, coords_dev, tconn, own=None, periodic=False,
+                  general=False):
+    """Entries of directions [d0, d1): see entries_t (``general``: positions that do not
+    increase along their axes) and entries_v."""
+    if tconn or periodic or general:
+        return entries_t(mask_b, dirs_dev[d0:d1], coords_dev, own, tconn, periodic)
     return entries_v(mask_b, dirs64, own)
 
 
@@ -412,12 +419,14 @@ def _ect_geometry(mask_b, dirs64, coords, t) -> _EctGeometry:
                         device_table(np.concatenate(coords)), device_table(t))
 
 
-def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=False, own=None):
+def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=False, own=None,
+                periodic=False, general=False):
     """((B, D, T) result, entries): int64 ECT (soft False, t float64) or the soft ECT in t's
     dtype, and (with ``keep``) the [(d0, d1, Entries)] of every direction group for the backward,
     or None when they are too large to keep (more than KEEP_ENTRIES). ``own``: count only the
     pixels these per-axis bool masks mark (a block of a larger volume with its halo; ``coords``
-    are then the block's positions in the volume)."""
+    are then the block's positions in the volume). ``periodic``: the torus complex;
+    ``general``: ``coords`` need not increase along their axes (see group_entries)."""
     import cupy
 
     geo = _ect_geometry(mask_b, dirs64, coords, t)
@@ -425,9 +434,10 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
     lam = real.type(0) if lam is None else lam
     out = None
     kept, total = ([] if keep else None), 0
-    for d0, d1 in direction_groups(mask_b, D, tconn):
+    for d0, d1 in direction_groups(mask_b, D, tconn or periodic or general):
         Dg = d1 - d0
-        ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn, own)
+        ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn, own, periodic,
+                            general)
         total += int(ent.lin.size)
         if kept is not None:  # kept until they grow past KEEP_ENTRIES
             kept = kept + [(d0, d1, ent)] if total <= KEEP_ENTRIES else None

@@ -156,12 +156,8 @@ def check_scale(scale):
 BOUNDARIES = ("box", "periodic")
 
 
-def check_boundary(boundary, image, ndim, *, cuda=False) -> bool:
-    """Validate ``boundary``; return True for "periodic" (every spatial axis must be >= 3).
-
-    ``cuda``: the op has a periodic CuPy path (ecc: the box kernels on a wrapped copy); for the
-    others CuPy inputs with "periodic" raise NotImplementedError.
-    """
+def check_boundary(boundary, image, ndim) -> bool:
+    """Validate ``boundary``; return True for "periodic" (every spatial axis must be >= 3)."""
     if not isinstance(boundary, str):
         raise TypeError(f"boundary must be 'box' or 'periodic', got {boundary!r}")
     if boundary not in BOUNDARIES:
@@ -172,7 +168,4 @@ def check_boundary(boundary, image, ndim, *, cuda=False) -> bool:
     if any(s < 3 for s in spatial):
         raise ValueError(f"image: boundary='periodic' needs every spatial axis to have length >= 3 "
                          f"(with 1 or 2 the torus complex degenerates), got spatial shape {spatial}")
-    if is_cupy_array(image) and not cuda:
-        raise NotImplementedError("periodic boundaries have no CUDA kernel yet for this op (ecc has "
-                                  "one): pass a NumPy array")
     return True

@@ -65,9 +65,12 @@ def masked_histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> st
         "ecc_histogram<", "ecc_histogram_masked<")
 
 
-def contributions_instance(in_ctype, ndim, tconn) -> str:
+def contributions_instance(in_ctype, ndim, tconn, periodic=False) -> str:
+    """The contribution-map kernel; ``periodic``: of the torus complex (the NumPy path's rule)."""
     key = _VALUE_KEY.get(in_ctype, "unsigned int")
-    return f"cutopo::ecc::ecc_contributions<{in_ctype}, {key}, {ndim}, {'true' if tconn else 'false'}>"
+    torus = ", true" if periodic else ""
+    return (f"cutopo::ecc::ecc_contributions<{in_ctype}, {key}, {ndim}, "
+            f"{'true' if tconn else 'false'}{torus}>")
 
 
 CUMSUM = Signature(FAMILY, "cutopo::ecc::ecc_cumsum", ("ptr:int64", "int64", "int32"))
@@ -82,6 +85,7 @@ def _instances():
             for tconn in (False, True):
                 yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim, tconn)
                 yield contributions_instance(in_ctype, ndim, tconn)
+                yield contributions_instance(in_ctype, ndim, tconn, periodic=True)
     yield histogram_instance("float", "double", "unsigned int", 3, False)
     yield histogram_instance("unsigned short", "unsigned long long", "unsigned short", 2, True)
     # The masked variant shares the sweeps above; one instance per sweep (packed 16-bit keys in
@@ -232,8 +236,8 @@ def _wrapped(image, ndim):
     invariant, so it picks the same torus vertex in every copy, and exactly one copy has that
     vertex among the original pixels: every torus cell counts once. (Which pixel owns a cell
     whose vertices tie across the wrap can differ from the NumPy torus rule, which orders by
-    the real linear index: the ECC agrees, the per-pixel contributions need not, so
-    euler_contributions has no periodic CUDA path.) Costs a copy of the image,
+    the real linear index: the ECC agrees, the per-pixel contributions need not; the
+    contribution-map kernel implements the torus rule itself.) Costs a copy of the image,
     ((n + 2) / n)^ndim times its size."""
     import cupy
 
@@ -263,17 +267,19 @@ def ecc(image, thresholds, ndim, tconn, periodic=False):
 
 
 @functools.lru_cache(maxsize=64)
-def _contributions_launch(device_id, dtype, nimg, spatial, ndim, tconn) -> PreparedLaunch:
+def _contributions_launch(device_id, dtype, nimg, spatial, ndim, tconn, periodic) -> PreparedLaunch:
     """The contribution-map launch for one geometry, planned once (called with (x, out))."""
     view = _INPUT_VIEW.get(dtype, dtype)
-    sig = Signature(FAMILY, contributions_instance(_INPUT_CTYPE[dtype], ndim, tconn),
+    sig = Signature(FAMILY, contributions_instance(_INPUT_CTYPE[dtype], ndim, tconn, periodic),
                     (f"ptr:{view}", "ptr:int8", "int64", "int64", "int64", "int32", "int32"))
     (nz, ny, nx), zchunk, per_image = _plan(sig, nimg, spatial, ndim, 0, TILE_X["unsigned int"])
     return PreparedLaunch(sig, nimg * per_image, THREADS,
                           (None, None, nz, ny, nx, zchunk, per_image))
 
 
-def euler_contributions(image, ndim, tconn):
+def euler_contributions(image, ndim, tconn, periodic=False):
+    """int8 c(p) of a CuPy image, equal to the NumPy path's (``periodic``: the torus complex,
+    the same index tie-break across the wrap, every spatial axis >= 3)."""
     import cupy
 
     batch = image.shape[:-ndim]
@@ -284,6 +290,6 @@ def euler_contributions(image, ndim, tconn):
         if nimg == 0:
             return out
         x = _image_view(cupy.ascontiguousarray(image)).reshape((nimg,) + spatial)
-        _contributions_launch(cupy.cuda.Device().id, image.dtype, nimg, spatial, ndim, tconn)(
-            x, out)
+        _contributions_launch(cupy.cuda.Device().id, image.dtype, nimg, spatial, ndim, tconn,
+                              bool(periodic))(x, out)
     return out

@@ -437,8 +437,8 @@ def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=
         pixels around it (8- / 26-connected). As for :func:`cutopo.ecc`.
     boundary : {"box", "periodic"}, optional
         ``"box"`` (default): positions outside the image are empty. ``"periodic"``: the
-        cubical complex of the torus, as for :func:`cutopo.ecc` (every spatial axis >= 3; NumPy
-        and host inputs only): the result equals ``cutopo.ecc(numpy.where(mask, heights(spatial,
+        cubical complex of the torus, as for :func:`cutopo.ecc` (every spatial axis >= 3): the
+        result equals ``cutopo.ecc(numpy.where(mask, heights(spatial,
         v), numpy.inf), thresholds, ndim=ndim, connectivity=connectivity, boundary="periodic")``
         for every direction v. The pixel positions (and so the heights) are those of the box;
         a cell that spans the wrap takes the max (V) or min (T) of its pixels' heights. Every
@@ -520,7 +520,8 @@ def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=
     D, T = dirs64.shape[0], t.size
     if is_cupy_array(mask_b):
         with mask_b.device:
-            out, _ = _band_cupy.ect_forward(mask_b, dirs64, coords, t, tconn, soft=False)
+            out, _ = _band_cupy.ect_forward(mask_b, dirs64, coords, t, tconn, soft=False,
+                                            periodic=periodic)
         return out.reshape(batch + (D, T))
     return curves(mask_b, dirs64, coords, t, tconn, periodic=periodic).reshape(batch + (D, T))
 

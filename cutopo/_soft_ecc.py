@@ -202,7 +202,7 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     T = cfg.t.size
     if is_cupy_array(cfg.image):
         out = _band_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg), cfg.ndim,
-                                          cfg.tconn)
+                                          cfg.tconn, cfg.periodic)
         return out.reshape(batch + (T,)), cfg
     px = _pixels(cfg)
     # Saturated part: c(p) counts as 1 from threshold hi(p) on (difference array + prefix sum).
@@ -228,7 +228,7 @@ def _backward(cfg: _Config, g, needs):
         return None, None, None
     if is_cupy_array(cfg.image):
         return _band_cupy.soft_ecc_backward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
-                                            cfg.ndim, cfg.tconn, g, needs)
+                                            cfg.ndim, cfg.tconn, g, needs, cfg.periodic)
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
     g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
@@ -307,7 +307,8 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     boundary : {"box", "periodic"}, optional
         ``"box"`` (default) or ``"periodic"`` (the cubical complex of the torus: cells spanning
         the wrap included, every spatial axis >= 3; the curve tends to 0 instead of 1 once
-        every pixel is in), as for :func:`ecc`. CuPy arrays: ``"box"`` only.
+        every pixel is in), as for :func:`ecc`; the contributions are those of
+        :func:`euler_contributions` with the same boundary, on NumPy and CuPy alike.
 
     Returns
     -------

@@ -371,10 +371,7 @@ def ecc(src: Source, t, tconn, periodic, backend, max_slab_bytes):
         return np.zeros(src.batch + (T,), dtype=np.int64)
     max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, src.dtype.itemsize + 4)
     if backend == "cuda":
-        if periodic:
-            raise NotImplementedError("periodic boundaries are not streamed through the GPU yet: "
-                                      "stream them on the CPU (device='cpu')")
-        hist = _gpu_histogram(src, t, tconn, max_slab_bytes)
+        hist = _gpu_histogram(src, t, tconn, max_slab_bytes, periodic)
     else:
         hist = _cpu_histogram(src, t, tconn, periodic, max_slab_bytes)
     return np.cumsum(hist, axis=1).reshape(src.batch + (T,))
@@ -589,25 +586,36 @@ def _cuda_registration(array, ahead_bytes):
                             unregister=rt.hostUnregister, device=device)
 
 
-def _gpu_histogram(src: Source, t, tconn, max_slab_bytes):
-    """The streamed histogram on the current GPU (see the module docstring), as a host array."""
+def _gpu_histogram(src: Source, t, tconn, max_slab_bytes, periodic=False):
+    """The streamed histogram on the current GPU (see the module docstring), as a host array.
+
+    ``periodic``: the torus. Each slab is read with its halo planes taken modulo n0 and padded
+    on the device by one wrapped pixel on both sides of every other axis (what the slab
+    bound counts twice); the box kernel then counts the slab's own planes without the pads.
+    Each slab is a window of the image repeated periodically, whose owner rule (value, then
+    position) is the same in every period, so every cell of the torus is counted once (see
+    cutopo._ecc_cupy._wrapped). The halo planes are not adjacent to the slab in the source,
+    so such sources are not page-locked in place (staged, or copied directly from pinned
+    memory)."""
     from . import _ecc_cupy
 
     itemsize = src.dtype.itemsize
-    pieces = plan_pieces(src, itemsize, max_slab_bytes, ramp=RAMP)
+    pieces = plan_pieces(src, itemsize * (2 if periodic else 1), max_slab_bytes, periodic,
+                         ramp=RAMP)
     cap = max(math.prod(piece_shape(src, p)) for p in pieces)
     view_dtype = _ecc_cupy._INPUT_VIEW.get(src.dtype, src.dtype)
     contiguous = isinstance(src.data, np.ndarray) and src.data.flags.c_contiguous
     direct = contiguous and pinned_pointer(src.data)
     # Page-locking in place starts first, so that it gets ahead while plans are built.
     reg = None
-    if not direct and len(pieces) > 2 and registrable(src.data):
+    if not direct and not periodic and len(pieces) > 2 and registrable(src.data):
         reg = _cuda_registration(src.data, REGISTER_AHEAD_SLABS * cap * itemsize)
         if reg is not None:
             reg.advance(src.data.ctypes.data + _piece_offset(src, pieces[1]))  # 1st is staged
             reg.start()
     try:
-        return _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, reg)
+        return _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, reg,
+                             periodic)
     finally:
         if reg is not None:
             reg.close()
@@ -619,12 +627,35 @@ def _piece_offset(src: Source, piece: Piece):
     return (piece.f0 * src.spatial[0] + piece.ranges[0][0]) * plane * src.dtype.itemsize
 
 
+def _piece_runs(src: Source, piece: Piece):
+    """(byte offset, bytes) of each contiguous run of a piece in a C-contiguous source: one,
+    or one per plane range of a periodic slab (whose pieces hold one image)."""
+    if len(piece.ranges) == 1:
+        return [(_piece_offset(src, piece), math.prod(piece_shape(src, piece)) * src.dtype.itemsize)]
+    plane_bytes = math.prod(src.spatial[1:]) * src.dtype.itemsize
+    return [((piece.f0 * src.spatial[0] + a) * plane_bytes, (b - a) * plane_bytes)
+            for a, b in piece.ranges]
+
+
+def _wrap_pad(block, ndim):
+    """A device block (images, planes, *rest) padded by one wrapped pixel on both sides of
+    every spatial axis but the first (the torus' other axes)."""
+    import cupy
+
+    return cupy.pad(block, [(0, 0), (0, 0)] + [(1, 1)] * (ndim - 1), mode="wrap")
+
+
+def _inner(n):
+    """The mask of the n original pixels of an axis padded by one pixel on both sides."""
+    return np.r_[False, np.ones(n, dtype=bool), False]
+
+
 # What the last GPU pipeline did (for benchmarks and tests): slabs, how many were copied
 # directly (pinned or registered source) and how many staged, registered chunks.
 last_pipeline: dict = {}
 
 
-def _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, reg):
+def _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, reg, periodic):
     import cupy
     import cupyx
 
@@ -637,15 +668,19 @@ def _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, re
     copy_stream = cupy.cuda.Stream(non_blocking=True)
     comp_stream = cupy.cuda.Stream(non_blocking=True)
     # Plans (and kernel compiles) before the pipeline starts: a compile mid-stream would stall it.
+    # Periodic slabs are counted padded by one pixel on both sides of the other axes.
+    pad = (2,) * (ndim - 1) if periodic else (0,) * (ndim - 1)
     plans = {}
     for p in pieces:
         shape = piece_shape(src, p)
+        counted = shape[:2] + tuple(n + d for n, d in zip(shape[2:], pad))
         if shape not in plans:
-            plans[shape] = _ecc_cupy.histogram_plan(_Shape(shape, src.dtype), t, ndim, tconn,
+            plans[shape] = _ecc_cupy.histogram_plan(_Shape(counted, src.dtype), t, ndim, tconn,
                                                     masked=True)
     with comp_stream:
         hist = cupy.zeros((nimg, T), dtype=np.int64)
-        ones = [masks.get(np.ones(n, dtype=bool)) for n in src.spatial[1:]]
+        ones = [masks.get(_inner(n) if periodic else np.ones(n, dtype=bool))
+                for n in src.spatial[1:]]
         unit = masks.get(np.ones(1, dtype=bool))
         bufs = [cupy.empty(cap, dtype=view_dtype) for _ in range(2)]
         for p in pieces:  # every owned-plane pattern uploaded before the pipeline starts
@@ -674,7 +709,7 @@ def _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, re
                 copied[i].synchronize()
             runs, hh = None, None
             if direct:
-                runs = [(base + _piece_offset(src, piece), nbytes)]
+                runs = [(base + offset, size) for offset, size in _piece_runs(src, piece)]
             elif reg is not None:
                 runs = reg.ready(base + _piece_offset(src, piece), nbytes)
             if runs is None:  # through a pinned staging buffer
@@ -705,8 +740,10 @@ def _gpu_pipeline(src, t, tconn, pieces, cap, view_dtype, contiguous, direct, re
             with comp_stream:
                 own0 = masks.get(piece.own0)
                 axis_masks = ([unit, own0] + ones) if ndim == 2 else ([own0] + ones)
-                plans[shape].add_masked(bufs[i][:n].reshape((shape[0],) + shape[1:]),
-                                        hist[piece.f0:piece.f1], *axis_masks)
+                block = bufs[i][:n].reshape((shape[0],) + shape[1:])
+                if periodic:  # a new array: bufs[i] is free once the pad has read it
+                    block = _wrap_pad(block, ndim)
+                plans[shape].add_masked(block, hist[piece.f0:piece.f1], *axis_masks)
             computed[i] = comp_stream.record()
         with comp_stream:
             out = hist.get(stream=comp_stream)
@@ -760,9 +797,6 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
     D, T = dirs64.shape[0], t.size
     nimg = math.prod(src.batch)
     out = np.zeros((nimg, D, T), dtype=np.int64)
-    if backend == "cuda" and periodic:
-        raise NotImplementedError("periodic boundaries are not streamed through the GPU yet: "
-                                  "stream them on the CPU (device='cpu')")
     per_pixel = ECT_GPU_BYTES_PER_PIXEL if backend == "cuda" else ECT_CPU_BYTES_PER_PIXEL
     max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, per_pixel)
     n0 = src.spatial[0]
@@ -777,8 +811,16 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
 
             from . import _band_cupy
 
-            part, _ = _band_cupy.ect_forward(cupy.asarray(block), dirs64, block_coords, t, tconn,
-                                             soft=False, own=own)
+            block = cupy.asarray(block)
+            if periodic:
+                # The slab as a window of the periodically repeated mask, at the positions of
+                # the pixels it copies (see _gpu_histogram): the box rule counts the torus.
+                block = _wrap_pad(block, ndim)
+                wrapped = [np.r_[n - 1, np.arange(n), 0] for n in src.spatial[1:]]
+                block_coords = block_coords[:1] + [c[w] for c, w in zip(coords[1:], wrapped)]
+                own = own[:1] + [_inner(n) for n in src.spatial[1:]]
+            part, _ = _band_cupy.ect_forward(block, dirs64, block_coords, t, tconn, soft=False,
+                                             own=own, general=periodic)
             out[piece.f0:piece.f1] += part.get()
         else:
             out[piece.f0:piece.f1] += _ect.curves(

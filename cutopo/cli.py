@@ -295,8 +295,7 @@ def _streams(path, args) -> bool:
 def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, scheduler,
                       boundary="box") -> _Result:
     """The ECC of a file read in slabs (cutopo.ecc streaming), or with cutopo.dask on a
-    dask.distributed scheduler when ``scheduler`` is an address. Periodic slabs are counted on
-    the CPU (cutopo.ecc streams the torus through the CPU only)."""
+    dask.distributed scheduler when ``scheduler`` is an address."""
     import cutopo
     from . import _stream
     from ._array import to_numpy
@@ -308,8 +307,6 @@ def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, s
     except ImportError as exc:
         raise CLIError(f"{name}: {exc} (pip install zarr)") from None
     conn = 1 if connectivity == "1" else src.ndim
-    if boundary == "periodic" and scheduler is None:
-        device = "cpu"
     start = time.perf_counter()
     try:
         if scheduler is not None:

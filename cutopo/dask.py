@@ -552,12 +552,11 @@ class _EctCounter:
         mask_b = mask_b if mask_b.dtype == np.bool_ else mask_b != 0
         coords = [c[o:o + n] for c, o, n in zip(self.coords, origin, spatial)]
         if is_cupy_array(slab):
-            if self.wrapped:  # the CUDA kernels take the box's heights (ect() refuses this)
-                raise NotImplementedError("cutopo.dask.ect: periodic boundaries need NumPy chunks")
             from . import _band_cupy
 
             out, _ = _band_cupy.ect_forward(_cupy().ascontiguousarray(mask_b), self.dirs64, coords,
-                                            self.t, self.tconn, soft=False, own=masks)
+                                            self.t, self.tconn, soft=False, own=masks,
+                                            general=self.wrapped)
         else:
             from . import _ect
 
@@ -699,9 +698,8 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     connectivity : {1, ndim}, optional
         As for :func:`cutopo.ect` (host values; a count needs no pass over the data).
     boundary : {"box", "periodic"}, optional
-        As for :func:`cutopo.ect`; ``"periodic"`` (the torus, NumPy chunks only, as
-        :func:`cutopo.ect`) pads as :func:`ecc` does, the pads carrying the positions of the
-        pixels they copy.
+        As for :func:`cutopo.ect`; ``"periodic"`` (the torus; NumPy or CuPy chunks) pads as
+        :func:`ecc` does, the pads carrying the positions of the pixels they copy.
 
     Returns
     -------
@@ -737,9 +735,6 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
         raise ValueError(f"dmask: spatial shape {spatial} has a zero-length axis")
     tconn = check_connectivity(connectivity, ndim)
     periodic = _check_boundary(boundary, spatial, "dmask")
-    if periodic and is_cupy_array(getattr(x, "_meta", None)):
-        raise NotImplementedError("cutopo.dask.ect: periodic boundaries need NumPy chunks "
-                                  "(cutopo.ect has no periodic CUDA path yet)")
     coords = _ect._axis_coordinates(spatial)
     reach, _, _ = _ect._reach(coords, dirs64)
     if not math.isfinite(reach):

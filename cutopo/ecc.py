@@ -51,8 +51,8 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
         once every pixel is in.
         Every spatial axis must have length >= 3 (with 1 or 2 the torus complex
         degenerates). CuPy inputs run the box kernel on a copy padded by one wrapped pixel per
-        side (that much more device memory); streamed inputs are periodic on the CPU only
-        (``device="cuda"`` with ``"periodic"`` raises NotImplementedError).
+        side (that much more device memory); streamed through the GPU, each slab is padded so
+        on the device (the slab bound then counts each voxel twice).
     device : {None, "cpu", "cuda"}, optional
         Where a host input is computed. ``None`` (default): where it lives (NumPy arrays,
         memmaps and other host array-likes on the CPU, CuPy arrays on their GPU). ``"cuda"``:
@@ -92,7 +92,8 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     registered slabs are copied directly too. While the GPU histograms slab k, slab k + 1 is
     copied (second CUDA stream) and slab k + 2 registered or read into pinned memory by host
     threads. A slab needs at least one plane besides its two halo planes: a smaller S raises
-    ValueError. Periodic boundaries stream on the CPU only.
+    ValueError. Periodic slabs read their halo planes modulo the first axis' length (through
+    the GPU they are staged, not page-locked in place) and are padded along the other axes.
 
     Notes
     -----
@@ -150,7 +151,7 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
         return _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab)
     image, ndim = check_image(image, ndim)
     tconn = check_connectivity(connectivity, ndim)
-    periodic = check_boundary(boundary, image, ndim, cuda=True)
+    periodic = check_boundary(boundary, image, ndim)
     same_array_type(image, [("thresholds", thresholds)])
     t, _ = check_thresholds(thresholds, image)
     if is_cupy_array(image):
@@ -194,9 +195,8 @@ def euler_contributions(image, *, ndim=None, connectivity=1, boundary="box"):
     ndim : {None, 2, 3}, optional
     connectivity : {1, ndim}, optional
     boundary : {"box", "periodic"}, optional
-        As for :func:`ecc` (``"periodic"``: every spatial axis >= 3, NumPy inputs only: the
-        CUDA kernel's owner rule differs from the torus's on values tied across the wrap, so
-        only the sums, the curve, would agree).
+        As for :func:`ecc` (``"periodic"``: every spatial axis >= 3; NumPy and CuPy inputs
+        give the same map, ties across the wrap included).
 
     Returns
     -------
@@ -224,7 +224,7 @@ def euler_contributions(image, *, ndim=None, connectivity=1, boundary="box"):
     tconn = check_connectivity(connectivity, ndim)
     periodic = check_boundary(boundary, image, ndim)
     if is_cupy_array(image):
-        return _ecc_cupy.euler_contributions(image, ndim, tconn)
+        return _ecc_cupy.euler_contributions(image, ndim, tconn, periodic)
     return _ecc_numpy.euler_contributions(image, ndim, tconn, periodic)
 
 

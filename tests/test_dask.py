@@ -225,8 +225,10 @@ def fake_cupy(monkeypatch, launches):
     monkeypatch.setattr(cd, "is_cupy_array", lambda a: isinstance(a, FakeDeviceArray))
     monkeypatch.setattr(cd, "_DEVICE_MASKS", {})
     monkeypatch.setattr(_ecc_cupy, "histogram_plan", Plan)
-    monkeypatch.setattr(_band_cupy, "ect_forward", lambda mask_b, dirs, coords, t, tconn, soft, own:
-                        (dev(_ect.curves(np.asarray(mask_b), dirs, coords, t, tconn, own)), None))
+    monkeypatch.setattr(_band_cupy, "ect_forward",
+                        lambda mask_b, dirs, coords, t, tconn, soft, own, general=False:
+                        (dev(_ect.curves(np.asarray(mask_b), dirs, coords, t, tconn, own,
+                                         general=general)), None))
     return dev
 
 

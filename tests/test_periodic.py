@@ -442,14 +442,10 @@ def test_validation(op):
 
 
 def test_cupy_inputs_with_periodic(monkeypatch):
-    """Without a GPU here: pretend the image is a CuPy array where the boundary is checked. ecc
-    has a periodic CUDA path (cuda=True); the other ops raise NotImplementedError."""
+    """Without a GPU here: pretend the image is a CuPy array where the boundary is checked.
+    Every op has a periodic CUDA path now, so the check accepts it; the shape rule still holds."""
     monkeypatch.setattr(_checks, "is_cupy_array", lambda x: True)
-    assert _checks.check_boundary(P, np.zeros((3, 4)), 2, cuda=True) is True
-    for call in (lambda: _checks.check_boundary(P, np.zeros((3, 4)), 2),
-                 lambda: cutopo.euler_contributions(np.zeros((3, 4, 5)), boundary=P)):
-        with pytest.raises(NotImplementedError, match="no CUDA kernel yet for this op"):
-            call()
+    assert _checks.check_boundary(P, np.zeros((3, 4)), 2) is True
     with pytest.raises(ValueError, match="image"):  # the shape error comes first
         cutopo.ecc(np.zeros((2, 3)), [0.0], boundary=P)
 
@@ -483,19 +479,120 @@ def test_cupy_periodic_ecc_equals_numpy_and_oracle(rng, ndim, connectivity):
 
 @pytest.mark.gpu
 def test_cupy_periodic_constant_and_errors(rng):
-    """A constant torus has Euler characteristic 0; the ops without a periodic CUDA path say so."""
+    """A constant torus has Euler characteristic 0 (every op); short axes are refused."""
     import cupy as cp
 
     for shape in ((3, 3), (4, 5), (3, 4, 5)):
         got = cutopo.ecc(cp.full(shape, 2.0, dtype=cp.float32), [1.0, 2.0], boundary=P)
         np.testing.assert_array_equal(got.get(), [0, 0])
-    d = cp.asarray(random_image(rng, (6, 7), "float32", ties=True))
-    with pytest.raises(NotImplementedError, match="no CUDA kernel yet for this op"):
-        cutopo.euler_contributions(d, boundary=P)
-    with pytest.raises(NotImplementedError):
-        cutopo.soft_ecc(d, cp.asarray([0.0, 1.0]), 2.0, boundary=P)
-    with pytest.raises(ValueError, match="image"):
-        cutopo.ecc(cp.zeros((2, 5)), [0.0], boundary=P)
+        c = cutopo.euler_contributions(cp.full(shape, 2.0, dtype=cp.float32), boundary=P)
+        assert int(c.sum()) == 0
+        soft = cutopo.soft_ecc(cp.full(shape, 2.0), cp.asarray([1.0, 2.0, 40.0]), 3.0, boundary=P)
+        np.testing.assert_allclose(soft.get(), 0.0, atol=1e-12)
+    for call in (lambda: cutopo.ecc(cp.zeros((2, 5)), [0.0], boundary=P),
+                 lambda: cutopo.euler_contributions(cp.zeros((5, 2, 4)), boundary=P),
+                 lambda: cutopo.soft_ecc(cp.zeros((4, 2)), cp.asarray([0.0, 1.0]), 2.0, boundary=P)):
+        with pytest.raises(ValueError, match="image"):
+            call()
+
+
+# Shapes that cross the contribution kernel's tiles (32 x 32 pixels, z runs of several
+# planes) so that the wrapped halo is read at tile edges and overhangs, and tiny tori.
+GPU_SHAPES = {2: [(3, 3), (3, 40), (33, 5), (35, 70), (64, 32)],
+              3: [(3, 3, 3), (70, 5, 4), (5, 33, 34), (9, 3, 65)]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("connectivity", ["V", "T"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_cupy_periodic_contributions_equal_numpy(rng, ndim, connectivity):
+    """The contribution-map kernel's torus rule equals the NumPy path's exactly, ties across
+    the wrap (few grey levels, constant images), NaN and every dtype included."""
+    import cupy as cp
+
+    conn = 1 if connectivity == "V" else ndim
+    for k, dtype in enumerate(DTYPES):
+        for j, shape in enumerate(GPU_SHAPES[ndim]):
+            if (k + j) % 2:  # half of the pairs keeps the test short
+                continue
+            image = random_image(rng, shape, dtype, ties=(k + j) % 4 == 0,
+                                 nan=0.1 * (dtype in FLOATS and j % 2 == 0))
+            if j == 0 and k % 4 == 0:
+                image = np.full(shape, image.flat[0])
+            got = cutopo.euler_contributions(cp.asarray(image), connectivity=conn, boundary=P)
+            assert isinstance(got, cp.ndarray) and got.dtype == np.int8
+            want = cutopo.euler_contributions(image, connectivity=conn, boundary=P)
+            np.testing.assert_array_equal(got.get(), want, err_msg=f"{dtype} {shape}")
+            if k == 0 and j == 0:
+                np.testing.assert_array_equal(want, periodic_contributions_oracle(image, conn))
+    # A poisoned output: the kernel writes every pixel (a batch, the launch called directly).
+    from cutopo import _ecc_cupy
+
+    batch = random_image(rng, (2, 3) + GPU_SHAPES[ndim][3], "float32", ties=True)
+    dev = cp.asarray(batch).reshape((6,) + batch.shape[2:])
+    out = cp.full(dev.shape, 99, dtype=cp.int8)
+    _ecc_cupy._contributions_launch(cp.cuda.Device().id, dev.dtype, 6, dev.shape[1:], ndim,
+                                    conn != 1, True)(dev, out)
+    want = cutopo.euler_contributions(batch, ndim=ndim, connectivity=conn, boundary=P)
+    np.testing.assert_array_equal(out.get().reshape(batch.shape), want)
+    got = cutopo.euler_contributions(cp.asarray(batch), ndim=ndim, connectivity=conn, boundary=P)
+    np.testing.assert_array_equal(got.get(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("connectivity", ["V", "T"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_cupy_periodic_soft_ecc_equals_numpy(rng, ndim, connectivity):
+    """soft_ecc on the torus: the GPU forward and every cotangent equal the NumPy path's (to
+    float32 rounding; float64 to 1e-10) and the forward the per-cell relaxation of the torus."""
+    import cupy as cp
+
+    conn = 1 if connectivity == "V" else ndim
+    for j, shape in enumerate(GPU_SHAPES[ndim][:4]):
+        dtype = np.float64 if j % 2 else np.float32
+        image = random_image(rng, shape, dtype, ties=j == 1)
+        t = np.sort(rng.uniform(np.nanmin(image) - 1, np.nanmax(image) + 1, 24)).astype(dtype)
+        scale = dtype(rng.uniform(0.3, 3.0))
+        out, pb = cutopo.vjp(cutopo.soft_ecc, image, t, scale, connectivity=conn, boundary=P)
+        g = rng.standard_normal(out.shape).astype(dtype)
+        want = pb(g)
+        dout, dpb = cutopo.vjp(cutopo.soft_ecc, cp.asarray(image), cp.asarray(t), cp.asarray(scale),
+                               connectivity=conn, boundary=P)
+        got = dpb(cp.asarray(g))
+        rtol = 1e-10 if dtype == np.float64 else 2e-5
+        scale_out = max(1.0, float(np.abs(out).max()))
+        np.testing.assert_allclose(dout.get(), out, rtol=rtol, atol=rtol * scale_out)
+        if j < 2:
+            np.testing.assert_allclose(out, dense_soft(image, t, float(scale), conn),
+                                       rtol=1e-4, atol=1e-4 * scale_out)
+        for name, a, b in zip(("image", "thresholds", "scale"), got, want):
+            b = np.asarray(b)
+            tol = rtol * max(1.0, float(np.abs(b).max()))
+            np.testing.assert_allclose(a.get(), b, rtol=rtol, atol=tol, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("connectivity", ["V", "T"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_cupy_periodic_ect_equals_numpy(rng, ndim, connectivity):
+    """The exact ECT of the torus on the GPU equals the NumPy path's, and for each direction
+    the periodic ECC of the height image (the definition)."""
+    import cupy as cp
+
+    conn = 1 if connectivity == "V" else ndim
+    for j, shape in enumerate(GPU_SHAPES[ndim][1:4]):
+        mask = rng.random((2,) + shape) < 0.6
+        if j == 0:
+            mask[1] = True  # the whole torus: curve ends at 0
+        dirs = rng.standard_normal((5, ndim))
+        dirs[0] = 0.0
+        dirs[0, -1] = 1.0  # an axis direction: heights tie along the other axes
+        got = cutopo.ect(cp.asarray(mask), cp.asarray(dirs), 12, connectivity=conn, boundary=P)
+        want = cutopo.ect(mask, dirs, 12, connectivity=conn, boundary=P)
+        assert isinstance(got, cp.ndarray) and got.dtype == np.int64
+        np.testing.assert_array_equal(got.get(), want, err_msg=f"{shape}")
+        box = cutopo.ect(cp.asarray(mask), cp.asarray(dirs), 12, connectivity=conn)
+        np.testing.assert_array_equal(box.get(), cutopo.ect(mask, dirs, 12, connectivity=conn))
 
 
 # ---------------------------------------------------------------------------------------------

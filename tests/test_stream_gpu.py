@@ -234,6 +234,54 @@ def test_streamed_ect_on_the_gpu(tmp_path, rng, conn):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "float32", "int16"])
+@pytest.mark.parametrize("ndim,shape", [(3, (37, 45, 70)), (2, (300, 130)), (2, (2, 40, 33))])
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_streamed_periodic_equals_in_memory(tmp_path, rng, dtype, ndim, shape, conn):
+    """The torus streamed through the GPU (halo planes modulo n0, slabs padded on the device)
+    equals the NumPy torus exactly: slabs of one plane (the first slab's halo is the last
+    plane), of a few planes and of whole images; pageable, memmap and pinned sources."""
+    import cupyx
+
+    connectivity = 1 if conn == "V" else ndim
+    img = image_of(rng, shape, dtype)
+    img[..., 0, :] = img[..., -1, :]  # ties across the wrap of the first axis
+    t = np.array([0, 1, 2, 3])
+    want = cutopo.ecc(img, t, ndim=ndim, connectivity=connectivity, boundary="periodic")
+    plane = plane_bytes(shape, ndim, img.itemsize)
+    for slab in (2 * 3 * plane, 2 * 8 * plane, 1 << 26):
+        got = cutopo.ecc(img, t, ndim=ndim, connectivity=connectivity, boundary="periodic",
+                         device="cuda", max_slab_bytes=slab)
+        assert isinstance(got, np.ndarray) and got.dtype == np.int64
+        np.testing.assert_array_equal(got, want, err_msg=f"slab {slab}")
+    mm = np.memmap(tmp_path / "v.raw", dtype=img.dtype, mode="w+", shape=img.shape)
+    mm[:] = img
+    pinned = cupyx.empty_pinned(img.shape, dtype=img.dtype)
+    pinned[:] = img
+    for src in (mm, pinned):
+        got = cutopo.ecc(src, t, ndim=ndim, connectivity=connectivity, boundary="periodic",
+                         device="cuda", max_slab_bytes=2 * 5 * plane)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="too small"):
+        cutopo.ecc(img, t, ndim=ndim, boundary="periodic", device="cuda", max_slab_bytes=plane)
+
+
+@pytest.mark.parametrize("conn", ["V", "T"])
+def test_streamed_periodic_ect_on_the_gpu(tmp_path, rng, conn):
+    """The torus ECT streamed through the GPU equals the NumPy torus (and so the enumeration
+    that tests/test_stream.py checks it against)."""
+    mask = rng.random((30, 40, 35)) < 0.6
+    mask[0] = mask[-1]
+    dirs = np.concatenate([[[1.0, 0.0, 0.0]], rng.normal(size=(5, 3))])
+    connectivity = 1 if conn == "V" else 3
+    want = cutopo.ect(mask, dirs, 17, connectivity=connectivity, boundary="periodic")
+    mm = np.memmap(tmp_path / "m.u1", dtype=np.uint8, mode="w+", shape=mask.shape)
+    mm[:] = mask
+    got = cutopo.ect(mm, dirs, 17, connectivity=connectivity, boundary="periodic", device="cuda",
+                     max_slab_bytes=plane_bytes(mask.shape, 3, _stream.ECT_GPU_BYTES_PER_PIXEL) * 6)
+    np.testing.assert_array_equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # cutopo.dask with CuPy chunks on one GPU
 
@@ -311,6 +359,11 @@ def test_dask_cupy_periodic(monkeypatch, rng, conn, interior):
     assert isinstance(got, cp.ndarray)
     np.testing.assert_array_equal(got.get(), cutopo.ecc(img, t, connectivity=connectivity,
                                                         boundary="periodic"))
+    dirs = rng.normal(size=(4, 3))
+    gm = cd.ect(d > 1, dirs, 9, connectivity=connectivity, boundary="periodic").compute()
+    assert isinstance(gm, cp.ndarray)
+    np.testing.assert_array_equal(gm.get(), cutopo.ect(img > 1, dirs, 9, connectivity=connectivity,
+                                                       boundary="periodic"))
 
 
 def test_dask_cuda_cluster(rng):
