@@ -603,13 +603,27 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
     }
 }
 
+// Blocks per multiprocessor warp_backward's register budget is sized for, with float32
+// trajectories and samples (-DCUTOPO_WARP_BACKWARD_MIN_BLOCKS=N to profile others). Left to
+// itself ptxas took 93 registers in 3D, 2 blocks of 256 threads per SM (25 % occupancy) for a
+// latency-bound kernel; 3 blocks (80 registers, 32 B more local memory) measured 3.16 -> 2.70
+// ms at 128^3, 4 blocks 2.75 ms (benchmarks/RESULTS.md). Float64 trajectories or samples would
+// spill past the compile test's budget: they keep ptxas' choice.
+#ifndef CUTOPO_WARP_BACKWARD_MIN_BLOCKS
+#define CUTOPO_WARP_BACKWARD_MIN_BLOCKS 3
+#endif
+template <typename T, typename R>
+struct WarpBackwardBlocks {
+    static constexpr int value = sizeof(T) == 4 && sizeof(R) == 4 ? CUTOPO_WARP_BACKWARD_MIN_BLOCKS : 1;
+};
+
 // gout (B, channels, S) in R; dimage (Bi, channels, S) in R, zero-initialised, when
 // `need_image`; G as integrate_backward's when `need_theta` (bilinear only: nearest sampling
 // is piecewise constant, its theta cotangent zero). S_seg: the checkpoint segment; with
 // `recompute` the thread recomputes its checkpoints into local memory (ceil(n_steps / S_seg)
 // <= MAX_LOCAL_CHECKPOINTS, the host's promise), else it reads warp_forward's.
 template <typename T, typename TI, typename R, int K, bool PROJECT, bool NEAREST>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, (WarpBackwardBlocks<T, R>::value))
 warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __restrict__ gout,
               R* __restrict__ dimage, double* __restrict__ G, const T* __restrict__ checkpoints,
               i64 B, i64 C, int theta_shared, int image_shared, int channels, int n_steps,

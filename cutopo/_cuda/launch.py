@@ -129,8 +129,14 @@ def _kernel(device_id: int, sig: Signature, options: tuple[str, ...]):
     return get_function(sig.family, sig.name, options)
 
 
+# Debugging: CUTOPO_SYNC=1 (read when cutopo is imported) synchronises after every launch, so
+# that a fault surfaces at the launch that caused it. Read once: an environment lookup costs
+# microseconds at every launch.
+SYNC = os.environ.get("CUTOPO_SYNC") == "1"
+
+
 def _after_launch(sig: Signature) -> None:
-    if os.environ.get("CUTOPO_SYNC") == "1":  # debugging: surface faults at the launch that caused them
+    if SYNC:
         import cupy
 
         try:
