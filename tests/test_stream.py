@@ -443,7 +443,8 @@ def fake_cupy(log):
     cupy = types.SimpleNamespace(cuda=cuda, ndarray=NotADeviceArray,
                                  zeros=lambda *a, **k: dev(np.zeros(*a, **k)),
                                  empty=lambda *a, **k: dev(np.empty(*a, **k)),
-                                 asarray=lambda a: dev(np.array(a)))
+                                 asarray=lambda a: dev(np.array(a)),
+                                 pad=lambda a, width, mode: dev(np.pad(np.asarray(a), width, mode=mode)))
     cupyx = types.SimpleNamespace(empty_pinned=lambda *a, **k: np.empty(*a, **k))
     return cupy, cupyx
 
@@ -529,6 +530,46 @@ def test_gpu_pipeline_logic_on_a_fake_device(monkeypatch, rng, mode, dtype, shap
         assert sum(direct) == sum(n for _, n in log) and stats["staged"] == 0
     if mode == "staged":
         assert not direct and stats["direct"] == 0
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("dtype,shape,ndim", [("uint8", (40, 9, 8), 3), ("float32", (2, 30, 13), 2),
+                                              ("int16", (5, 6, 7), 3)])
+def test_gpu_pipeline_periodic_on_a_fake_device(monkeypatch, rng, pinned, dtype, shape, ndim):
+    """The torus through the GPU pipeline's bookkeeping: halo planes modulo n0 (two copies per
+    wrapped slab when the source is copied directly), each slab padded by wrapping on the
+    "device" and counted by the box rule without the pads: the NumPy torus, exactly."""
+    import sys
+
+    from cutopo import _ecc_cupy
+
+    log = []
+    cupy, cupyx = fake_cupy(log)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    monkeypatch.setattr(_ecc_cupy, "histogram_plan",
+                        lambda img, t, ndim, tconn, masked: FakePlan(t, ndim, tconn))
+    monkeypatch.setattr(_stream, "pinned_pointer", lambda a: pinned)
+    monkeypatch.setattr(_stream, "REGISTER_MIN_BYTES", 0)  # periodic sources are never registered
+    monkeypatch.setattr(_stream, "_cuda_registration", lambda *a: pytest.fail("registered"))
+    from cutopo._checks import check_thresholds
+
+    img = tied_image(rng, shape, dtype=dtype, levels=4)
+    img[..., 0, :] = img[..., -1, :]  # ties across a wrap
+    t, _ = check_thresholds(np.arange(4).astype(dtype), np.empty(0, dtype=img.dtype))
+    src = _stream.check_source(img, ndim)
+    plane = plane_bytes(shape, ndim, img.itemsize)
+    for conn in (1, ndim):
+        want = cutopo.ecc(img, t, ndim=ndim, connectivity=conn, boundary="periodic")
+        for slab in (2 * 3 * plane, 2 * 7 * plane, 1 << 20):
+            log.clear()
+            got = _stream.ecc(src, t, conn != 1, True, "cuda", slab)
+            np.testing.assert_array_equal(got, want, err_msg=f"slab {slab}")
+            direct = [n for p, n in log if img.ctypes.data <= p < img.ctypes.data + img.nbytes]
+            assert bool(direct) == pinned
+            assert sum(n for _, n in log) >= img.nbytes
+    with pytest.raises(ValueError, match="too small"):
+        _stream.ecc(src, t, False, True, "cuda", plane)
 
 
 def bisect_lo(reg, ptr):
