@@ -22,6 +22,8 @@ import math
 
 import numpy as np
 
+from ._bins import threshold_bins
+
 _SLAB_ELEMENTS = 1 << 21  # elements per slab: about 50 bool temporaries of this size live at once
 
 
@@ -141,8 +143,7 @@ def ecc(image, thresholds, ndim, tconn, periodic=False):
     for b0 in range(0, nimg, chunk):
         part = x[b0:b0 + chunk]
         # bin = first k with f <= t_k, T when none (NaN sorts last in searchsorted).
-        bins = np.searchsorted(thresholds, part.astype(thresholds.dtype, copy=False).ravel(), side="left")
-        bins = bins.reshape(part.shape)
+        bins = threshold_bins(thresholds, part.astype(thresholds.dtype, copy=False))
         c = contributions_from_keys(bins, ndim, tconn, outside=T + 1, periodic=periodic)
         nonzero = np.flatnonzero(c)
         rows = nonzero // per_image
@@ -192,7 +193,7 @@ def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, st
     for z0 in range(0, spatial[0], rows):
         z1 = min(spatial[0], z0 + rows)
         part = np.asarray(x[:, z0:z1]).astype(thresholds.dtype, copy=False)
-        bins = np.searchsorted(thresholds, part.ravel(), side="left").reshape(part.shape)
+        bins = threshold_bins(thresholds, part)
         padded[(slice(None), slice(1 + z0, 1 + z1)) + inner[2:]] = bins
     if periodic:
         # The axes after the first wrap within the block (they are whole); axis 0 has its halo.

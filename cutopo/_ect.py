@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _band_cupy, _stream
 from ._array import as_array, is_cupy_array, to_numpy
+from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_scale, check_thresholds,
                       same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
@@ -385,7 +386,7 @@ def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=Non
     for ch in _entries(mask_b, dirs64, coords, tconn, own, periodic, wrap0, general):
         k = ch.ids.size
         # bin = first k with h <= t_k (T when none): the pixel counts from threshold k on.
-        bins = np.searchsorted(t, ch.h, side="left")
+        bins = threshold_bins(t, ch.h)
         local = np.bincount(ch.row * (T + 1) + bins, weights=ch.c, minlength=k * ch.nb * (T + 1))
         local = np.rint(local).astype(np.int64).reshape(k, ch.nb, T + 1)
         hist[ch.b0:ch.b0 + ch.nb, ch.ids] += local.transpose(1, 0, 2)

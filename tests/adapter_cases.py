@@ -96,6 +96,8 @@ def cases(float64=True):
                           np.float32(12.0)), {"ndim": 2, "connectivity": 2}, "soft_ecc-batch-T-f32"),
         Case("soft_ecc", (volume, np.linspace(0.0, 1.0, 7), np.float64(9.0)), {"connectivity": 3},
              "soft_ecc-3d-T-f64"),
+        Case("soft_ecc", (image, np.linspace(0.05, 0.95, 9), 20.0), {"boundary": "periodic"},
+             "soft_ecc-2d-periodic-f64"),
         Case("soft_ect", (mask, dirs, np.linspace(-1.2, 1.2, 8), 6.0), {}, "soft_ect-f64"),
         Case("soft_ect", (masks, dirs.astype(np.float32), 7, 5.0), {"connectivity": 2},
              "soft_ect-batch-count-f32"),
@@ -112,6 +114,8 @@ def cases(float64=True):
         Case("ect", (mask, dirs.astype(np.float32), np.linspace(-1, 1, 5).astype(np.float32)), {},
              "ect"),
         Case("ect", (masks, dirs.astype(np.float32), 4), {"connectivity": 2}, "ect-batch-count"),
+        Case("ect", (mask, dirs.astype(np.float32), np.linspace(-1, 1, 5).astype(np.float32)),
+             {"boundary": "periodic"}, "ect-periodic"),
         *_sampling_cases(rng, tess, theta),
     ]
     if float64:

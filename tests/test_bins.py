@@ -1,0 +1,81 @@
+"""cutopo._bins.threshold_bins against numpy.searchsorted(t, v, side="left"), the definition:
+every dtype the NumPy paths compare in, ties with the thresholds, duplicated thresholds, NaN,
+infinities, thresholds crowded into a few buckets (the searchsorted fallback), any shape."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cutopo import _bins
+from cutopo._bins import threshold_bins
+
+FLOATS = ["float16", "float32", "float64"]
+INTS = ["uint8", "int16", "int32", "int64", "uint64"]
+
+
+def _float_thresholds(rng, dtype, T, kind):
+    if kind == "linear":
+        t = np.linspace(rng.uniform(-5, 0), rng.uniform(0.5, 5), T)
+    elif kind == "normal":
+        t = rng.normal(size=T) * 10
+    elif kind == "duplicates":
+        t = np.r_[rng.normal(size=T - 6), [0.0] * 3, [1.0] * 3]
+    else:  # "crowded": a few distinct values, many copies each, and a wide log range
+        t = np.r_[rng.choice(np.linspace(0, 1, 5), T // 2), np.geomspace(1e-6, 1e6, T - T // 2)]
+    with np.errstate(over="ignore"):  # float16 overflows to inf, which is then dropped
+        t = np.sort(t.astype(dtype))
+    return t[np.isfinite(t)]
+
+
+def _values(rng, t, n):
+    """Values around and on the thresholds, plus the extremes of the dtype."""
+    dtype = t.dtype
+    if dtype.kind == "f":
+        spread = float(np.abs(t.astype(np.float64)).max()) + 1.0
+        with np.errstate(over="ignore"):  # float16: +-inf, as the extremes below
+            v = (rng.normal(size=n) * spread).astype(dtype)
+        v[rng.random(n) < 0.02] = np.nan
+        v[:4] = [np.inf, -np.inf, -0.0, 0.0]
+    else:
+        info = np.iinfo(dtype)
+        v = rng.integers(info.min, info.max, n, endpoint=True, dtype=dtype)
+        v[:2] = [info.min, info.max]
+    on = rng.random(n) < 0.3
+    v[on] = rng.choice(t, int(on.sum()))
+    return v
+
+
+@pytest.mark.parametrize("kind", ["linear", "normal", "duplicates", "crowded"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_float_values_equal_searchsorted(rng, dtype, kind):
+    for _ in range(6):
+        t = _float_thresholds(rng, dtype, int(rng.integers(16, 700)), kind)
+        if t.size < 2:
+            continue
+        v = _values(rng, t, int(rng.integers(_bins.MIN_VALUES, 3 * _bins.CHUNK)))
+        np.testing.assert_array_equal(threshold_bins(t, v), np.searchsorted(t, v, side="left"))
+
+
+@pytest.mark.parametrize("dtype", INTS)
+def test_integer_values_equal_searchsorted(rng, dtype):
+    info = np.iinfo(dtype)
+    for narrow in (True, False):
+        lo, hi = (max(info.min, -1000), min(info.max, 1000)) if narrow else (info.min, info.max)
+        t = np.sort(rng.integers(lo, hi, int(rng.integers(16, 300)), endpoint=True, dtype=dtype))
+        v = _values(rng, t, int(rng.integers(_bins.MIN_VALUES, 2 * _bins.CHUNK)))
+        np.testing.assert_array_equal(threshold_bins(t, v), np.searchsorted(t, v, side="left"))
+
+
+def test_shapes_small_inputs_and_fallbacks(rng):
+    t = np.linspace(0, 1, 64)
+    v = rng.random((3, 50, 70))
+    got = threshold_bins(t, v)
+    assert got.shape == v.shape and got.dtype == np.intp
+    np.testing.assert_array_equal(got, np.searchsorted(t, v, side="left"))
+    for t_, v_ in [(t[:5], v), (t, v[0, 0]), (t.astype(np.float32), v),   # searchsorted itself
+                   (np.full(40, 0.5), v)]:                               # one bucket: no grid
+        np.testing.assert_array_equal(threshold_bins(t_, v_), np.searchsorted(t_, v_, side="left"))
+    assert _bins._grid(np.full(40, 0.5)) is None
+    crowded = np.sort(np.r_[np.zeros(30), np.linspace(0, 1, 20)])
+    assert _bins._grid(crowded) is None  # 31 thresholds in the first bucket
+    assert _bins._grid(np.linspace(0, 1, 64)) is not None
