@@ -21,19 +21,19 @@ MIN_THRESHOLDS = 16    # below this (or below MIN_VALUES values) searchsorted is
 MIN_VALUES = 1 << 12
 
 
-def threshold_bins(t: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """``numpy.searchsorted(t, v, side="left")`` (intp, v's shape) for thresholds ``t``
-    (1-D, sorted non-decreasing, finite) and values ``v`` of t's dtype (NaN allowed: bin
-    t.size, as searchsorted sorts NaN last)."""
+def threshold_bins(t: np.ndarray, v: np.ndarray, dtype=np.intp) -> np.ndarray:
+    """``numpy.searchsorted(t, v, side="left")`` (v's shape) for thresholds ``t`` (1-D, sorted
+    non-decreasing, finite) and values ``v`` of t's dtype (NaN allowed: bin t.size, as
+    searchsorted sorts NaN last), as ``dtype`` (an integer type that holds t.size)."""
     T = t.size
     if T < MIN_THRESHOLDS or v.size < MIN_VALUES or t.dtype.kind not in "fiu" or v.dtype != t.dtype:
-        return np.searchsorted(t, v, side="left")
+        return np.searchsorted(t, v, side="left").astype(dtype, copy=False)
     grid = _grid(t)
     if grid is None:
-        return np.searchsorted(t, v, side="left")
+        return np.searchsorted(t, v, side="left").astype(dtype, copy=False)
     lo, scale, n_buckets, first, count, rounds = grid
     flat = v.reshape(-1)
-    out = np.empty(flat.size, dtype=np.intp)
+    out = np.empty(flat.size, dtype=dtype)
     buf = np.empty(min(CHUNK, flat.size), dtype=np.float64)
     floating = t.dtype.kind == "f"
     for a in range(0, flat.size, CHUNK):

@@ -24,7 +24,9 @@ import numpy as np
 
 from ._bins import threshold_bins
 
-_SLAB_ELEMENTS = 1 << 21  # elements per slab: about 50 bool temporaries of this size live at once
+# Elements per slab of the contribution pass: about 50 bool temporaries of this size live at
+# once, and staying in the caches pays (3D 256^3: 1.2 s with 2^21, 0.63 s with 2^17).
+_SLAB_ELEMENTS = 1 << 17
 
 
 def _offset_order(ndim):
@@ -139,15 +141,18 @@ def ecc(image, thresholds, ndim, tconn, periodic=False):
     nimg = x.shape[0]
     hist = np.zeros((nimg, T + 1), dtype=np.float64)
     per_image = math.prod(spatial)
-    chunk = max(1, (8 * _SLAB_ELEMENTS) // per_image)  # images per pass
+    chunk = max(1, (8 << 21) // per_image)  # images per pass
+    key_dtype = np.uint16 if T + 1 <= np.iinfo(np.uint16).max else np.int32
     for b0 in range(0, nimg, chunk):
         part = x[b0:b0 + chunk]
         # bin = first k with f <= t_k, T when none (NaN sorts last in searchsorted).
-        bins = threshold_bins(thresholds, part.astype(thresholds.dtype, copy=False))
-        c = contributions_from_keys(bins, ndim, tconn, outside=T + 1, periodic=periodic)
+        # Keys of 2 bytes where they fit: every pass below reads them 3^ndim - 1 times.
+        bins = threshold_bins(thresholds, part.astype(thresholds.dtype, copy=False), key_dtype)
+        c = contributions_from_keys(bins, ndim, tconn, outside=key_dtype(T + 1), periodic=periodic)
         nonzero = np.flatnonzero(c)
         rows = nonzero // per_image
-        counts = np.bincount(rows * (T + 1) + bins.ravel()[nonzero], weights=c.ravel()[nonzero],
+        counts = np.bincount(rows * (T + 1) + bins.ravel()[nonzero].astype(np.int64),
+                             weights=c.ravel()[nonzero],
                              minlength=part.shape[0] * (T + 1))
         hist[b0:b0 + part.shape[0]] += counts.reshape(part.shape[0], T + 1)
     curve = np.cumsum(np.rint(hist[:, :T]).astype(np.int64), axis=1)
@@ -193,7 +198,7 @@ def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, st
     for z0 in range(0, spatial[0], rows):
         z1 = min(spatial[0], z0 + rows)
         part = np.asarray(x[:, z0:z1]).astype(thresholds.dtype, copy=False)
-        bins = threshold_bins(thresholds, part)
+        bins = threshold_bins(thresholds, part, key_dtype)
         padded[(slice(None), slice(1 + z0, 1 + z1)) + inner[2:]] = bins
     if periodic:
         # The axes after the first wrap within the block (they are whole); axis 0 has its halo.

@@ -47,8 +47,9 @@ DEFAULT_GPU_SLAB_BYTES = 128 << 20
 # ... unless a plane is so large that a slab would hold few: then at least this many planes.
 DEFAULT_MIN_PLANES = 8
 DEVICES = ("cpu", "cuda")
-# Sub-slab of the NumPy path (elements): its temporaries take about 60 bytes per element.
-CPU_STEP_ELEMENTS = 1 << 20
+# Sub-slab of the NumPy path (elements): its temporaries take about 60 bytes per element, and
+# staying in the caches pays (a 256^3 float32 memmap: 427 ms with 2^20, 382 ms with 2^17).
+CPU_STEP_ELEMENTS = 1 << 17
 # Host threads that fill a pinned buffer (NumPy copies release the GIL).
 READ_THREADS = min(8, os.cpu_count() or 1)
 # GPU pipeline ramp: a volume split into slabs starts and ends with slabs of 1/8, 1/4 and 1/2

@@ -82,7 +82,7 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
 
     Memory bound, with ``S = max_slab_bytes``: on the CPU a slab's input plus its keys (2 bytes
     per pixel, 4 with 65535 thresholds or more) take at most S, and the sub-slab temporaries
-    about 64 MiB more. On the GPU a slab's input takes at most S; the call allocates two device
+    about 8 MiB more. On the GPU a slab's input takes at most S; the call allocates two device
     slab buffers and two pinned host buffers of that size (fewer bytes when the input is
     smaller), plus the (*batch, T) int64 histogram; a source that is already pinned
     (``cupyx.empty_pinned``) is copied to the device directly, without the host buffers. A
