@@ -1,4 +1,4 @@
-"""Threshold bins on the CPU: ``numpy.searchsorted(t, v, side="left")``, exactly, faster.
+"""Threshold bins on the CPU: ``numpy.searchsorted(t, v, side)``, exactly, faster.
 
 The NumPy paths bin every pixel against the sorted thresholds (the sublevel set at t_k is
 {bin <= k}). ``searchsorted`` with unsorted needles does a binary search per value, one
@@ -6,9 +6,10 @@ mispredicted branch per level: about 50 ns per value for 256 thresholds, most of
 ECC's time. Here a uniform grid of buckets over [t_0, t_{T-1}] is computed with the same
 float64 operations for the thresholds and for the values, so the bucket map b is
 non-decreasing; a value v in bucket b then lies above every threshold of a lower bucket and
-below every threshold of a higher one, and its bin is the first threshold of bucket b plus the
-number of bucket-b thresholds below v (a few comparisons, vectorised). Thresholds crowded into
-a few buckets (more than MAX_PER_BUCKET in one) fall back to ``searchsorted``.
+below every threshold of a higher one (v's bucket only ties with thresholds of its own), so
+its bin is the first threshold of bucket b plus the number of bucket-b thresholds below v
+(side "left"; at or below v for "right"): a few comparisons, vectorised. Thresholds crowded
+into a few buckets (more than MAX_PER_BUCKET in one) fall back to ``searchsorted``.
 """
 from __future__ import annotations
 
@@ -21,16 +22,18 @@ MIN_THRESHOLDS = 16    # below this (or below MIN_VALUES values) searchsorted is
 MIN_VALUES = 1 << 12
 
 
-def threshold_bins(t: np.ndarray, v: np.ndarray, dtype=np.intp) -> np.ndarray:
-    """``numpy.searchsorted(t, v, side="left")`` (v's shape) for thresholds ``t`` (1-D, sorted
+def threshold_bins(t: np.ndarray, v: np.ndarray, dtype=np.intp, side="left") -> np.ndarray:
+    """``numpy.searchsorted(t, v, side=side)`` (v's shape) for thresholds ``t`` (1-D, sorted
     non-decreasing, finite) and values ``v`` of t's dtype (NaN allowed: bin t.size, as
-    searchsorted sorts NaN last), as ``dtype`` (an integer type that holds t.size)."""
+    searchsorted sorts NaN last), as ``dtype`` (an integer type that holds t.size).
+    side "left": the number of thresholds below each value; "right": at or below it."""
     T = t.size
     if T < MIN_THRESHOLDS or v.size < MIN_VALUES or t.dtype.kind not in "fiu" or v.dtype != t.dtype:
-        return np.searchsorted(t, v, side="left").astype(dtype, copy=False)
+        return np.searchsorted(t, v, side=side).astype(dtype, copy=False)
     grid = _grid(t)
     if grid is None:
-        return np.searchsorted(t, v, side="left").astype(dtype, copy=False)
+        return np.searchsorted(t, v, side=side).astype(dtype, copy=False)
+    below = np.less if side == "left" else np.less_equal
     lo, scale, n_buckets, first, count, rounds = grid
     flat = v.reshape(-1)
     out = np.empty(flat.size, dtype=dtype)
@@ -53,7 +56,7 @@ def threshold_bins(t: np.ndarray, v: np.ndarray, dtype=np.intp) -> np.ndarray:
         end = k + count[b]
         for _ in range(rounds):           # thresholds of the bucket are sorted: k stops at the
             step = k < end                # first one not below the value
-            step &= t[np.minimum(k, T - 1)] < part
+            step &= below(t[np.minimum(k, T - 1)], part)
             k += step
         if nan is not None:
             k[nan] = T

@@ -111,15 +111,22 @@ def contributions_from_keys(keys, ndim, tconn, outside, periodic=False, wrap0=No
 
 
 def order_keys(values):
-    """Integer keys with the order of ``values`` (NaN as +inf, -0.0 == 0.0) and an outside key."""
+    """Integer keys with the order of ``values`` (NaN as +inf, -0.0 == 0.0) and an outside key
+    above every key. As narrow as the values allow (the contribution passes read every key
+    3^ndim - 1 times): 4 bytes for float16/float32 and for integers of up to 2 bytes."""
     if values.dtype.kind == "f":
-        v = values.astype(np.float64)
+        if values.dtype.itemsize <= 4:
+            v, uint = values.astype(np.float32), np.uint32
+        else:
+            v, uint = values.astype(np.float64), np.uint64
         v[np.isnan(v)] = np.inf
-        v += 0.0  # -0.0 -> +0.0
-        bits = v.view(np.uint64)
-        sign = np.uint64(1 << 63)
+        v += 0  # -0.0 -> +0.0
+        bits = v.view(uint)
+        sign = uint(1 << (8 * bits.itemsize - 1))
         keys = np.where(bits & sign, ~bits, bits | sign)
-        return keys, np.uint64(np.iinfo(np.uint64).max)  # +inf maps below all-ones
+        return keys, uint(np.iinfo(uint).max)  # +inf maps below all-ones
+    if values.dtype.kind in "biu" and values.dtype.itemsize <= 2:
+        return values.astype(np.int32), np.int32(np.iinfo(np.int32).max)
     keys = values.astype(np.int64)
     return keys, np.int64(np.iinfo(np.int64).max)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _band_cupy, _ecc_numpy
 from ._array import as_array, is_cupy_array
+from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_image, check_scale,
                       check_thresholds, same_array_type)
 from .vjp import register
@@ -124,8 +125,8 @@ def _pixels(cfg: _Config) -> _Pixels:
     with np.errstate(invalid="ignore"):
         lo_edge = _outward(f64 - w, -np.inf)
         hi_edge = _outward(f64 + w, np.inf)
-    lo = np.searchsorted(t64, lo_edge, side="right")  # t_k <= lo_edge  =>  u <= -B
-    hi = np.searchsorted(t64, hi_edge, side="left")   # t_k >= hi_edge  =>  u >= B
+    lo = threshold_bins(t64, lo_edge, side="right")  # t_k <= lo_edge  =>  u <= -B
+    hi = threshold_bins(t64, hi_edge, side="left")   # t_k >= hi_edge  =>  u >= B
     neg_inf = f64 == -np.inf                          # sigmoid(+inf) = 1 at every threshold
     lo[neg_inf] = 0
     hi[neg_inf] = 0

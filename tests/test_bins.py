@@ -1,4 +1,4 @@
-"""cutopo._bins.threshold_bins against numpy.searchsorted(t, v, side="left"), the definition:
+"""cutopo._bins.threshold_bins against numpy.searchsorted(t, v, side), the definition (both sides):
 every dtype the NumPy paths compare in, ties with the thresholds, duplicated thresholds, NaN,
 infinities, thresholds crowded into a few buckets (the searchsorted fallback), any shape."""
 from __future__ import annotations
@@ -53,7 +53,9 @@ def test_float_values_equal_searchsorted(rng, dtype, kind):
         if t.size < 2:
             continue
         v = _values(rng, t, int(rng.integers(_bins.MIN_VALUES, 3 * _bins.CHUNK)))
-        np.testing.assert_array_equal(threshold_bins(t, v), np.searchsorted(t, v, side="left"))
+        for side in ("left", "right"):
+            np.testing.assert_array_equal(threshold_bins(t, v, side=side),
+                                          np.searchsorted(t, v, side=side))
 
 
 @pytest.mark.parametrize("dtype", INTS)
@@ -63,7 +65,9 @@ def test_integer_values_equal_searchsorted(rng, dtype):
         lo, hi = (max(info.min, -1000), min(info.max, 1000)) if narrow else (info.min, info.max)
         t = np.sort(rng.integers(lo, hi, int(rng.integers(16, 300)), endpoint=True, dtype=dtype))
         v = _values(rng, t, int(rng.integers(_bins.MIN_VALUES, 2 * _bins.CHUNK)))
-        np.testing.assert_array_equal(threshold_bins(t, v), np.searchsorted(t, v, side="left"))
+        for side in ("left", "right"):
+            np.testing.assert_array_equal(threshold_bins(t, v, side=side),
+                                          np.searchsorted(t, v, side=side))
 
 
 def test_shapes_small_inputs_and_fallbacks(rng):
@@ -71,6 +75,9 @@ def test_shapes_small_inputs_and_fallbacks(rng):
     v = rng.random((3, 50, 70))
     got = threshold_bins(t, v)
     assert got.shape == v.shape and got.dtype == np.intp
+    small = threshold_bins(t, v, np.uint16, side="right")
+    assert small.dtype == np.uint16
+    np.testing.assert_array_equal(small, np.searchsorted(t, v, side="right"))
     np.testing.assert_array_equal(got, np.searchsorted(t, v, side="left"))
     for t_, v_ in [(t[:5], v), (t, v[0, 0]), (t.astype(np.float32), v),   # searchsorted itself
                    (np.full(40, 0.5), v)]:                               # one bucket: no grid
