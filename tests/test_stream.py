@@ -460,13 +460,9 @@ class FakePlan:
         hist += _ecc_numpy.owned_histogram(np.asarray(x), self.t, self.ndim, self.tconn, own)
 
 
-@pytest.mark.parametrize("mode", ["staged", "registered", "mixed", "pinned"])
-@pytest.mark.parametrize("dtype,shape,ndim", [("uint8", (150, 9, 8), 3), ("float32", (2, 70, 13), 2),
-                                              ("uint8", (5, 6, 7), 3)])
-def test_gpu_pipeline_logic_on_a_fake_device(monkeypatch, rng, mode, dtype, shape, ndim):
-    """The GPU pipeline's bookkeeping (ramped slabs, staged and direct copies mixed, byte
-    offsets, copies cut at registration chunks, owned planes) with a fake CuPy whose copies are
-    memmoves and whose kernel is owned_histogram: the exact in-memory result."""
+def install_fake_device(monkeypatch, pinned):
+    """Put the fake CuPy (and FakePlan as the kernel) in place for _stream's GPU pipeline;
+    ``pinned``: whether the source counts as page-locked. Returns the copy log."""
     import sys
 
     from cutopo import _ecc_cupy
@@ -477,8 +473,19 @@ def test_gpu_pipeline_logic_on_a_fake_device(monkeypatch, rng, mode, dtype, shap
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
     monkeypatch.setattr(_ecc_cupy, "histogram_plan",
                         lambda img, t, ndim, tconn, masked: FakePlan(t, ndim, tconn))
-    monkeypatch.setattr(_stream, "pinned_pointer", lambda a: mode == "pinned")
+    monkeypatch.setattr(_stream, "pinned_pointer", lambda a: pinned)
     monkeypatch.setattr(_stream, "REGISTER_MIN_BYTES", 0)
+    return log
+
+
+@pytest.mark.parametrize("mode", ["staged", "registered", "mixed", "pinned"])
+@pytest.mark.parametrize("dtype,shape,ndim", [("uint8", (150, 9, 8), 3), ("float32", (2, 70, 13), 2),
+                                              ("uint8", (5, 6, 7), 3)])
+def test_gpu_pipeline_logic_on_a_fake_device(monkeypatch, rng, mode, dtype, shape, ndim):
+    """The GPU pipeline's bookkeeping (ramped slabs, staged and direct copies mixed, byte
+    offsets, copies cut at registration chunks, owned planes) with a fake CuPy whose copies are
+    memmoves and whose kernel is owned_histogram: the exact in-memory result."""
+    log = install_fake_device(monkeypatch, mode == "pinned")
     page = _stream.mmap.PAGESIZE
     monkeypatch.setattr(_stream, "REGISTER_CHUNK_BYTES", page)
     registered = []
@@ -539,18 +546,8 @@ def test_gpu_pipeline_periodic_on_a_fake_device(monkeypatch, rng, pinned, dtype,
     """The torus through the GPU pipeline's bookkeeping: halo planes modulo n0 (two copies per
     wrapped slab when the source is copied directly), each slab padded by wrapping on the
     "device" and counted by the box rule without the pads: the NumPy torus, exactly."""
-    import sys
-
-    from cutopo import _ecc_cupy
-
-    log = []
-    cupy, cupyx = fake_cupy(log)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
-    monkeypatch.setattr(_ecc_cupy, "histogram_plan",
-                        lambda img, t, ndim, tconn, masked: FakePlan(t, ndim, tconn))
-    monkeypatch.setattr(_stream, "pinned_pointer", lambda a: pinned)
-    monkeypatch.setattr(_stream, "REGISTER_MIN_BYTES", 0)  # periodic sources are never registered
+    log = install_fake_device(monkeypatch, pinned)
+    # periodic sources are never page-locked in place
     monkeypatch.setattr(_stream, "_cuda_registration", lambda *a: pytest.fail("registered"))
     from cutopo._checks import check_thresholds
 
