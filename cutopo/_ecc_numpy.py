@@ -82,7 +82,8 @@ def _slab_contributions(padded, ndim, tconn, wrap=None):
 
 
 def contributions_from_keys(keys, ndim, tconn, outside, periodic=False, wrap0=None):
-    """int8 c(p) for keys of shape (batch, *spatial); ``outside`` must exceed every key.
+    """int8 c(p) for keys of shape (batch, *spatial); ``outside`` must never precede a key:
+    above every key, or NaN with float keys (every comparison with it is false).
 
     ``periodic``: the torus complex (``outside`` is then unused; every spatial axis >= 3).
     ``wrap0`` (periodic only): ``(start, n0)`` when axis 0 of ``keys`` is the block of planes
@@ -111,20 +112,17 @@ def contributions_from_keys(keys, ndim, tconn, outside, periodic=False, wrap0=No
 
 
 def order_keys(values):
-    """Integer keys with the order of ``values`` (NaN as +inf, -0.0 == 0.0) and an outside key
-    above every key. As narrow as the values allow (the contribution passes read every key
-    3^ndim - 1 times): 4 bytes for float16/float32 and for integers of up to 2 bytes."""
+    """Keys with the order of ``values`` (NaN as +inf, -0.0 == 0.0) and an outside key that
+    never precedes a pixel, as narrow as the values allow (the contribution passes read every
+    key 3^ndim - 1 times). Floats compare as themselves (float16 widened to float32): NaN
+    pixels become +inf and the outside key is NaN, for which every <, <= is false, as for a key
+    above all others. Integers of up to 2 bytes get int32 keys, wider ones int64."""
     if values.dtype.kind == "f":
-        if values.dtype.itemsize <= 4:
-            v, uint = values.astype(np.float32), np.uint32
-        else:
-            v, uint = values.astype(np.float64), np.uint64
-        v[np.isnan(v)] = np.inf
-        v += 0  # -0.0 -> +0.0
-        bits = v.view(uint)
-        sign = uint(1 << (8 * bits.itemsize - 1))
-        keys = np.where(bits & sign, ~bits, bits | sign)
-        return keys, uint(np.iinfo(uint).max)  # +inf maps below all-ones
+        keys = values.astype(np.float32 if values.dtype.itemsize <= 4 else np.float64, copy=False)
+        nan = np.isnan(keys)
+        if nan.any():
+            keys = np.where(nan, np.inf, keys).astype(keys.dtype, copy=False)
+        return keys, keys.dtype.type(np.nan)
     if values.dtype.kind in "biu" and values.dtype.itemsize <= 2:
         return values.astype(np.int32), np.int32(np.iinfo(np.int32).max)
     keys = values.astype(np.int64)
