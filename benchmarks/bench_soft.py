@@ -198,7 +198,7 @@ class SoftEcc:
         """The op's device work alone: the kernels called directly, without the argument checks
         (whose device-to-host copy of CuPy thresholds keeps the op itself out of a CUDA graph)."""
         from cutopo import _band_cupy
-        from cutopo._soft_ecc import band_halfwidth
+        from cutopo._band_numpy import band_halfwidth
 
         image, t, scale = args
         t_host = cp.asnumpy(t)

@@ -21,7 +21,7 @@ from bench_ecc import time_graph  # noqa: E402
 from bench_soft import smooth_image  # noqa: E402
 from cutopo import _band_cupy, _ecc_cupy  # noqa: E402
 from cutopo._cuda.launch import launch  # noqa: E402
-from cutopo._soft_ecc import band_halfwidth  # noqa: E402
+from cutopo._band_numpy import band_halfwidth  # noqa: E402
 
 CASES = [("2d 1024^2", (1024, 1024), 2), ("2d 64x256^2", (64, 256, 256), 2),
          ("3d 256^3", (256, 256, 256), 3)]

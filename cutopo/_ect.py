@@ -22,13 +22,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _band_cupy, _stream
+from . import _band_cupy, _band_numpy, _stream
 from ._array import as_array, is_cupy_array, to_numpy
+from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_scale, check_thresholds,
                       same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
-from ._soft_ecc import band_halfwidth
 from .vjp import register
 
 __all__ = ["ect", "soft_ect", "heights"]
@@ -36,9 +36,9 @@ __all__ = ["ect", "soft_ect", "heights"]
 # Elements per contribution pass (mask pixels x images x directions); bounds the memory of
 # contributions_from_keys' inputs (it slabs its own temporaries).
 _PASS_ELEMENTS = 1 << 21
-# Entries (critical pixel x direction) per step, and (entry x threshold) per sigmoid block.
+# Entries (critical pixel x direction) per step (soft_ect's band entries are chunked by
+# cutopo._band_numpy).
 _ENTRIES = 1 << 20
-_BLOCK = 1 << 20
 
 _FLOAT64_PROBE = np.empty(0, dtype=np.float64)
 
@@ -393,13 +393,6 @@ def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=Non
     return np.cumsum(hist[..., :T], axis=-1)
 
 
-def _segment_starts(row):
-    """Start of every run of equal values in the non-decreasing ``row``."""
-    if row.size == 0:
-        return row
-    return np.flatnonzero(np.concatenate(([True], row[1:] != row[:-1])))
-
-
 # ---------------------------------------------------------------------------------------------
 # Exact ECT
 
@@ -531,18 +524,6 @@ def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=
 # Soft ECT
 
 
-def _sigmoid(u):
-    e = np.exp(-np.abs(u))
-    return np.where(u >= 0, 1 / (1 + e), e / (1 + e))
-
-
-def _dsigmoid(u):
-    """sigma'(u) = s (1 - s), written without cancellation."""
-    e = np.exp(-np.abs(u))
-    d = 1 + e
-    return e / (d * d)
-
-
 class _Residuals(NamedTuple):
     mask_b: np.ndarray
     dirs64: np.ndarray
@@ -554,14 +535,6 @@ class _Residuals(NamedTuple):
     batch: tuple
     dtype: np.dtype
     entries: object = None  # GPU: the critical pixels found by the forward (_band_cupy.Entries)
-
-
-def _blocks(ch, T):
-    """Slices of the entries of a chunk, about _BLOCK entry-threshold pairs each."""
-    n = ch.row.size
-    step = max(1, _BLOCK // max(T, 1))
-    for p0 in range(0, n, step):
-        yield slice(p0, min(n, p0 + step))
 
 
 def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
@@ -586,19 +559,13 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
                                                   lam=lam, w=band_halfwidth(dtype, lam), keep=True)
         return out.reshape(batch + (D, T)), res._replace(entries=entries)
     out = np.zeros((B, D, T), dtype=np.float64)
-    # Dense evaluation: every (entry, threshold) pair gets a sigmoid, N_crit x T per direction,
-    # in blocks of about _BLOCK pairs (memory stays bounded). The entries are only the pixels
-    # with c != 0, so this is far below N x T, but a band-limited evaluation (as soft_ecc does)
-    # would cut it further when scale is large.
+    # Band-limited, as soft_ecc (cutopo._band_numpy) and the CUDA kernels: per direction the
+    # pixels with c != 0 at their heights, the thresholds outside each band saturated exactly.
+    w = band_halfwidth(dtype, lam)
     for ch in _entries(mask_b, dirs64, coords, tconn):
         k = ch.ids.size
-        local = np.zeros((k * ch.nb, T), dtype=np.float64)
-        for sl in _blocks(ch, T):
-            row = ch.row[sl]
-            s = _sigmoid(lam * (t[None, :] - ch.h[sl].astype(dtype)[:, None]))
-            vals = s * ch.c[sl].astype(dtype)[:, None]
-            starts = _segment_starts(row)
-            local[row[starts]] += np.add.reduceat(vals, starts, axis=0, dtype=np.float64)
+        bands = _band_numpy.bands(ch.row, ch.c.astype(np.float64), ch.h.astype(dtype), t, w)
+        local = _band_numpy.forward(bands, t, lam, k * ch.nb)
         out[ch.b0:ch.b0 + ch.nb, ch.ids] += local.reshape(k, ch.nb, T).transpose(1, 0, 2)
     return out.astype(dtype).reshape(batch + (D, T)), res
 
@@ -617,25 +584,20 @@ def _soft_backward(res: _Residuals, g, needs):
     d_v = np.zeros((D, ndim), dtype=np.float64) if need_v else None
     d_t = np.zeros(T, dtype=np.float64) if (need_t or chain) else None
     d_scale = 0.0
+    w = band_halfwidth(dtype, lam)
     for ch in _entries(res.mask_b, res.dirs64, res.coords, res.tconn):
         k = ch.ids.size
-        gl = g[ch.b0:ch.b0 + ch.nb][:, ch.ids].transpose(1, 0, 2).reshape(k * ch.nb, T)
-        for sl in _blocks(ch, T):
-            row = ch.row[sl]
-            diff = t[None, :] - ch.h[sl].astype(dtype)[:, None]
-            w = gl[row] * _dsigmoid(lam * diff) * ch.c[sl].astype(dtype)[:, None]  # g c sigma'
-            if d_t is not None:
-                d_t += w.sum(axis=0, dtype=np.float64)
-            if need_scale:
-                d_scale += float(np.sum(w * diff, dtype=np.float64))
-            if need_v:
-                wsum = w.sum(axis=1, dtype=np.float64)
-                dl = row // ch.nb
-                for a in range(ndim):
-                    d_v[ch.ids, a] -= float(lam) * np.bincount(dl, weights=wsum * ch.x[a][sl],
-                                                               minlength=k)
-    if d_t is not None:
-        d_t *= float(lam)
+        gl = g[ch.b0:ch.b0 + ch.nb][:, ch.ids].transpose(1, 0, 2).reshape(-1)
+        bands = _band_numpy.bands(ch.row, ch.c.astype(np.float64), ch.h.astype(dtype), t, w)
+        d_h, dt_part, ds = _band_numpy.backward(bands, t, lam, gl, need_v, d_t is not None,
+                                                need_scale)
+        if d_t is not None:
+            d_t += dt_part
+        d_scale += ds
+        if need_v:  # h = <x, v>: dh/dv_a = x_a, summed per direction
+            dl = ch.row // ch.nb
+            for a in range(ndim):
+                d_v[ch.ids, a] += np.bincount(dl, weights=d_h * ch.x[a], minlength=k)
     if chain:
         d_star, step = _threshold_motion(res, float(np.dot(d_t, _count_slope(res.count))))
         d_v[d_star] += step
@@ -742,11 +704,11 @@ def soft_ect(mask, directions, thresholds, scale, *, connectivity=1):
 
     The backward recomputes the contribution maps and heights instead of storing them.
 
-    Cost: as for :func:`ect`, plus one sigmoid per pair (pixel with c != 0, threshold) for
-    every direction (dense evaluation, in bounded-memory blocks). On the GPU only the band
-    ``|scale (t - h)| < B`` of each pair is evaluated, as :func:`soft_ecc` does (B = 37 in
-    float64, 17 in float32; the terms left out are below ``e^-B |c|`` each), with per-block
-    float64 sums; the heights and contribution maps are the same as on the CPU.
+    Cost: as for :func:`ect`, plus, for every direction and pixel with c != 0, one sigmoid per
+    threshold in its band ``|scale (t - h)| < B``, as :func:`soft_ecc` does (B = 37 in float64,
+    17 in float32; outside it the sigmoid is 0 or 1 to the dtype's resolution and is added
+    exactly, the terms left out below ``e^-B |c|`` each), summed in float64; the same bands,
+    heights and contribution maps on the CPU and the GPU.
 
     Convention: as for :func:`ect` (positions centred, isotropic, longest axis spanning
     [-1, 1]; direction components in array-axis order).

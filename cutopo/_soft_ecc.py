@@ -3,7 +3,7 @@
 chi_lambda(t_k) = sum_p c(p) * sigmoid(lambda * (t_k - f(p))), with c the contribution map of
 :func:`cutopo.euler_contributions`. Only the thresholds inside a band around each pixel's value
 are evaluated; the saturated ones are added exactly through a difference array over the
-thresholds (ecc.md 5.8). NumPy path here; CuPy arrays go to the kernels of
+thresholds (ecc.md 5.8). NumPy path: cutopo._band_numpy; CuPy arrays go to the kernels of
 ``cuda_src/ecc_band.cuh`` (:mod:`cutopo._band_cupy`), which evaluate the same band entries.
 """
 from __future__ import annotations
@@ -13,23 +13,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _band_cupy, _ecc_numpy
+from . import _band_cupy, _band_numpy, _ecc_numpy
 from ._array import as_array, is_cupy_array
-from ._bins import threshold_bins
+from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_scale,
                       check_thresholds, same_array_type)
 from .vjp import register
 
 __all__ = ["soft_ecc"]
-
-# Band half-width B in units of scale * (t - f). sigma(B) rounds to exactly 1 in the dtype
-# (e^-B is below half the machine epsilon: e^-37 = 8.5e-17 < 1.1e-16, e^-17 = 4.1e-8 < 6.0e-8),
-# so treating |u| >= B as saturated is invisible at the dtype's resolution near 1.
-_BAND = {np.dtype(np.float64): 37.0, np.dtype(np.float32): 17.0}
-
-# Band entries (pixel, threshold) evaluated per chunk; about ten temporaries of 8 bytes each.
-_CHUNK_ENTRIES = 1 << 19
-
 
 class _Config(NamedTuple):
     image: np.ndarray   # validated input image, (*batch, *spatial)
@@ -40,16 +31,6 @@ class _Config(NamedTuple):
     dtype: np.dtype     # computation dtype (float32 or float64)
     band: float         # B
     periodic: bool = False  # boundary="periodic": the torus complex
-
-
-class _Pixels(NamedTuple):
-    """The pixels that matter: c != 0 and value not NaN / +inf."""
-    index: np.ndarray   # flat index into image.reshape(-1)
-    row: np.ndarray     # image of the batch (flattened batch index), non-decreasing
-    c: np.ndarray       # contribution, float64
-    f: np.ndarray       # value, computation dtype
-    lo: np.ndarray      # first threshold index inside the band
-    hi: np.ndarray      # first threshold index above the band (sigmoid counted as 1 from here)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,112 +61,26 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
 
 
 # ---------------------------------------------------------------------------------------------
-# Bands
-
-
-def band_halfwidth(dtype, scale) -> float:
-    """w = B / scale widened by 2^-40 (past the rounding of the division), inf on overflow.
-
-    Every backend of the soft ops takes its band edges f -+ w from this value.
-    """
-    with np.errstate(over="ignore"):
-        return float((np.float64(_BAND[np.dtype(dtype)]) / np.float64(scale)) * (1.0 + 2.0 ** -40))
+# Pixels
 
 
 def _halfwidth(cfg: _Config) -> float:
     return band_halfwidth(cfg.dtype, cfg.scale)
 
 
-def _outward(x, direction, steps=2):
-    for _ in range(steps):
-        x = np.nextafter(x, direction)
-    return x
-
-
-def _pixels(cfg: _Config) -> _Pixels:
-    """Contributions and band edges [lo, hi) of every pixel that matters."""
-    image, t = cfg.image, cfg.t
-    T = t.size
-    spatial = image.shape[image.ndim - cfg.ndim:]
-    per_image = math.prod(spatial)
+def _pixels(cfg: _Config):
+    """(flat index into image.reshape(-1), their bands) of every pixel that matters: c != 0
+    and value neither NaN nor +inf (sigmoid(-inf) = 0 at every threshold)."""
+    image = cfg.image
+    per_image = math.prod(image.shape[image.ndim - cfg.ndim:])
     c_all = _ecc_numpy.euler_contributions(image, cfg.ndim, cfg.tconn, cfg.periodic).reshape(-1)
     index = np.flatnonzero(c_all)
     f = image.reshape(-1)[index].astype(cfg.dtype)
     if f.dtype.kind == "f":
-        keep = ~(np.isnan(f) | (f == np.inf))  # NaN / +inf: sigmoid(-inf) = 0 at every threshold
+        keep = ~(np.isnan(f) | (f == np.inf))
         index, f = index[keep], f[keep]
     c = c_all[index].astype(np.float64)
-    row = index // per_image
-    # Band edges in float64, where t, f and scale are exact. Exactly, u = scale * (t - f) >= B
-    # iff t >= f + B / scale; the edges are pushed outwards past the rounding of B / scale and
-    # of the sum, so every threshold left out of [lo, hi) has |u| >= B exactly.
-    f64 = f.astype(np.float64)
-    t64 = t.astype(np.float64)
-    w = _halfwidth(cfg)
-    with np.errstate(invalid="ignore"):
-        lo_edge = _outward(f64 - w, -np.inf)
-        hi_edge = _outward(f64 + w, np.inf)
-    lo = threshold_bins(t64, lo_edge, side="right")  # t_k <= lo_edge  =>  u <= -B
-    hi = threshold_bins(t64, hi_edge, side="left")   # t_k >= hi_edge  =>  u >= B
-    neg_inf = f64 == -np.inf                          # sigmoid(+inf) = 1 at every threshold
-    lo[neg_inf] = 0
-    hi[neg_inf] = 0
-    hi = np.minimum(hi, T)
-    lo = np.minimum(lo, hi)
-    return _Pixels(index, row, c, f, lo, hi)
-
-
-class _Chunk(NamedTuple):
-    """Band entries (pixel, threshold) of a run of consecutive pixels, pixel-major.
-
-    ``sel`` indexes the pixels (into :class:`_Pixels`), ``ln`` their band lengths (all > 0),
-    ``starts`` the first entry of each pixel, ``k`` the threshold index of every entry and
-    ``arange`` the entry numbers 0, 1, ..., total - 1.
-    """
-    sel: np.ndarray
-    ln: np.ndarray
-    starts: np.ndarray
-    k: np.ndarray
-    arange: np.ndarray
-
-    def expand(self, per_pixel):
-        """A per-pixel array (already restricted to ``sel``) repeated over the entries."""
-        return np.repeat(per_pixel, self.ln)
-
-
-def _chunks(px: _Pixels, limit: int):
-    """Yield the band entries as :class:`_Chunk` of about ``limit`` entries (at least one band).
-
-    A pixel's band is never split, so every pixel of a chunk appears in no other chunk.
-    """
-    lens = px.hi - px.lo
-    banded = np.flatnonzero(lens)
-    if banded.size == 0:
-        return
-    cum = np.cumsum(lens[banded])
-    a, n = 0, banded.size
-    while a < n:
-        base = cum[a - 1] if a else 0
-        b = max(a + 1, int(np.searchsorted(cum, base + limit, side="right")))
-        sel = banded[a:b]
-        ln = lens[sel]
-        total = int(cum[b - 1] - base)
-        starts = np.cumsum(ln) - ln
-        arange = np.arange(total)
-        k = arange + np.repeat(px.lo[sel] - starts, ln)
-        yield _Chunk(sel, ln, starts, k, arange)
-        a = b
-
-
-def _sigmoid_parts(u, derivative):
-    """sigmoid(u), or sigmoid'(u) = s (1 - s) when ``derivative``, without cancellation."""
-    e = np.exp(-np.abs(u))
-    r = 1 / (1 + e)
-    if derivative:
-        e *= r
-        e *= r
-        return e
-    return np.where(u >= 0, r, e * r)
+    return index, _band_numpy.bands(index // per_image, c, f, cfg.t, _halfwidth(cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,21 +100,8 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
         out = _band_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg), cfg.ndim,
                                           cfg.tconn, cfg.periodic)
         return out.reshape(batch + (T,)), cfg
-    px = _pixels(cfg)
-    # Saturated part: c(p) counts as 1 from threshold hi(p) on (difference array + prefix sum).
-    diff = np.bincount(px.row * (T + 1) + px.hi, weights=px.c, minlength=nimg * (T + 1))
-    out = np.cumsum(diff.reshape(nimg, T + 1)[:, :T], axis=1)
-    # Band part: the true sigmoid on [lo, hi), accumulated over the images the chunk touches.
-    for ch in _chunks(px, _CHUNK_ENTRIES):
-        row = px.row[ch.sel]
-        row0, rows = int(row[0]), int(row[-1] - row[0]) + 1
-        u = cfg.t[ch.k]
-        u -= ch.expand(px.f[ch.sel])
-        u *= cfg.scale
-        weights = _sigmoid_parts(u, False) * ch.expand(px.c[ch.sel])
-        where = ch.arange + ch.expand((row - row0) * T + px.lo[ch.sel] - ch.starts)
-        acc = np.bincount(where, weights=weights, minlength=rows * T)
-        out[row0:row0 + rows] += acc.reshape(rows, T)
+    _, px = _pixels(cfg)
+    out = _band_numpy.forward(px, cfg.t, cfg.scale, nimg)
     return out.astype(cfg.dtype).reshape(batch + (T,)), cfg
 
 
@@ -230,30 +112,14 @@ def _backward(cfg: _Config, g, needs):
     if is_cupy_array(cfg.image):
         return _band_cupy.soft_ecc_backward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
                                             cfg.ndim, cfg.tconn, g, needs, cfg.periodic)
-    batch, nimg = _shape_info(cfg)
-    T = cfg.t.size
     g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
-    lam = float(cfg.scale)
-    px = _pixels(cfg)
-    d_f = np.zeros(px.index.size, dtype=np.float64) if need_image else None
-    d_t = np.zeros(T, dtype=np.float64) if need_t else None
-    d_scale = 0.0
-    for ch in _chunks(px, _CHUNK_ENTRIES):
-        diff_tf = cfg.t[ch.k]
-        diff_tf -= ch.expand(px.f[ch.sel])          # t_k - f(p)
-        w = _sigmoid_parts(cfg.scale * diff_tf, True)  # sigma'_pk
-        w = w * ch.expand(px.c[ch.sel])                 # float64 from here
-        w *= g[ch.arange + ch.expand(px.row[ch.sel] * T + px.lo[ch.sel] - ch.starts)]
-        if need_image:  # every band of the chunk is non-empty and contiguous
-            d_f[ch.sel] = -lam * np.add.reduceat(w, ch.starts)
-        if need_t:
-            d_t += lam * np.bincount(ch.k, weights=w, minlength=T)
-        if need_scale:
-            d_scale += float(np.dot(w, diff_tf))
+    index, px = _pixels(cfg)
+    d_f, d_t, d_scale = _band_numpy.backward(px, cfg.t, cfg.scale, g, need_image, need_t,
+                                             need_scale)
     d_image = None
     if need_image:
         d_image = np.zeros(cfg.image.size, dtype=np.float64)
-        d_image[px.index] = d_f
+        d_image[index] = d_f
         d_image = d_image.reshape(cfg.image.shape)
     return d_image, d_t, (np.asarray(d_scale) if need_scale else None)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cutopo
-from cutopo import _checks, _soft_ecc
+from cutopo import _band_numpy, _checks
 from cutopo._soft_ecc import soft_ecc
 from oracles import cells
 
@@ -123,7 +123,7 @@ def test_equals_dense_per_cell_relaxation(rng, ndim, conn, scale, batched):
 @pytest.mark.parametrize("band", [1.5, 4.0])
 def test_documented_error_bound_with_a_narrow_band(rng, monkeypatch, ndim, conn, band):
     """With a small B the truncation error is visible and stays within e^-B sum |c|."""
-    monkeypatch.setitem(_soft_ecc._BAND, np.dtype(np.float64), band)
+    monkeypatch.setitem(_band_numpy._BAND, np.dtype(np.float64), band)
     shape = shape_for(rng, ndim, True)
     image = random_image(rng, shape)
     t = np.sort(rng.uniform(image.min() - 1, image.max() + 1, 40))
@@ -143,7 +143,7 @@ def test_chunking_does_not_change_results(rng, monkeypatch):
     for scale in (0.5, 20.0):
         out, pullback = cutopo.vjp(soft_ecc, image, t, scale, ndim=2)
         grads = pullback(g)
-        monkeypatch.setattr(_soft_ecc, "_CHUNK_ENTRIES", 5)
+        monkeypatch.setattr(_band_numpy, "_CHUNK_ENTRIES", 5)
         out_c, pullback_c = cutopo.vjp(soft_ecc, image, t, scale, ndim=2)
         grads_c = pullback_c(g)
         monkeypatch.undo()
