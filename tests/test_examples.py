@@ -16,6 +16,7 @@ def _load(name):
 
 @pytest.mark.parametrize("name, figure, needs", [
     ("soft_ecc_match", "soft_ecc_match.png", None),
+    ("periodic_grf", "periodic_grf.png", None),
     ("torch_topology_loss", "torch_topology_loss.png", "torch"),
     ("jax_topology_loss", "jax_topology_loss.png", "jax"),
     ("cpab_align_torch", "cpab_align_torch.png", "torch"),
