@@ -416,6 +416,49 @@ def test_box_is_the_default(rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# Gaussian random fields: the kinematic formula (an independent, statistical oracle)
+
+
+def _gaussian_fields(rng, n, size, ndim, correlation):
+    """n periodic unit-variance Gaussian fields (power spectrum exp(-|k|^2 correlation^2), k in
+    radians per pixel) and their second spectral moment lam = Var(df/dx)."""
+    k = 2 * np.pi * np.fft.fftfreq(size)
+    ks = np.meshgrid(*([k] * ndim), indexing="ij")
+    power = np.exp(-sum(q ** 2 for q in ks) * correlation ** 2)
+    power[(0,) * ndim] = 0.0
+    lam = float((ks[0] ** 2 * power).sum() / power.sum())
+    amplitude = np.sqrt(power) * size ** (ndim / 2) / math.sqrt(power.sum())
+    axes = tuple(range(1, ndim + 1))
+    noise = np.fft.fftn(rng.standard_normal((n,) + (size,) * ndim), axes=axes)
+    return np.fft.ifftn(noise * amplitude, axes=axes).real, lam
+
+
+@pytest.mark.parametrize("connectivity", ["V", "T"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_gaussian_random_fields_follow_the_kinematic_formula(rng, ndim, connectivity):
+    """The mean periodic ECC of smooth Gaussian fields is the Gaussian kinematic formula's
+    E[chi(f <= t)] on the torus, which has no boundary terms: A lam (-t) e^{-t^2/2} / (2 pi)^{3/2}
+    in 2D, V lam^{3/2} (t^2 - 1) e^{-t^2/2} / (2 pi)^2 in 3D. Over 30 seeds the largest
+    difference was 11-13 % of the peak (sampling and lattice); the box ECC, whose boundary
+    terms add ~35 % of the peak in 2D, must miss the torus formula by more than the tolerance."""
+    conn = 1 if connectivity == "V" else ndim
+    size, n, corr = (128, 16, 4.0) if ndim == 2 else (48, 12, 3.0)
+    fields, lam = _gaussian_fields(rng, n, size, ndim, corr)
+    t = np.linspace(-3.0, 3.0, 25)
+    e = np.exp(-t ** 2 / 2)
+    if ndim == 2:
+        want = size ** 2 * lam * (-t) * e / (2 * np.pi) ** 1.5
+    else:
+        want = size ** 3 * lam ** 1.5 * (t ** 2 - 1) * e / (2 * np.pi) ** 2
+    peak = np.abs(want).max()
+    got = cutopo.ecc(fields, t, ndim=ndim, connectivity=conn, boundary=P).mean(axis=0)
+    assert np.abs(got - want).max() <= 0.25 * peak
+    if ndim == 2:
+        box = cutopo.ecc(fields, t, ndim=ndim, connectivity=conn).mean(axis=0)
+        assert np.abs(box - want).max() > 0.25 * peak
+
+
+# ---------------------------------------------------------------------------------------------
 # Validation
 
 
