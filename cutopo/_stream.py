@@ -21,6 +21,11 @@ a volume (:data:`RAMP`). A source in page-locked memory is copied to the device 
 large pageable NumPy array is page-locked in place, chunk by chunk, by a background thread
 (:class:`HostRegistration`, :data:`HOST_REGISTER`) and its registered slabs are copied directly
 too, the others staged, so the copy engine rather than a host memcpy sets the pace.
+
+Periodic boundaries (the torus): a slab's halo planes are read modulo the first axis' length;
+on the CPU the NumPy torus rule counts the slab, on the GPU the slab is padded by wrapping
+along the other axes on the device and the box kernel counts its own planes without the pads
+(see :func:`_gpu_histogram`).
 """
 from __future__ import annotations
 
