@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything one device session runs, in one call: GPU tests, the benchmarks, instruction counts.
 # Usage (repository root, on a machine with a GPU):  OUT=/tmp/out bash benchmarks/device_run.sh
-# Environment: BENCH_ARGS (extra benchmark options), TESTS (pytest selection, default: -m gpu tests),
+# Environment: BENCH_ARGS (extra benchmark options), TESTS (pytest selection, default: -m gpu tests;
+# quotes inside it are honoured, e.g. TESTS='-m "gpu and not slow" tests'),
 # BENCH_SOFT_ARGS (extra bench_soft.py options), SOFT=0 (skip bench_soft.py), ECC=0 (skip bench_ecc.py),
 # DEFORM=1 (also run bench_deformable.py), CPAB=1 (bench_cpab.py with the VJP's checkpoints on
 # the device and recomputed, and profile_cpab.py), REGISTER=1 (bench_register.py),
@@ -20,7 +21,9 @@ mkdir -p "$OUT"
   python3 -c "import cupy, numpy, skimage, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'skimage', skimage.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 
-python3 -m pytest -q -p no:cacheprovider --maxfail=${MAXFAIL:-25} --durations=12 ${TESTS:--m gpu tests} 2>&1 | tee "$OUT/tests.log"
+# eval: TESTS may quote a marker expression, e.g. TESTS='-m "gpu and not slow" tests'
+eval "python3 -m pytest -q -p no:cacheprovider --maxfail=${MAXFAIL:-25} --durations=12 ${TESTS:--m gpu tests}" 2>&1 \
+  | tee "$OUT/tests.log"
 
 if [ "${ECC:-1}" != 0 ]; then
   python3 benchmarks/bench_ecc.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
