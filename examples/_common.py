@@ -66,12 +66,17 @@ def save_figure(out_dir, filename, panels, thresholds, curves, target, history):
     axes[3].set_xlabel("threshold")
     axes[3].set_ylabel("Euler characteristic")
     axes[3].legend()
-    axes[4].semilogy(history)
-    axes[4].set_xlabel("step")
-    axes[4].set_title("loss")
+    loss_panel(axes[4], history, "loss")
     path = write_figure(fig, out_dir, filename)
     print(f"wrote {path}")
     return path
+
+
+def loss_panel(ax, history, title):
+    """The loss per step on a log scale, titled ``title``."""
+    ax.semilogy(history)
+    ax.set_xlabel("step")
+    ax.set_title(title)
 
 
 def subplots(ncols, figsize, **kwargs):

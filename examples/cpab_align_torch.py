@@ -24,7 +24,7 @@ import cutopo.torch as ct
 from cutopo.cpab import Tessellation, transform_grid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, from any working directory
-from _common import parse_cli, reporting, subplots, write_figure  # noqa: E402
+from _common import loss_panel, parse_cli, reporting, subplots, write_figure  # noqa: E402
 
 SIZE, CELLS, N_STEPS, MAX_SHIFT = 96, (4, 4), 20, 4.0  # pixels, cells per axis, integration, px
 
@@ -90,9 +90,7 @@ def _figure(out_dir, images, history):
         ax.imshow(img, cmap="gray", vmin=0, vmax=None if i == 3 else 1)  # the difference: own scale
         ax.set_title(title)
         ax.axis("off")
-    axes[4].semilogy(history)
-    axes[4].set_xlabel("step")
-    axes[4].set_title("MSE")
+    loss_panel(axes[4], history, "MSE")
     return write_figure(fig, out_dir, "cpab_align_torch.png")
 
 

@@ -23,7 +23,7 @@ import cutopo
 import cutopo.torch as ct
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common.py, from any working directory
-from _common import parse_cli, reporting, subplots, write_figure  # noqa: E402
+from _common import loss_panel, parse_cli, reporting, subplots, write_figure  # noqa: E402
 
 K, C, G = 2, 16, 4                 # cameras, channels, channel groups
 SHAPES = [(32, 48), (16, 24)]      # (H, W) of the two scales, the same for both cameras
@@ -108,9 +108,7 @@ def _figure(out_dir, feature, truth, start, learnt, history):
         ax.plot(uv[:, 0] * W, uv[:, 1] * H, style, ms=7, mfc="none", label=label)
     ax.set_title("camera 0, scale 0, channel 0: the points")
     ax.legend(loc="upper right")
-    axes[1].semilogy(history)
-    axes[1].set_xlabel("step")
-    axes[1].set_title("MSE against the target aggregation")
+    loss_panel(axes[1], history, "MSE against the target aggregation")
     return write_figure(fig, out_dir, "deformable_keypoints_torch.png")
 
 
