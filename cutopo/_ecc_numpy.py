@@ -27,6 +27,15 @@ from ._bins import threshold_bins
 # Elements per slab of the contribution pass: about 50 bool temporaries of this size live at
 # once, and staying in the caches pays (3D 256^3: 1.2 s with 2^21, 0.63 s with 2^17).
 _SLAB_ELEMENTS = 1 << 17
+# Elements binned per pass of the in-memory ECC (whole images; its keys, 2 bytes each, are then
+# swept in slabs of _SLAB_ELEMENTS).
+_PASS_ELEMENTS = 1 << 24
+
+
+def _bin_key_dtype(T):
+    """Keys of threshold bins 0..T plus the outside key T + 1: 2 bytes where they fit (every
+    contribution pass reads them 3^ndim - 1 times)."""
+    return np.uint16 if T + 1 <= np.iinfo(np.uint16).max else np.int32
 
 
 def _offset_order(ndim):
@@ -146,12 +155,11 @@ def ecc(image, thresholds, ndim, tconn, periodic=False):
     nimg = x.shape[0]
     hist = np.zeros((nimg, T + 1), dtype=np.float64)
     per_image = math.prod(spatial)
-    chunk = max(1, (8 << 21) // per_image)  # images per pass
-    key_dtype = np.uint16 if T + 1 <= np.iinfo(np.uint16).max else np.int32
+    chunk = max(1, _PASS_ELEMENTS // per_image)  # images per pass
+    key_dtype = _bin_key_dtype(T)
     for b0 in range(0, nimg, chunk):
         part = x[b0:b0 + chunk]
         # bin = first k with f <= t_k, T when none (NaN sorts last in searchsorted).
-        # Keys of 2 bytes where they fit: every pass below reads them 3^ndim - 1 times.
         bins = threshold_bins(thresholds, part.astype(thresholds.dtype, copy=False), key_dtype)
         c = contributions_from_keys(bins, ndim, tconn, outside=key_dtype(T + 1), periodic=periodic)
         nonzero = np.flatnonzero(c)
@@ -194,7 +202,7 @@ def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, st
     if own is None:
         own = [np.ones(n, dtype=bool) for n in spatial]
     own = [np.asarray(m, dtype=bool) for m in own]
-    key_dtype = np.uint16 if T + 1 <= np.iinfo(np.uint16).max else np.int32
+    key_dtype = _bin_key_dtype(T)
     outside = key_dtype(T + 1)
     padded = np.full((nimg,) + tuple(n + 2 for n in spatial), outside, dtype=key_dtype)
     inner = (slice(None),) * 2 + (slice(1, -1),) * (ndim - 1)

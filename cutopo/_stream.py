@@ -385,7 +385,7 @@ def ecc(src: Source, t, tconn, periodic, backend, max_slab_bytes):
 
 def _cpu_histogram(src: Source, t, tconn, periodic, max_slab_bytes):
     T = int(t.size)
-    key_bytes = 2 if T + 1 <= np.iinfo(np.uint16).max else 4
+    key_bytes = np.dtype(_ecc_numpy._bin_key_dtype(T)).itemsize
     pieces = plan_pieces(src, src.dtype.itemsize + key_bytes, max_slab_bytes, periodic)
     hist = np.zeros((math.prod(src.batch), T), dtype=np.int64)
     n0 = src.spatial[0]
