@@ -156,18 +156,10 @@ __device__ __forceinline__ unsigned precedence_bits_flipped(const K (&nb)[pow3(N
 }
 
 // How a sweep reads positions past the image: the box reads the outside key there, the torus
-// the pixel at the other end of the axis (a halo position is one past either end; positions
-// further out are tile overhang, neighbours of no counted pixel, and stay outside).
-struct BoxEdges {
-    static constexpr bool PERIODIC = false;
-    __device__ __forceinline__ static i64 wrap(i64 g, i64) { return g; }
-};
-struct TorusEdges {
-    static constexpr bool PERIODIC = true;
-    __device__ __forceinline__ static i64 wrap(i64 g, i64 n) { return g == -1 ? n - 1 : (g == n ? 0 : g); }
-};
-template <bool PERIODIC> struct EdgesOf { typedef BoxEdges type; };
-template <> struct EdgesOf<true> { typedef TorusEdges type; };
+// (PERIODIC) the pixel at the other end of the axis (a halo position is one past either end;
+// positions further out are tile overhang, neighbours of no counted pixel, and stay outside).
+template <bool P> struct Boundary { static constexpr bool PERIODIC = P; };
+__device__ __forceinline__ i64 wrap_index(i64 g, i64 n) { return g == -1 ? n - 1 : (g == n ? 0 : g); }
 
 // Which pixels of the swept image hand their contribution to the sink. The whole-image kernels
 // count every pixel; a block of a larger volume (an out-of-core slab, a Dask chunk) is swept
@@ -191,7 +183,7 @@ struct MaskedPixels {
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it.
 template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink, class Region = AllPixels,
-          class Edges = BoxEdges>
+          class Edges = Boundary<false>>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
                                       const Sink& sink, const Region& counts = Region(),
@@ -212,8 +204,8 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
 
         // Keys of plane z into dst: the 32 tile columns row by row (lane = column, no division),
         // then the two halo columns of every row.
-        auto load_plane = [&](i64 z_unwrapped, K* dst) {
-            const i64 z = Edges::wrap(z_unwrapped, nz);
+        auto load_plane = [&](i64 z, K* dst) {
+            if constexpr (Edges::PERIODIC) z = wrap_index(z, nz);
             const bool plane_inside = z >= 0 && z < nz;
             const i64 plane_base = image_base + z * ny * nx;
             for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
@@ -228,8 +220,8 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                 i64 gy = y0 + ly - 1;
                 i64 gx = x0 + lx - 1;
                 if constexpr (Edges::PERIODIC) {
-                    gy = Edges::wrap(gy, ny);
-                    gx = Edges::wrap(gx, nx);
+                    gy = wrap_index(gy, ny);
+                    gx = wrap_index(gx, nx);
                 }
                 K key = all_ones<K>();
                 if (plane_inside && gy >= 0 && gy < ny && gx >= 0 && gx < nx)
@@ -791,7 +783,7 @@ ecc_contributions(const In* __restrict__ image, signed char* __restrict__ out, i
     ValueKey<In, K> key_of{image};
     MapSink sink{out};
     sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
-                          key_of, sink, AllPixels(), typename EdgesOf<PERIODIC>::type());
+                          key_of, sink, AllPixels(), Boundary<PERIODIC>());
 }
 
 }  // namespace ecc
