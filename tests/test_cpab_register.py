@@ -327,6 +327,10 @@ def test_dirichlet_energy_of_an_affine_field(shape, rng):
     np.testing.assert_allclose(velocity(x, theta, tess), x @ M.T + c, rtol=1e-12, atol=1e-12)
     assert theta @ dirichlet_matrix(tess) @ theta == pytest.approx((M ** 2).sum(), rel=1e-12)
     assert cell_volumes(tess).sum() == pytest.approx(1.0, rel=1e-14)
+    # Q is built once per tessellation; what a caller does to its copy does not reach the next
+    Q = dirichlet_matrix(tess)
+    Q.data[:] = 0.0
+    assert theta @ dirichlet_matrix(tess) @ theta == pytest.approx((M ** 2).sum(), rel=1e-12)
 
 
 def test_box_sum_and_loss_gradients(rng):

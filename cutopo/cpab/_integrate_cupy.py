@@ -165,6 +165,19 @@ def _basis_tables(tess):
     return tess._device_bases[key]
 
 
+def _dirichlet_table(tess):
+    """The Dirichlet matrix Q (cutopo.cpab.smoothness) as an ELL table on the current device,
+    memoized on the tessellation like the basis tables."""
+    import cupy
+
+    from .smoothness import dirichlet_matrix
+
+    key = ("dirichlet ell", cupy.cuda.Device().id)
+    if key not in tess._device_bases:
+        tess._device_bases[key] = _ell(dirichlet_matrix(tess))
+    return tess._device_bases[key]
+
+
 def _ell_product(table, x, rows):
     """(batch, rows) float64 = table @ x[b] for every row b of the C-contiguous x (batch, cols)."""
     import cupy

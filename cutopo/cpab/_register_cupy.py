@@ -96,8 +96,6 @@ class Level:
     def __init__(self, moving4, fixed4, optimiser, tess, n_steps, mode, padding_mode, smoothness):
         import cupy
 
-        from .smoothness import dirichlet_matrix
-
         theta = optimiser.params
         t = theta.dtype.name
         K, C, d = tess.ndim, tess.n_cells, tess.n_params
@@ -165,7 +163,7 @@ class Level:
                                (idx_t, val_t, dA, grad, d, C * size, 1, R_t)),
             ]
         if smoothness:
-            q_idx, q_val, q_R = icp._ell(dirichlet_matrix(tess))
+            q_idx, q_val, q_R = icp._dirichlet_table(tess)
             launches.append(PreparedLaunch(icp._ell_sig(t), blocks(d), icp.THREADS,
                                            (q_idx, q_val, theta2, q, d, d, 1, q_R)))
         launches += [

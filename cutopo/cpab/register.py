@@ -218,13 +218,12 @@ def _dirichlet(tess, xp, dtype):
     product on the host; on the device the ELL kernel of the CPAB basis products (Q is as
     sparse as the basis), summed in float64 and rounded to dtype, one launch where cuSPARSE
     costs ~0.15 ms of host work per product (every registration step makes one)."""
-    Q = dirichlet_matrix(tess)
     if xp is np:
-        Q = Q.astype(dtype)
+        Q = dirichlet_matrix(tess).astype(dtype)
         return lambda theta: Q @ theta
-    from ._integrate_cupy import _ell, _ell_product
+    from ._integrate_cupy import _dirichlet_table, _ell_product
 
-    table, n = _ell(Q), Q.shape[0]
+    table, n = _dirichlet_table(tess), tess.n_params
     return lambda theta: _ell_product(table, theta.reshape(1, n), n)[0].astype(dtype, copy=False)
 
 
