@@ -92,22 +92,12 @@ __device__ __forceinline__ int sign_of_sum(const T (&t)[N]) {
     return 0;
 }
 
-// The sign of a sum of N terms with magnitudes <= 2 (the cell tests), filtered: the sum in T is
-// within 3 N ulp(4) of the exact one, so beyond a bound its sign is certain; only sums closer to
-// 0 take the exact expansion. Same signs as sign_of_sum, a fraction of the work.
+// A bound on |fl(sum) - sum| for the cell tests' sums of at most 4 terms of magnitude <= 2
+// (3 N ulp(4) and then some): a rounded sum beyond it has the exact sum's sign, so only sums
+// closer to 0 need sign_of_sum.
 template <typename T> struct SignBound;
 template <> struct SignBound<float> { static __device__ __forceinline__ float value() { return 0x1p-16f; } };
 template <> struct SignBound<double> { static __device__ __forceinline__ double value() { return 0x1p-45; } };
-
-template <typename T, int N>
-__device__ __forceinline__ int filtered_sign(const T (&t)[N]) {
-    T s = t[0];
-    #pragma unroll
-    for (int i = 1; i < N; ++i) s = add_rn(s, t[i]);
-    if (s > SignBound<T>::value()) return 1;
-    if (s < -SignBound<T>::value()) return -1;
-    return sign_of_sum(t);
-}
 
 // Cells per axis; axis 0 varies fastest in the box number.
 struct Grid {
@@ -119,19 +109,46 @@ template <> struct Simplices<1> { static constexpr int value = 1; };
 template <> struct Simplices<2> { static constexpr int value = 4; };
 template <> struct Simplices<3> { static constexpr int value = 5; };
 
-// The 3D corner-tetrahedron tests "a X + b Y + c Z + d >= 0", tetrahedra 1..4 in the order
-// tried, even boxes then odd boxes (tessellation._TET_TESTS).
-__constant__ signed char TET_TESTS[2][4][4] = {
-    {{-1, -1, 1, 0}, {1, 1, 1, -2}, {-1, 1, -1, 0}, {1, -1, -1, 0}},
-    {{1, -1, 1, -1}, {-1, 1, 1, -1}, {-1, -1, -1, 1}, {1, 1, -1, -1}},
-};
+// The simplex (0..4) of a point of a 3D box from its local coordinates (X, Y, Z): the first of
+// the corner-tetrahedron tests "a X + b Y + c Z + d >= 0" that holds, in the order of
+// tessellation._TET_TESTS,
+//   even boxes: -X - Y + Z,      X + Y + Z - 2,   -X + Y - Z,       X - Y - Z,
+//   odd boxes:   X - Y + Z - 1, -X + Y + Z - 1,   -X - Y - Z + 1,   X + Y - Z - 1,
+// else 0 (the central tetrahedron). Without divergence: the terms of both parities are chosen
+// by selects (a +-1 factor is a sign flip, exact), the four sums formed in NumPy's order, and
+// where every sum is clear of 0 by more than the filter's bound (almost always) the first
+// positive one decides; otherwise the tests in order with their exact signs. Trying the tests
+// one by one with early exits, a warp ran both parities' chains: the 3D register step's two
+// warp kernels took 3.74 ms instead of 2.95 (benchmarks/RESULTS.md).
+template <typename T>
+__device__ __forceinline__ int tetrahedron(T X, T Y, T Z, bool odd) {
+    const T t[4][4] = {
+        {odd ? X : -X, -Y, Z, odd ? T(-1) : T(0)},
+        {odd ? -X : X, Y, Z, odd ? T(-1) : T(-2)},
+        {-X, odd ? -Y : Y, -Z, odd ? T(1) : T(0)},
+        {X, odd ? Y : -Y, -Z, odd ? T(-1) : T(0)},
+    };
+    bool clear = true;
+    bool positive[4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const T s = add_rn(add_rn(add_rn(t[i][0], t[i][1]), t[i][2]), t[i][3]);
+        clear &= s > SignBound<T>::value() || s < -SignBound<T>::value();
+        positive[i] = s > T(0);
+    }
+    if (clear) return positive[0] ? 1 : positive[1] ? 2 : positive[2] ? 3 : positive[3] ? 4 : 0;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if (sign_of_sum(t[i]) >= 0) return i + 1;
+    return 0;
+}
 
 // The cell holding x (already in the points' dtype), as cutopo.cpab.tessellation.cell_index:
 // u = clip(x n, 0, n), box = min(floor(u), n - 1), local = u - box (exact), then the simplex.
 template <typename T, int K>
 __device__ __forceinline__ i64 cell_of(const T (&x)[K], const Grid& g) {
     T local[K];
-    i64 box_number = 0;
+    int box_number = 0;  // below n_cells < 2^31 (Tessellation's check)
     int parity = 0;
     #pragma unroll
     for (int k = K - 1; k >= 0; --k) {
@@ -159,16 +176,7 @@ __device__ __forceinline__ i64 cell_of(const T (&x)[K], const Grid& g) {
         if (local[0] < local[K - 1]) simplex = above_anti ? 2 : 3;
         else simplex = above_anti ? 1 : 0;
     } else if (K == 3) {
-        const int p = parity & 1;
-        #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            const signed char* a = TET_TESTS[p][s];
-            const T t[4] = {T(a[0]) * local[0], T(a[1]) * local[1 % K], T(a[2]) * local[2 % K], T(a[3])};
-            if (filtered_sign(t) >= 0) {
-                simplex = s + 1;
-                break;
-            }
-        }
+        simplex = tetrahedron(local[0], local[1 % K], local[2 % K], parity & 1);
     }
     return (i64)Simplices<K>::value * box_number + simplex;
 }
@@ -258,9 +266,11 @@ velocity(const T* __restrict__ points, const T* __restrict__ A, T* __restrict__ 
 template <typename T, int K, bool PROJECT>
 __device__ __forceinline__ i64 step(T (&x)[K], const T* __restrict__ E, i64 cell_offset,
                                     const Grid& g, int& inside) {
-    const i64 flat = cell_offset + cell_of<T, K>(x, g);
+    // the item's block of E is loop-invariant: only the cell's 32-bit offset varies
+    const int cell = (int)cell_of<T, K>(x, g);
+    const i64 flat = cell_offset + cell;
     T e[K * (K + 1)];
-    load_cell<T, K>(E + flat * (K * (K + 1)), e);
+    load_cell<T, K>(E + cell_offset * (K * (K + 1)) + cell * (K * (K + 1)), e);
     T y[K];
     #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -567,11 +577,28 @@ __device__ __forceinline__ void sample_cell(const T (&x)[K], const sampling::Dim
     cell.setup(gn, dims, padding, false);
 }
 
+// Blocks per multiprocessor warp_forward's register budget is sized for, with float32
+// trajectories and samples (-DCUTOPO_WARP_FORWARD_MIN_BLOCKS=N to profile others). The step loop
+// is a chain of dependent loads and needs few registers, but ptxas sized the whole kernel for
+// the sampling after it (75 in 3D: 3 blocks of 256 threads per SM); 6 blocks (40 registers, the
+// spills in the sampling, once per thread) measured 1.09 -> 0.89 ms at 128^3 before the
+// uniform cell tests, 8 blocks no better (benchmarks/RESULTS.md).
+#ifndef CUTOPO_WARP_FORWARD_MIN_BLOCKS
+#define CUTOPO_WARP_FORWARD_MIN_BLOCKS 6
+#endif
+
+// A warp kernel's minimum blocks per multiprocessor: BLOCKS for float32 trajectories (T) and
+// samples (R), 1 (ptxas' choice) otherwise.
+template <int BLOCKS, typename T, typename R>
+struct Float32Blocks {
+    static constexpr int value = sizeof(T) == 4 && sizeof(R) == 4 ? BLOCKS : 1;
+};
+
 // image (Bi, channels, S) with Bi 1 (shared) or B, out (B, channels, S), E as integrate's.
 // With `keep`, checkpoints (ceil(n_steps / S_seg), B, S, K) receives x_t at t = 0, S_seg, ...
 // for a backward that does not recompute them.
 template <typename T, typename TI, typename R, typename O, int K, bool PROJECT, bool NEAREST>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, (Float32Blocks<CUTOPO_WARP_FORWARD_MIN_BLOCKS, T, R>::value))
 warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restrict__ out,
              T* __restrict__ checkpoints, i64 B, i64 C, int theta_shared, int image_shared,
              int channels, int n_steps, int S_seg, int keep, int padding, int n0, int n1, int n2,
@@ -612,10 +639,6 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
 #ifndef CUTOPO_WARP_BACKWARD_MIN_BLOCKS
 #define CUTOPO_WARP_BACKWARD_MIN_BLOCKS 3
 #endif
-template <typename T, typename R>
-struct WarpBackwardBlocks {
-    static constexpr int value = sizeof(T) == 4 && sizeof(R) == 4 ? CUTOPO_WARP_BACKWARD_MIN_BLOCKS : 1;
-};
 
 // gout (B, channels, S) in R; dimage (Bi, channels, S) in R, zero-initialised, when
 // `need_image`; G as integrate_backward's when `need_theta` (bilinear only: nearest sampling
@@ -623,7 +646,7 @@ struct WarpBackwardBlocks {
 // `recompute` the thread recomputes its checkpoints into local memory (ceil(n_steps / S_seg)
 // <= MAX_LOCAL_CHECKPOINTS, the host's promise), else it reads warp_forward's.
 template <typename T, typename TI, typename R, int K, bool PROJECT, bool NEAREST>
-__global__ void __launch_bounds__(THREADS, (WarpBackwardBlocks<T, R>::value))
+__global__ void __launch_bounds__(THREADS, (Float32Blocks<CUTOPO_WARP_BACKWARD_MIN_BLOCKS, T, R>::value))
 warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __restrict__ gout,
               R* __restrict__ dimage, double* __restrict__ G, const T* __restrict__ checkpoints,
               i64 B, i64 C, int theta_shared, int image_shared, int channels, int n_steps,

@@ -29,8 +29,10 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack
 # Spill budget per kernel, a regression guard. ptxas sometimes trades a few bytes of spill for
 # occupancy (4 B in the 2D histogram kernels, up to ~60 B in the 3D ones at their register
 # count); the 3D contribution-map kernels with 64-bit value keys (int32 and float64 images)
-# hold 27 64-bit keys and spill more. Anything past these budgets is a real regression.
-_TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y")
+# hold 27 64-bit keys and spill more; cpab's 3D bilinear warp_forward with float32 trajectories
+# is held to 40 registers for occupancy (its step loop is latency-bound) and spills in the
+# sampling after the loop, once per thread. Anything past these budgets is a real regression.
+_TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y|12warp_forwardIf\w*?Li3ELb[01]ELb0E")
 _MAX_SPILL_BYTES = 96
 _MAX_TOLERATED_SPILL_BYTES = 256
 
