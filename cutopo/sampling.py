@@ -136,8 +136,10 @@ def _prepare(image, grid, mode, padding_mode, align_corners, deterministic=False
 
 
 def _clip(x, dx, size):
-    """Clamp to [0, size - 1]; the derivative is 0 where the input was outside (as torch)."""
-    dx = np.where((x < 0) | (x > size - 1), 0, dx)
+    """Clamp to [0, size - 1]; the derivative is 0 where the input was outside or on an end
+    (as torch: on the end the clamp's one-sided derivative 0; keeping dx there made the
+    gradient of x = size - 1 read the missing pixel past the edge)."""
+    dx = np.where((x <= 0) | (x >= size - 1), 0, dx)
     return np.clip(x, 0, size - 1), dx
 
 
@@ -314,7 +316,14 @@ def _backward(cfg: _Config, g, needs):
 def _meta(image, grid, *, mode="bilinear", padding_mode="zeros", align_corners=False,
           deterministic=False):
     """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec):
-    (N, C, *grid.shape[1:-1]) in the result dtype of image and grid."""
+    (N, C, *grid.shape[1:-1]) in the result dtype of image and grid.
+
+    First _prepare's checks on data-free stand-ins of zeros: a bad option, dtype or shape
+    raises the op's own error before the op runs (its finiteness checks pass over the
+    stand-ins, never the data)."""
+    from ._adapters import stand_in
+
+    _prepare(stand_in(image), stand_in(grid), mode, padding_mode, align_corners, deterministic)
     return ((image.shape[0], image.shape[1]) + tuple(grid.shape[1:-1]),
             _out_dtype(image.dtype, grid.dtype))
 

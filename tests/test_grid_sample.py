@@ -133,22 +133,52 @@ def test_huge_grid_values_read_padding():
 # VJP
 
 
-@pytest.mark.parametrize("ndim", [2, 3])
-@pytest.mark.parametrize("mode,padding_mode,align_corners", COMBOS)
-def test_vjp_equals_torch_autograd(rng, mode, padding_mode, align_corners, ndim):
-    # Random points (no dyadic ones): off the kinks, where one-sided derivatives could differ.
-    image, grid = _case(rng, ndim, align_corners, dyadic=False)
-    kw = dict(mode=mode, padding_mode=padding_mode, align_corners=align_corners)
+def _check_vjp_against_torch(rng, image, grid, **kw):
+    """Output and both cotangents of a random cotangent equal torch's autograd (float64);
+    returns the grid's cotangent."""
     out, pullback = cutopo.vjp(cutopo.grid_sample, image, grid, **kw)
     cot = rng.standard_normal(out.shape)
     d_image, d_grid = pullback(cot)
     ti = torch.from_numpy(image).requires_grad_()
     tg = torch.from_numpy(grid).requires_grad_()
     F.grid_sample(ti, tg, **kw).backward(torch.from_numpy(cot))
+    np.testing.assert_allclose(out, _torch(image, grid, **kw), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(d_image, ti.grad.numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(d_grid, tg.grad.numpy(), rtol=1e-10, atol=1e-12)
+    return d_grid
+
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("mode,padding_mode,align_corners", COMBOS)
+def test_vjp_equals_torch_autograd(rng, mode, padding_mode, align_corners, ndim):
+    # Random points (no dyadic ones): off the kinks, where one-sided derivatives could differ.
+    image, grid = _case(rng, ndim, align_corners, dyadic=False)
+    d_grid = _check_vjp_against_torch(rng, image, grid, mode=mode, padding_mode=padding_mode,
+                                      align_corners=align_corners)
     if mode == "nearest":
         assert not d_grid.any()
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("padding_mode", ["border", "reflection"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_vjp_on_the_clamp_ends_equals_torch(rng, padding_mode, align_corners, ndim):
+    # Points whose pixel coordinates lie exactly on 0 or size - 1, where the clamp has a kink:
+    # torch's derivative there is 0 (the clamp's flat side). Keeping the inner derivative on
+    # the upper end read the missing pixel past the edge as 0 (a gradient of -image[last]).
+    spatial = _spatial(ndim, align_corners)
+    image = rng.standard_normal((2, 3, *spatial))
+    size = np.array(spatial[::-1], dtype=np.float64)
+    ends = np.stack([np.zeros_like(size), size - 1])                     # (2, ndim)
+    pick = rng.integers(0, 2, (2, 4, 5, ndim))
+    x = np.where(rng.random(pick.shape) < 0.7, ends[pick, np.arange(ndim)],
+                 rng.uniform(0.2, 0.8, pick.shape) * (size - 1))
+    grid = 2 * x / (size - 1) - 1 if align_corners else (2 * x + 1) / size - 1
+    if ndim == 3:
+        grid = grid[:, :, :, None].repeat(2, axis=3)
+    _check_vjp_against_torch(rng, image, grid, mode="bilinear", padding_mode=padding_mode,
+                             align_corners=align_corners)
 
 
 def test_vjp_float32_equals_torch(rng):
