@@ -29,7 +29,8 @@ LARGE_PIXELS = 1 << 21
 # Critical pixels per block of the ECT kernels (one per lane) below which the block's set-up and
 # flush (T entries each) outweigh its work; the soft ECC uses one map step per warp.
 MIN_ENTRIES_PER_BLOCK = 1024
-# Height images (directions x images x pixels, float64) per T-construction pass of the ECT.
+# Height images (directions x images x pixels, float64) per T-construction pass of the ECT, by
+# default; a streamed slab passes a bound scaled with its budget (cutopo._stream.ect).
 T_PASS_ELEMENTS = 1 << 25
 # The soft ECT keeps its entries (critical pixels, 9 bytes each) for the backward up to this
 # many; beyond, the backward recomputes them.
@@ -365,13 +366,14 @@ def entries_t(mask_b, dirs_dev, coords_dev, own=None, tconn=True, periodic=False
     return Entries(lin, cc, seg, cupy.arange(D, dtype=np.int32), per_segment)
 
 
-def direction_groups(mask_b, D, per_direction):
+def direction_groups(mask_b, D, per_direction, pass_elements=None):
     """Direction ranges processed together: all for the orthant passes, bounded height images
-    for the per-direction passes."""
+    for the per-direction passes (at most ``pass_elements``, default T_PASS_ELEMENTS, elements
+    of directions x images x pixels; one direction at least)."""
     if not per_direction:
         return [(0, D)]
     per = math.prod(mask_b.shape)
-    step = max(1, T_PASS_ELEMENTS // max(per, 1))
+    step = max(1, (pass_elements or T_PASS_ELEMENTS) // max(per, 1))
     return [(d0, min(D, d0 + step)) for d0 in range(0, D, step)]
 
 
@@ -420,13 +422,14 @@ def _ect_geometry(mask_b, dirs64, coords, t) -> _EctGeometry:
 
 
 def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=False, own=None,
-                periodic=False, general=False):
+                periodic=False, general=False, pass_elements=None):
     """((B, D, T) result, entries): int64 ECT (soft False, t float64) or the soft ECT in t's
     dtype, and (with ``keep``) the [(d0, d1, Entries)] of every direction group for the backward,
     or None when they are too large to keep (more than KEEP_ENTRIES). ``own``: count only the
     pixels these per-axis bool masks mark (a block of a larger volume with its halo; ``coords``
     are then the block's positions in the volume). ``periodic``: the torus complex;
-    ``general``: ``coords`` need not increase along their axes (see group_entries)."""
+    ``general``: ``coords`` need not increase along their axes (see group_entries).
+    ``pass_elements``: the bound of a per-direction pass (see direction_groups)."""
     import cupy
 
     geo = _ect_geometry(mask_b, dirs64, coords, t)
@@ -434,7 +437,7 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
     lam = real.type(0) if lam is None else lam
     out = None
     kept, total = ([] if keep else None), 0
-    for d0, d1 in direction_groups(mask_b, D, tconn or periodic or general):
+    for d0, d1 in direction_groups(mask_b, D, tconn or periodic or general, pass_elements):
         Dg = d1 - d0
         ent = group_entries(mask_b, dirs64, d0, d1, geo.dirs, geo.coords, tconn, own, periodic,
                             general)

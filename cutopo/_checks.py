@@ -19,6 +19,8 @@ IMAGE_DTYPES = tuple(np.dtype(d) for d in
 def check_image(image, ndim):
     """Validate ``image`` of shape (*batch, *spatial); return (image, ndim)."""
     image = as_array(image, "image")
+    if not image.dtype.isnative and image.dtype.newbyteorder("=") in IMAGE_DTYPES:
+        image = image.astype(image.dtype.newbyteorder("="))  # e.g. big-endian data from a file
     if image.dtype not in IMAGE_DTYPES:
         names = ", ".join(d.name for d in IMAGE_DTYPES)
         raise TypeError(f"image: dtype {image.dtype} is not supported (use one of {names})")
@@ -58,7 +60,8 @@ def check_connectivity(connectivity, ndim) -> bool:
 
 
 def linear_thresholds(image, n):
-    """``n`` evenly spaced thresholds from the image's finite minimum to its finite maximum.
+    """``n`` evenly spaced thresholds from the image's finite minimum to its finite maximum
+    (``n = 1``: the minimum alone, as ``numpy.linspace``).
 
     Floating images get thresholds of their own dtype (both ends then equal pixel values
     exactly); integer and boolean images get float64 thresholds.
@@ -86,8 +89,18 @@ def linear_thresholds(image, n):
         hi = float(xp.max(xp.where(finite, image, -xp.inf)))
         if not lo <= hi:
             raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
-        return xp.asarray(np.linspace(lo, hi, int(n)).astype(image.dtype))
-    return xp.asarray(np.linspace(float(image.min()), float(image.max()), int(n)))
+        return xp.asarray(evenly_spaced(lo, hi, int(n)).astype(image.dtype))
+    return xp.asarray(evenly_spaced(float(image.min()), float(image.max()), int(n)))
+
+
+def evenly_spaced(lo: float, hi: float, n: int) -> np.ndarray:
+    """``numpy.linspace(lo, hi, n)`` in float64, also where ``hi - lo`` overflows (a range
+    wider than the largest float64, e.g. -1e308 to 1e308): then as lo (1 - s) + hi s."""
+    with np.errstate(over="ignore"):
+        if math.isfinite(hi - lo):
+            return np.linspace(lo, hi, n)
+    s = np.linspace(0.0, 1.0, n)
+    return lo * (1 - s) + hi * s
 
 
 def check_thresholds(thresholds, image):

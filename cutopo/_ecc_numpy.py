@@ -3,7 +3,8 @@
 Pixels are ordered by (key, linear index); every cell is owned by one pixel (its latest vertex
 in the V construction, its earliest adjacent pixel in the T construction) and c(p) sums
 (-1)^dim over the cells p owns. The work is vectorised over shifted views of a padded key
-array and done in slabs along the first spatial axis, so memory stays bounded.
+array and done in tiles of at most _SLAB_ELEMENTS pixels (images, planes, and row ranges of a
+plane when planes are larger; each tile with its one-pixel halo), so memory stays bounded.
 
 Boundaries: "box" pads with an outside key that precedes no pixel; "periodic" (the cubical
 complex of the torus) pads with the wrapped-around pixels. There the index tie-break of a
@@ -24,11 +25,12 @@ import numpy as np
 
 from ._bins import threshold_bins
 
-# Elements per slab of the contribution pass: about 50 bool temporaries of this size live at
-# once, and staying in the caches pays (3D 256^3: 1.2 s with 2^21, 0.63 s with 2^17).
+# Elements per tile of the contribution pass (see _tiles): at most about 60 bytes of temporaries
+# per element live at once (bool arrays of the tile's size), and staying in the caches pays
+# (3D 256^3: 1.2 s with 2^21, 0.63 s with 2^17).
 _SLAB_ELEMENTS = 1 << 17
 # Elements binned per pass of the in-memory ECC (whole images; its keys, 2 bytes each, are then
-# swept in slabs of _SLAB_ELEMENTS).
+# swept in tiles of _SLAB_ELEMENTS).
 _PASS_ELEMENTS = 1 << 24
 
 
@@ -44,11 +46,51 @@ def _offset_order(ndim):
     return sorted(offsets, key=lambda o: sum(v != 0 for v in o))
 
 
+def _tiles(shape, step):
+    """Boxes tiling an array of ``shape``, each a tuple of (start, stop) per axis, of at most
+    ``max(step, 1)`` elements: whole trailing axes, a range along one axis and single indices
+    along the axes before it. Planes (and rows) larger than ``step`` are split too, so the
+    temporaries of a pass over a tile are bounded whatever the image shape."""
+    shape = tuple(int(n) for n in shape)
+    if 0 in shape:
+        return
+    inner = 1
+    for k in range(len(shape) - 1, -1, -1):
+        if inner * shape[k] > step:
+            break
+        inner *= shape[k]
+    else:
+        yield tuple((0, n) for n in shape)
+        return
+    per = max(1, step // inner)
+    parts = -(-shape[k] // per)
+    cuts = [shape[k] * i // parts for i in range(parts + 1)]  # balanced, each <= per
+    tail = tuple((0, n) for n in shape[k + 1:])
+    for idx in np.ndindex(*shape[:k]):
+        head = tuple((i, i + 1) for i in idx)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            yield head + ((a, b),) + tail
+
+
+def _halo_view(padded, box):
+    """The part of ``padded`` (images, *spatial + 2) that a tile ``box`` of the unpadded array
+    (images, *spatial) needs: its pixels and their one-pixel halo."""
+    return padded[(slice(*box[0]),) + tuple(slice(a, b + 2) for a, b in box[1:])]
+
+
+def _tile_wrap(box, lengths, start0=0):
+    """The ``wrap`` of _slab_contributions for a tile: (global start, torus length) per spatial
+    axis; ``start0`` is the global index of the array's first plane along axis 0."""
+    return tuple(((start0 if a == 0 else 0) + lo, n)
+                 for a, ((lo, _), n) in enumerate(zip(box[1:], lengths)))
+
+
 def _slab_contributions(padded, ndim, tconn, wrap=None):
     """c for the centre of ``padded`` (batch, *spatial + 2), whose border holds the halo.
 
-    ``wrap``: None (box), or ``(z0, n0)`` for a periodic complex whose slab starts at row z0
-    of n0 along the first spatial axis (the other axes are whole).
+    ``wrap``: None (box), or for a periodic complex one ``(start, n)`` per spatial axis: the
+    global index of the centre's first pixel along the axis (a tile of a larger block) and the
+    torus' length along it.
     """
     centre = padded[(slice(None),) + (slice(1, -1),) * ndim]
     lead = (slice(None),)
@@ -61,14 +103,9 @@ def _slab_contributions(padded, ndim, tconn, wrap=None):
         if wrap is not None:
             # On the torus the rule flips where q wraps around its first non-zero axis a.
             a = next(i for i, v in enumerate(o) if v)
-            if a == 0:
-                z0, n0 = wrap
-                pos = (0 if o[0] < 0 else n0 - 1) - z0
-                inside = 0 <= pos < centre.shape[1]
-            else:
-                pos = 0 if o[a] < 0 else centre.shape[1 + a] - 1
-                inside = True
-            if inside:
+            start, n = wrap[a]
+            pos = (0 if o[a] < 0 else n - 1) - start
+            if 0 <= pos < centre.shape[1 + a]:
                 plane = lead + (slice(None),) * a + (pos,)
                 precedes[plane] = ((view[plane] < centre[plane]) if earlier
                                    else (view[plane] <= centre[plane]))
@@ -109,14 +146,12 @@ def contributions_from_keys(keys, ndim, tconn, outside, periodic=False, wrap0=No
     else:
         padded = np.pad(keys, pad, constant_values=outside)
     out = np.empty(keys.shape, dtype=np.int8)
-    n0 = keys.shape[1]
-    start, n_total = wrap0 if wrap0 is not None else (0, n0)
-    per_row = max(1, math.prod(keys.shape) // max(n0, 1))
-    step = max(1, _SLAB_ELEMENTS // per_row)
-    for z0 in range(0, n0, step):
-        z1 = min(n0, z0 + step)
-        out[:, z0:z1] = _slab_contributions(padded[:, z0:z1 + 2], ndim, tconn,
-                                            (start + z0, n_total) if periodic else None)
+    start, n_total = wrap0 if wrap0 is not None else (0, keys.shape[1])
+    lengths = (n_total,) + tuple(keys.shape[2:])
+    for box in _tiles(keys.shape, _SLAB_ELEMENTS):
+        wrap = _tile_wrap(box, lengths, start) if periodic else None
+        out[tuple(slice(a, b) for a, b in box)] = _slab_contributions(
+            _halo_view(padded, box), ndim, tconn, wrap)
     return out
 
 
@@ -183,14 +218,16 @@ def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, st
     owned histograms is the histogram of the whole volume, exactly.
 
     ``block``: host array (*batch, *spatial) (a NumPy array or memmap view; it is read in
-    sub-slabs of about ``step_elements`` elements, so it need not be in memory). ``own``: None
+    tiles of at most ``step_elements`` elements, so it need not be in memory). ``own``: None
     (every pixel) or one 1-D bool mask per spatial axis of the block; every owned pixel must have
     its whole neighbourhood inside the block or beyond the volume's border, where positions are
     outside. ``periodic``: the torus complex; axis 0 of the block then carries halo planes taken
     from the wrapped volume (``start``: global index of the block's plane 0, ``n0``: the
     volume's length along axis 0) and the other spatial axes are whole and wrap within the block.
-    Memory: keys of 2 bytes per pixel (4 with 65535 thresholds or more) for the block, plus about
-    60 bytes per element of one sub-slab.
+    Memory: keys of 2 bytes per pixel (4 with 65535 thresholds or more) for the block (with a
+    one-pixel border), plus about 60 bytes per element of one tile (:func:`_tiles`: images,
+    planes and rows of a plane are all split, so a tile never exceeds ``step_elements``), plus
+    the (nimg, T + 1) histogram.
     """
     spatial = tuple(block.shape[-ndim:])
     nimg = math.prod(block.shape[:-ndim])
@@ -202,17 +239,26 @@ def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, st
     if own is None:
         own = [np.ones(n, dtype=bool) for n in spatial]
     own = [np.asarray(m, dtype=bool) for m in own]
+    # The bounding range [lo, hi) of the owned pixels along each axis (periodic: the axes after
+    # the first are whole, they wrap within the block): only tiles of it are counted, and only
+    # its keys and their one-pixel halo [lo - 1, hi + 1) are binned, into ``padded`` (index i + 1
+    # holds block index lo + i; the positions beyond the block keep the outside key).
+    ranges = []
+    for a, m in enumerate(own):
+        idx = np.flatnonzero(m)
+        if idx.size == 0:
+            return hist[:, :T]
+        ranges.append((0, spatial[a]) if periodic and a else (int(idx[0]), int(idx[-1]) + 1))
+    need = [(max(lo - 1, 0), min(hi + 1, n)) for (lo, hi), n in zip(ranges, spatial)]
     key_dtype = _bin_key_dtype(T)
     outside = key_dtype(T + 1)
-    padded = np.full((nimg,) + tuple(n + 2 for n in spatial), outside, dtype=key_dtype)
-    inner = (slice(None),) * 2 + (slice(1, -1),) * (ndim - 1)
-    per_row = nimg * math.prod(spatial[1:])
-    rows = max(1, step_elements // max(per_row, 1))
-    for z0 in range(0, spatial[0], rows):
-        z1 = min(spatial[0], z0 + rows)
-        part = np.asarray(x[:, z0:z1]).astype(thresholds.dtype, copy=False)
-        bins = threshold_bins(thresholds, part, key_dtype)
-        padded[(slice(None), slice(1 + z0, 1 + z1)) + inner[2:]] = bins
+    padded = np.full((nimg,) + tuple(hi - lo + 2 for lo, hi in ranges), outside, dtype=key_dtype)
+    for box in _tiles((nimg,) + tuple(b - a for a, b in need), step_elements):
+        src = tuple(slice(a + n0_, b + n0_) for (a, b), (n0_, _) in zip(box[1:], need))
+        part = np.asarray(x[(slice(*box[0]),) + src]).astype(thresholds.dtype, copy=False)
+        dst = tuple(slice(s.start - lo + 1, s.stop - lo + 1) for s, (lo, _) in zip(src, ranges))
+        padded[(slice(*box[0]),) + dst] = threshold_bins(thresholds, part, key_dtype)
+        del part
     if periodic:
         # The axes after the first wrap within the block (they are whole); axis 0 has its halo.
         for a in range(2, ndim + 1):
@@ -220,25 +266,36 @@ def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, st
             lead = (slice(None),) * a
             padded[lead + (0,)] = padded[lead + (n,)]
             padded[lead + (n + 1,)] = padded[lead + (1,)]
-    rest = [m.reshape((1,) * (a + 2) + (-1,) + (1,) * (ndim - 2 - a)) for a, m in enumerate(own[1:])]
-    owned_rows = np.flatnonzero(own[0])
-    if owned_rows.size == 0 or not all(m.any() for m in own[1:]):
-        return hist[:, :T]
-    lo, hi = int(owned_rows[0]), int(owned_rows[-1]) + 1
-    for z0 in range(lo, hi, rows):
-        z1 = min(hi, z0 + rows)
-        wrap = (start + z0, n0) if periodic else None
-        c = _slab_contributions(padded[:, z0:z1 + 2], ndim, tconn, wrap)
-        mask = own[0][z0:z1].reshape((1, -1) + (1,) * (ndim - 1))
-        for m in rest:
-            mask = mask & m
-        c *= mask
-        keys = padded[(slice(None), slice(1 + z0, 1 + z1)) + inner[2:]]
+    lengths = (spatial[0] if n0 is None else n0,) + spatial[1:]
+    for tile in _tiles((nimg,) + tuple(hi - lo for lo, hi in ranges), step_elements):
+        # The tile in block coordinates.
+        box = (tile[0],) + tuple((a + lo, b + lo) for (a, b), (lo, _) in zip(tile[1:], ranges))
+        wrap = _tile_wrap(box, lengths, start) if periodic else None
+        c = _slab_contributions(_halo_view(padded, tile), ndim, tconn, wrap)
+        mask = None
+        for a, ((lo, hi), m) in enumerate(zip(box[1:], own)):
+            part = m[lo:hi]
+            if part.all():
+                continue
+            part = part.reshape((1,) * (a + 1) + (-1,) + (1,) * (ndim - 1 - a))
+            mask = part if mask is None else mask & part
+        if mask is not None:
+            c *= mask
         nonzero = np.flatnonzero(c)
         if nonzero.size == 0:
             continue
-        image_of = nonzero // (c.size // nimg)
-        hist += np.bincount(image_of * (T + 1) + keys.ravel()[nonzero].astype(np.int64),
-                            weights=c.ravel()[nonzero],
-                            minlength=nimg * (T + 1)).round().astype(np.int64).reshape(nimg, T + 1)
+        i0, i1 = box[0]
+        keys = padded[(slice(i0, i1),) + tuple(slice(a + 1, b + 1) for a, b in tile[1:])]
+        weights = c.reshape(-1)[nonzero]
+        bins = keys.reshape(-1)[nonzero]
+        del c
+        if i1 - i0 > 1:  # the bin of (image, key), in place: few temporaries per entry
+            np.floor_divide(nonzero, math.prod(keys.shape[1:]), out=nonzero)
+            nonzero *= T + 1
+            nonzero += bins
+        else:
+            nonzero = bins.astype(np.intp)
+        del bins
+        counts = np.bincount(nonzero, weights=weights, minlength=(i1 - i0) * (T + 1))
+        hist[i0:i1] += counts.round().astype(np.int64).reshape(i1 - i0, T + 1)
     return hist[:, :T]

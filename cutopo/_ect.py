@@ -33,8 +33,9 @@ from .vjp import register
 
 __all__ = ["ect", "soft_ect", "heights"]
 
-# Elements per contribution pass (mask pixels x images x directions); bounds the memory of
-# contributions_from_keys' inputs (it slabs its own temporaries).
+# Elements per contribution pass (mask pixels x images x directions) by default; bounds the
+# memory of contributions_from_keys' inputs and of the entries (it tiles its own temporaries).
+# A streamed slab passes a smaller bound, scaled with its budget (see cutopo._stream.ect).
 _PASS_ELEMENTS = 1 << 21
 # Entries (critical pixel x direction) per step (soft_ect's band entries are chunked by
 # cutopo._band_numpy).
@@ -266,15 +267,17 @@ def _orthant_contributions(part, positive):
     """
     spatial = part.shape[1:]
     ndim = len(spatial)
-    key = np.zeros(spatial, dtype=np.int64)
+    big = sum(n - 1 for n in spatial) + 1
+    kt = np.int32 if big + 1 <= np.iinfo(np.int32).max else np.int64  # narrow keys: less memory
+    key = np.zeros(spatial, dtype=kt)
     for a, n in enumerate(spatial):
-        i = np.arange(n, dtype=np.int64)
+        i = np.arange(n, dtype=kt)
         if not positive[a]:
             i = (n - 1) - i
         key = key + i.reshape((-1,) + (1,) * (ndim - 1 - a))
-    big = sum(n - 1 for n in spatial) + 1
-    keys = np.where(part, key, np.int64(big))
-    c = contributions_from_keys(keys, ndim, False, np.int64(big + 1))
+    keys = np.where(part, key, kt(big))
+    del key
+    c = contributions_from_keys(keys, ndim, False, kt(big + 1))
     c *= part
     return c
 
@@ -291,7 +294,7 @@ def _owned(part, own):
     return out
 
 
-def _entries_v(part, b0, dirs, coords, own=None):
+def _entries_v(part, b0, dirs, coords, own=None, pass_elements=None):
     nb = part.shape[0]
     spatial = part.shape[1:]
     ndim = len(spatial)
@@ -308,23 +311,35 @@ def _entries_v(part, b0, dirs, coords, own=None):
         if flat.size == 0:
             continue
         cval = c[flat]
+        del c
         b_local, lin = np.divmod(flat, N)
+        del flat
         idx = np.unravel_index(lin, spatial)
+        del lin
         xs = [coords[a][idx[a]] for a in range(ndim)]
-        n0 = flat.size
-        step = max(1, _ENTRIES // n0)
+        del idx
+        n0 = cval.size
+        limit = min(_ENTRIES, pass_elements or _ENTRIES)
+        step = max(1, limit // n0)
+        # With a pass bound (a streamed slab), the entries of one direction are split too.
+        span = min(n0, limit) if pass_elements else n0
         for j in range(0, dir_ids.size, step):
             ids = dir_ids[j:j + step]
             k = ids.size
             v = dirs[ids]
-            # Same float64 operations, in the same order, as heights(): equal bits.
-            h = _height_sum([x[None, :] for x in xs], [v[:, a, None] for a in range(ndim)])
-            row = (np.arange(k, dtype=np.int64)[:, None] * nb + b_local[None, :]).reshape(-1)
-            yield _Chunk(b0, nb, ids, row, np.tile(cval, k), h.reshape(-1),
-                         tuple(np.tile(x, k) for x in xs))
+            for p0 in range(0, n0, span):
+                sel = slice(p0, p0 + span)
+                xp = [x[sel] for x in xs]
+                # Same float64 operations, in the same order, as heights(): equal bits.
+                h = _height_sum([x[None, :] for x in xp], [v[:, a, None] for a in range(ndim)])
+                row = (np.arange(k, dtype=np.int64)[:, None] * nb + b_local[None, sel]).reshape(-1)
+                yield _Chunk(b0, nb, ids, row, np.tile(cval[sel], k), h.reshape(-1),
+                             tuple(np.tile(x, k) for x in xp))
+        cval = b_local = xs = xp = h = row = None  # freed before the next orthant's pass
 
 
-def _entries_t(part, b0, dirs, coords, own=None, periodic=False, tconn=True, wrap0=None):
+def _entries_t(part, b0, dirs, coords, own=None, periodic=False, tconn=True, wrap0=None,
+               pass_elements=None):
     """Entries from one contribution pass per direction, under the value order of the heights
     (T construction; also the V construction on the torus, where no corner is the maximum of
     every cell)."""
@@ -333,7 +348,7 @@ def _entries_t(part, b0, dirs, coords, own=None, periodic=False, tconn=True, wra
     ndim = len(spatial)
     N = math.prod(spatial)
     D = dirs.shape[0]
-    step = max(1, _PASS_ELEMENTS // (nb * N))
+    step = max(1, (pass_elements or _PASS_ELEMENTS) // (nb * N))
     for j in range(0, D, step):
         ids = np.arange(j, min(D, j + step))
         k = ids.size
@@ -346,13 +361,22 @@ def _entries_t(part, b0, dirs, coords, own=None, periodic=False, tconn=True, wra
         c *= _owned(part, own).reshape(1, nb, N)  # non-mask pixels (h = inf) never enter
         c = c.reshape(-1)
         flat = np.flatnonzero(c)
+        cval = c[flat]
+        del c
         row, lin = np.divmod(flat, N)
-        idx = np.unravel_index(lin, spatial)
+        del flat
         h = H.reshape(k, N)[row // nb, lin]
-        yield _Chunk(b0, nb, ids, row, c[flat], h, tuple(coords[a][idx[a]] for a in range(ndim)))
+        del H
+        idx = np.unravel_index(lin, spatial)
+        del lin
+        x = tuple(coords[a][idx[a]] for a in range(ndim))
+        del idx
+        yield _Chunk(b0, nb, ids, row, cval, h, x)
+        row = cval = h = x = None  # freed before the next pass
 
 
-def _entries(mask_b, dirs, coords, tconn, own=None, periodic=False, wrap0=None, general=False):
+def _entries(mask_b, dirs, coords, tconn, own=None, periodic=False, wrap0=None, general=False,
+             pass_elements=None):
     """All entries, chunked over images and directions so that memory stays bounded.
 
     ``own``: count only the pixels marked by these per-axis masks (a block with its halo).
@@ -361,29 +385,34 @@ def _entries(mask_b, dirs, coords, tconn, own=None, periodic=False, wrap0=None, 
     ``general``: ``coords`` are not increasing along their axes (a block padded with wrapped
     copies carries the coordinates of the pixels it copies), so no corner of a cell is known
     to be its highest: the V construction takes the per-direction pass too.
+    ``pass_elements``: the bound of a pass (images x pixels x directions, and entries per
+    chunk; at least one image and one direction), default :data:`_PASS_ELEMENTS`.
     """
     B = mask_b.shape[0]
     N = math.prod(mask_b.shape[1:])
-    step = max(1, _PASS_ELEMENTS // N)
+    step = max(1, (pass_elements or _PASS_ELEMENTS) // N)
     for b0 in range(0, B, step):
         part = mask_b[b0:b0 + step]
         if tconn or periodic or general:
-            yield from _entries_t(part, b0, dirs, coords, own, periodic, tconn, wrap0)
+            yield from _entries_t(part, b0, dirs, coords, own, periodic, tconn, wrap0,
+                                  pass_elements)
         else:
-            yield from _entries_v(part, b0, dirs, coords, own)
+            yield from _entries_v(part, b0, dirs, coords, own, pass_elements)
 
 
-def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=None, general=False):
+def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=None, general=False,
+           pass_elements=None):
     """int64 (B, D, T) exact ECT of the NumPy masks ``mask_b`` (B, *spatial) at the positions
-    ``coords`` (one array per axis), counting only the pixels that ``own`` marks (``general``:
-    see :func:`_entries`).
+    ``coords`` (one array per axis), counting only the pixels that ``own`` marks (``general``,
+    ``pass_elements``: see :func:`_entries`).
 
     The ECT is linear in the contributions, so the curves of the blocks of a volume (each with
     its halo, owning disjoint pixels, at the volume's positions) add up to the volume's.
     """
     B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
     hist = np.zeros((B, D, T + 1), dtype=np.int64)
-    for ch in _entries(mask_b, dirs64, coords, tconn, own, periodic, wrap0, general):
+    for ch in _entries(mask_b, dirs64, coords, tconn, own, periodic, wrap0, general,
+                       pass_elements):
         k = ch.ids.size
         # bin = first k with h <= t_k (T when none): the pixel counts from threshold k on.
         bins = threshold_bins(t, ch.h)
@@ -447,8 +476,13 @@ def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=
         spatial axis with a one-plane halo, and every slab's positions are its positions in
         the volume, so the result equals the in-memory one exactly. A slab takes at most
         this many bytes, counted as 48 bytes per pixel on the CPU and 64 on the GPU (the
-        contribution passes' temporaries); default 256 MiB (CPU) or 128 MiB (GPU), or 8
-        planes if that is more.
+        contribution passes' temporaries), and each of its contribution passes works on at
+        most ``max_slab_bytes / 96`` (CPU) or ``/ 64`` (GPU) elements (pixels x images x
+        directions, or critical pixels x directions; one direction of the slab at least), so
+        the call's working memory stays within about this bound (plus the (*batch, D, T)
+        result; on the GPU also two slabs of the raw mask in pinned host memory and two on
+        the device, through which the next slab is read and copied while this one is
+        counted); default 256 MiB (CPU) or 128 MiB (GPU), or 8 planes if that is more.
 
     Returns
     -------
@@ -637,7 +671,16 @@ def _soft_backward_cupy(res: _Residuals, g, needs, chain):
 
 
 def _soft_meta(mask, directions, thresholds, scale, *, connectivity=1):
-    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec).
+
+    First _soft_forward's checks, in its order, on data-free stand-ins (directions and scale
+    of ones, which pass the checks of values): a bad argument raises the op's own error before
+    the op runs."""
+    from ._adapters import stand_in
+
+    _prepare("soft_ect", stand_in(mask), stand_in(directions, 1), stand_in(thresholds),
+             connectivity)
+    check_scale(stand_in(scale, 1))
     count = _is_count(thresholds)
     D, ndim = directions.shape
     T = int(thresholds) if count else thresholds.shape[0]

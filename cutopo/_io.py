@@ -7,6 +7,7 @@ reported through the ``note`` callback.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Optional
 
@@ -219,13 +220,14 @@ class LazyFile:
 
     def __init__(self, path):
         self.path = os.fspath(path)
-        data = self._open()
-        shape = tuple(int(s) for s in data.shape)
+        with self._opened() as data:
+            shape = tuple(int(s) for s in data.shape)
+            dtype = np.dtype(data.dtype)
         self._lead = 0
         while len(shape) - self._lead > 3 and shape[self._lead] == 1:
             self._lead += 1
         self.shape = shape[self._lead:]
-        self.dtype = np.dtype(data.dtype)
+        self.dtype = dtype
         self.ndim = len(self.shape)
         if self.ndim not in (2, 3):
             raise ValueError(f"{self.path}: expected a 2-D image or a 3-D stack, got shape {shape}")
@@ -233,14 +235,20 @@ class LazyFile:
             raise ValueError(f"{self.path}: dtype {self.dtype} cannot be streamed (cutopo.ecc takes "
                              f"{', '.join(d.name for d in IMAGE_DTYPES)}); read it into memory instead")
 
-    def _open(self):
+    @contextlib.contextmanager
+    def _opened(self):
+        """The file's data, open for the ``with`` block. A compressed TIFF's store (an open
+        file handle) is closed on exit; a memory map is released with the last view of it, by
+        reference counting (the views :meth:`__getitem__` returns are not copied)."""
         ext = _extension(self.path)
         if ext in NPY_EXTENSIONS:
-            return np.load(self.path, mmap_mode="r", allow_pickle=False)
+            yield np.load(self.path, mmap_mode="r", allow_pickle=False)
+            return
         if ext in ZARR_EXTENSIONS:
             import zarr
 
-            return zarr.open_array(self.path, mode="r")
+            yield zarr.open_array(self.path, mode="r")
+            return
         if ext in TIFF_EXTENSIONS:
             import tifffile
 
@@ -249,18 +257,27 @@ class LazyFile:
                     raise ValueError(f"{self.path}: colour TIFFs cannot be streamed; read them into "
                                      "memory instead")
             try:
-                return tifffile.memmap(self.path, mode="r")
+                data = tifffile.memmap(self.path, mode="r")
             except ValueError:  # compressed or scattered pages: read through the Zarr store
-                import zarr
+                data = None
+            if data is not None:
+                yield data
+                return
+            import zarr
 
-                return zarr.open(tifffile.imread(self.path, aszarr=True), mode="r")
+            store = tifffile.imread(self.path, aszarr=True)
+            try:
+                yield zarr.open(store, mode="r")
+            finally:
+                store.close()
+            return
         raise ValueError(f"{self.path}: unsupported file type {ext or '(no extension)'!r} for streaming "
                          f"(use {', '.join(LAZY_EXTENSIONS)})")
 
     def __getitem__(self, key):
-        data = self._open()
         key = key if isinstance(key, tuple) else (key,)
-        return np.asarray(data[(0,) * self._lead + key])
+        with self._opened() as data:
+            return np.asarray(data[(0,) * self._lead + key])
 
     def __reduce__(self):
         return (LazyFile, (self.path,))

@@ -22,6 +22,9 @@ large pageable NumPy array is page-locked in place, chunk by chunk, by a backgro
 (:class:`HostRegistration`, :data:`HOST_REGISTER`) and its registered slabs are copied directly
 too, the others staged, so the copy engine rather than a host memcpy sets the pace.
 
+The streamed ECT on the GPU (:func:`ect`) reads and copies slabs the same way, through two
+pinned and two device buffers (:func:`_device_slabs`), one slab ahead of the kernels.
+
 Periodic boundaries (the torus): a slab's halo planes are read modulo the first axis' length;
 on the CPU the NumPy torus rule counts the slab, on the GPU the slab is padded by wrapping
 along the other axes on the device and the box kernel counts its own planes without the pads
@@ -43,7 +46,7 @@ import numpy as np
 
 from . import _ecc_numpy
 from ._array import is_cupy_array
-from ._checks import IMAGE_DTYPES, check_spatial_ndim
+from ._checks import IMAGE_DTYPES, check_spatial_ndim, evenly_spaced
 
 # Default slab bounds. On the GPU several slabs keep the pipeline busy: the first slab's read
 # is not overlapped with anything, so it should be a small part of the volume.
@@ -52,8 +55,10 @@ DEFAULT_GPU_SLAB_BYTES = 128 << 20
 # ... unless a plane is so large that a slab would hold few: then at least this many planes.
 DEFAULT_MIN_PLANES = 8
 DEVICES = ("cpu", "cuda")
-# Sub-slab of the NumPy path (elements): its temporaries take about 60 bytes per element, and
-# staying in the caches pays (a 256^3 float32 memmap: 427 ms with 2^20, 382 ms with 2^17).
+# Tile of the NumPy path (elements; images, planes and row ranges of a plane, so a tile never
+# exceeds it, see cutopo._ecc_numpy._tiles): its temporaries take at most about 60 bytes per
+# element (8 MiB), and staying in the caches pays (a 256^3 float32 memmap: 427 ms with 2^20,
+# 382 ms with 2^17).
 CPU_STEP_ELEMENTS = 1 << 17
 # Host threads that fill a pinned buffer (NumPy copies release the GIL).
 READ_THREADS = min(8, os.cpu_count() or 1)
@@ -143,6 +148,11 @@ def slab_bytes(max_slab_bytes, backend, src, bytes_per_voxel):
     default = DEFAULT_GPU_SLAB_BYTES if backend == "cuda" else DEFAULT_CPU_SLAB_BYTES
     plane = math.prod(src.spatial[1:]) * bytes_per_voxel
     return int(max(default, DEFAULT_MIN_PLANES * plane))
+
+
+def ecc_slab_bytes(max_slab_bytes, backend, src):
+    """The slab bound of a streamed ECC call and of its min/max pass (a threshold count)."""
+    return slab_bytes(max_slab_bytes, backend, src, src.dtype.itemsize + 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,23 +341,28 @@ def read_piece(src: Source, piece: Piece, out=None, pool=None):
 
 
 def stream_min_max(src: Source, max_slab_bytes: int, *, finite=True):
-    """(min, max) over the finite values of a source, read slab by slab (None when none is)."""
+    """(min, max) over the finite values of a source, read slab by slab (None when none is).
+
+    The slabs are planned at the source's itemsize per voxel, the least that any ECC pass
+    counts (:func:`ecc`), and their owned planes are scanned in tiles of CPU_STEP_ELEMENTS
+    elements (the finite mask is per tile), so a threshold count never needs a larger
+    ``max_slab_bytes`` than explicit thresholds."""
     lo = hi = None
-    pieces = plan_pieces(src, src.dtype.itemsize * 2, max_slab_bytes)
-    for piece in pieces:
-        own = piece.own0
-        block = read_piece(src, piece)
-        block = block[:, own] if not own.all() else block
-        if block.dtype.kind == "f" and finite:
-            ok = np.isfinite(block)
-            if not ok.any():
-                continue
-            bmin = float(np.min(block, where=ok, initial=np.inf))
-            bmax = float(np.max(block, where=ok, initial=-np.inf))
-        else:
-            bmin, bmax = float(block.min()), float(block.max())
-        lo = bmin if lo is None else min(lo, bmin)
-        hi = bmax if hi is None else max(hi, bmax)
+    for piece in plan_pieces(src, src.dtype.itemsize, max_slab_bytes):
+        owned = np.flatnonzero(piece.own0)  # one run of planes (no periodic pieces here)
+        block = read_piece(src, piece)[:, owned[0]:owned[-1] + 1]
+        for box in _ecc_numpy._tiles(block.shape, CPU_STEP_ELEMENTS):
+            part = block[tuple(slice(a, b) for a, b in box)]
+            if part.dtype.kind == "f" and finite:
+                ok = np.isfinite(part)
+                if not ok.any():
+                    continue
+                bmin = float(np.min(part, where=ok, initial=np.inf))
+                bmax = float(np.max(part, where=ok, initial=-np.inf))
+            else:
+                bmin, bmax = float(part.min()), float(part.max())
+            lo = bmin if lo is None else min(lo, bmin)
+            hi = bmax if hi is None else max(hi, bmax)
     return lo, hi
 
 
@@ -361,8 +376,8 @@ def linear_thresholds(src: Source, n: int, max_slab_bytes: int):
     if lo is None:
         raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
     if src.dtype.kind == "f":
-        return np.linspace(lo, hi, int(n)).astype(src.dtype)
-    return np.linspace(lo, hi, int(n))
+        return evenly_spaced(lo, hi, int(n)).astype(src.dtype)
+    return evenly_spaced(lo, hi, int(n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +390,7 @@ def ecc(src: Source, t, tconn, periodic, backend, max_slab_bytes):
     nimg = math.prod(src.batch)
     if nimg == 0:
         return np.zeros(src.batch + (T,), dtype=np.int64)
-    max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, src.dtype.itemsize + 4)
+    max_slab_bytes = ecc_slab_bytes(max_slab_bytes, backend, src)
     if backend == "cuda":
         hist = _gpu_histogram(src, t, tconn, max_slab_bytes, periodic)
     else:
@@ -771,6 +786,59 @@ class _Shape(NamedTuple):
     dtype: np.dtype
 
 
+def _device_slabs(src: Source, pieces):
+    """(piece, device block) of every piece in turn, the next one on its way while the caller
+    computes on this one: a host thread reads it into one of two pinned buffers and copies it
+    on a copy stream into one of two device buffers (after the caller's work on the block two
+    steps back, which the current stream records when the caller asks for the next block), so
+    reading, copying and the caller's kernels overlap. Blocks are views of the device buffers
+    in the source's dtype, valid until the caller asks for the block after next."""
+    import cupy
+    import cupyx
+
+    if not pieces:
+        return
+    device = cupy.cuda.Device()
+    compute = cupy.cuda.get_current_stream()
+    copy_stream = cupy.cuda.Stream(non_blocking=True)
+    shapes = [piece_shape(src, p) for p in pieces]
+    cap = max(math.prod(s) for s in shapes)
+    host = [cupyx.empty_pinned(cap, dtype=src.dtype) for _ in range(2)]
+    bufs = [cupy.empty(cap, dtype=src.dtype) for _ in range(2)]
+    used = [None, None]    # the caller's work on bufs[i] done (an event on the compute stream)
+    nbytes = [math.prod(s) * src.dtype.itemsize for s in shapes]
+
+    def load(k, last_copy):
+        """Read piece k into host[k % 2] once the copy out of it (piece k - 2) is done, then
+        copy it to bufs[k % 2] once the caller is done with that buffer."""
+        i = k % 2
+        with device:
+            if last_copy is not None:
+                last_copy.synchronize()
+            read_piece(src, pieces[k], out=host[i][:math.prod(shapes[k])])
+            if used[i] is not None:
+                copy_stream.wait_event(used[i])
+            cupy.cuda.runtime.memcpyAsync(bufs[i].data.ptr, host[i].ctypes.data, nbytes[k],
+                                          cupy.cuda.runtime.memcpyHostToDevice, copy_stream.ptr)
+            return copy_stream.record()
+
+    copies = [None, None]
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        pending = pool.submit(load, 0, None)
+        for k, piece in enumerate(pieces):
+            i = k % 2
+            copies[i] = pending.result()
+            if k + 1 < len(pieces):  # needs used[(k + 1) % 2], recorded after step k - 1
+                pending = pool.submit(load, k + 1, copies[i ^ 1])
+            compute.wait_event(copies[i])
+            yield piece, bufs[i][:math.prod(shapes[k])].reshape(shapes[k])
+            used[i] = compute.record()
+    finally:
+        pool.shutdown(wait=True)
+        copy_stream.synchronize()
+
+
 # ---------------------------------------------------------------------------------------------
 # ECT
 
@@ -778,6 +846,11 @@ class _Shape(NamedTuple):
 # per direction, float64 heights; see cutopo._ect and cutopo._band_cupy).
 ECT_CPU_BYTES_PER_PIXEL = 48
 ECT_GPU_BYTES_PER_PIXEL = 64
+# ... and per element of one pass (pixels x images x directions, or critical pixels x
+# directions): a slab's passes work on at most max_slab_bytes // this many elements, but on at
+# least one direction of one image of the slab.
+ECT_CPU_PASS_BYTES = 96
+ECT_GPU_PASS_BYTES = 64
 
 
 def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_bytes):
@@ -805,19 +878,20 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
     out = np.zeros((nimg, D, T), dtype=np.int64)
     per_pixel = ECT_GPU_BYTES_PER_PIXEL if backend == "cuda" else ECT_CPU_BYTES_PER_PIXEL
     max_slab_bytes = slab_bytes(max_slab_bytes, backend, src, per_pixel)
+    cpu_pass = max(1, max_slab_bytes // ECT_CPU_PASS_BYTES)
+    gpu_pass = max(1, max_slab_bytes // ECT_GPU_PASS_BYTES)
     n0 = src.spatial[0]
-    for piece in plan_pieces(src, per_pixel, max_slab_bytes, periodic):
-        block = np.asarray(read_piece(src, piece))
+    pieces = plan_pieces(src, per_pixel, max_slab_bytes, periodic)
+    blocks = (_device_slabs(src, pieces) if backend == "cuda" else
+              ((p, np.asarray(read_piece(src, p))) for p in pieces))
+    for piece, block in blocks:
         block = block if block.dtype == np.bool_ else block != 0
         planes = np.concatenate([np.arange(a, b) for a, b in piece.ranges])
         block_coords = [coords[0][planes]] + list(coords[1:])
         own = [piece.own0] + [np.ones(n, dtype=bool) for n in src.spatial[1:]]
         if backend == "cuda":
-            import cupy
-
             from . import _band_cupy
 
-            block = cupy.asarray(block)
             if periodic:
                 # The slab as a window of the periodically repeated mask, at the positions of
                 # the pixels it copies (see _gpu_histogram): the box rule counts the torus.
@@ -826,10 +900,11 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
                 block_coords = block_coords[:1] + [c[w] for c, w in zip(coords[1:], wrapped)]
                 own = own[:1] + [_inner(n) for n in src.spatial[1:]]
             part, _ = _band_cupy.ect_forward(block, dirs64, block_coords, t, tconn, soft=False,
-                                             own=own, general=periodic)
+                                             own=own, general=periodic,
+                                             pass_elements=gpu_pass)
             out[piece.f0:piece.f1] += part.get()
         else:
             out[piece.f0:piece.f1] += _ect.curves(
                 block, dirs64, block_coords, t, tconn, own, periodic,
-                (piece.start, n0) if periodic else None)
+                (piece.start, n0) if periodic else None, pass_elements=cpu_pass)
     return out.reshape(src.batch + (D, T))

@@ -179,8 +179,8 @@ def add_ecc_parser(subparsers) -> argparse.ArgumentParser:
                         "T construction (8-/26-connected). Default 1")
     c.add_argument("--boundary", choices=("box", "periodic"), default="box",
                    help="box: the image is all there is; periodic: the torus, every axis wrapping "
-                        "around (simulation boxes; every axis >= 3; files read in slabs are then "
-                        "counted on the CPU unless --scheduler). Default box")
+                        "around (simulation boxes; every axis >= 3; on every --device, in "
+                        "memory, in slabs (--stream) and with --scheduler). Default box")
     c.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto: the GPU when CuPy sees one, else NumPy (default auto)")
     c.add_argument("--stream", action="store_true",
@@ -317,7 +317,7 @@ def _compute_streamed(path, spec: _Thresholds, connectivity: str, device: str, s
                 source = _stream.check_source(src, None)
                 values = _stream.linear_thresholds(
                     source, spec.count,
-                    _stream.slab_bytes(None, "cpu", source, 2 * src.dtype.itemsize))
+                    _stream.ecc_slab_bytes(None, "cuda" if device == "gpu" else "cpu", source))
             curve = cutopo.ecc(src, values, connectivity=conn, boundary=boundary,
                                device="cuda" if device == "gpu" else "cpu")
     except (ValueError, TypeError) as exc:

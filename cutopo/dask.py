@@ -86,6 +86,9 @@ def _check_dask(x, name):
     if not isinstance(x, da.Array):
         raise TypeError(f"{name} must be a dask.array.Array, got {type(x).__name__} (use cutopo.ecc "
                         "for NumPy and CuPy arrays)")
+    if any(math.isnan(c) for chunks in x.chunks for c in chunks):
+        raise ValueError(f"{name} has unknown (NaN) chunk sizes, shape {x.shape} (as after boolean "
+                         f"indexing): call {name}.compute_chunk_sizes() first")
     return x
 
 

@@ -81,19 +81,22 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     several per slab. A threshold count costs one more pass (the minimum and maximum).
 
     Memory bound, with ``S = max_slab_bytes``: on the CPU a slab's input plus its keys (2 bytes
-    per pixel, 4 with 65535 thresholds or more) take at most S, and the sub-slab temporaries
-    about 8 MiB more. On the GPU a slab's input takes at most S; the call allocates two device
-    slab buffers and two pinned host buffers of that size (fewer bytes when the input is
-    smaller), plus the (*batch, T) int64 histogram; a source that is already pinned
-    (``cupyx.empty_pinned``) is copied to the device directly, without the host buffers. A
-    C-contiguous NumPy array of 64 MiB or more is page-locked in place while the call runs
-    (``cudaHostRegister``, in 32 MiB chunks by a background thread, at most 4 slabs ahead of
-    the copies, each chunk released once copied and all before the call returns), and its
-    registered slabs are copied directly too. While the GPU histograms slab k, slab k + 1 is
-    copied (second CUDA stream) and slab k + 2 registered or read into pinned memory by host
-    threads. A slab needs at least one plane besides its two halo planes: a smaller S raises
-    ValueError. Periodic slabs read their halo planes modulo the first axis' length (through
-    the GPU they are staged, not page-locked in place) and are padded along the other axes.
+    per pixel, 4 with 65535 thresholds or more) take at most S, and the temporaries about 8 MiB
+    more (a slab is counted in tiles of at most 2^17 pixels, planes and rows split as needed, so
+    this holds for planes of any size), plus the (*batch, T) int64 histogram. On the GPU a
+    slab's input takes at most S; the call allocates two device slab buffers and two pinned host
+    buffers of that size (fewer bytes when the input is smaller), plus the (*batch, T) int64
+    histogram; a source that is already pinned (``cupyx.empty_pinned``) is copied to the device
+    directly, without the host buffers. A C-contiguous NumPy array of 64 MiB or more is
+    page-locked in place while the call runs (``cudaHostRegister``, in 32 MiB chunks by a
+    background thread, at most 4 slabs ahead of the copies, each chunk released once copied and
+    all before the call returns), and its registered slabs are copied directly too. While the
+    GPU histograms slab k, slab k + 1 is copied (second CUDA stream) and slab k + 2 registered
+    or read into pinned memory by host threads. A slab needs at least one plane besides its two
+    halo planes: a smaller S raises ValueError. A threshold count's minimum/maximum pass reads
+    the same slabs, input only (no larger S needed than with explicit thresholds). Periodic
+    slabs read their halo planes modulo the first axis' length (through the GPU they are staged,
+    not page-locked in place) and are padded along the other axes.
 
     Notes
     -----
@@ -168,8 +171,8 @@ def _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab
     same_array_type(image, [("thresholds", thresholds)])
     probe = np.empty(0, dtype=src.dtype)
     if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
-        thresholds = _stream.linear_thresholds(
-            src, thresholds, _stream.slab_bytes(slab, "cpu", src, 2 * src.dtype.itemsize))
+        thresholds = _stream.linear_thresholds(src, thresholds,
+                                               _stream.ecc_slab_bytes(slab, backend, src))
     t, _ = check_thresholds(thresholds, probe)
     return _stream.ecc(src, t, tconn, periodic, backend, slab)
 

@@ -176,3 +176,27 @@ def test_cupy_thresholds_with_numpy_image(image):
 
     with pytest.raises(TypeError, match="thresholds"):
         cutopo.ecc(image, cupy.asarray([0.0, 1.0]))
+
+
+def test_count_over_a_range_wider_than_float64():
+    # hi - lo overflows: numpy.linspace would give NaN and inf thresholds.
+    image = np.array([[-1e308, 0.0, 1e308], [0.0, 5.0, -3.0]])
+    t = cutopo.linear_thresholds(image, 5)
+    assert np.isfinite(t).all() and (np.diff(t) > 0).all()
+    assert t[0] == -1e308 and t[-1] == 1e308
+    from skimage.measure import euler_number
+
+    expected = [euler_number(image <= v, connectivity=1) for v in t]
+    np.testing.assert_array_equal(cutopo.ecc(image, 5), expected)
+    # ordinary ranges keep numpy.linspace's values exactly
+    np.testing.assert_array_equal(cutopo.linear_thresholds(image[1:], 7), np.linspace(-3.0, 5.0, 7))
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">f8", ">u2", ">i2", ">i4"])
+def test_non_native_byte_order_is_accepted(rng, dtype):
+    image = (rng.random((2, 6, 7)) * 50).astype(dtype)
+    native = image.astype(np.dtype(dtype).newbyteorder("="))
+    t = np.array([5.0, 20.0, 33.0])
+    np.testing.assert_array_equal(cutopo.ecc(image, t, ndim=2), cutopo.ecc(native, t, ndim=2))
+    np.testing.assert_array_equal(cutopo.euler_contributions(image, ndim=2),
+                                  cutopo.euler_contributions(native, ndim=2))

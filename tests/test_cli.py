@@ -229,3 +229,49 @@ def test_periodic_boundary(tmp_path, stream):
     np.save(tmp_path / "thin.npy", a[:2])
     assert cli.main(["ecc", str(tmp_path / "thin.npy"), "--boundary", "periodic", "--device",
                      "cpu", "--no-plot", "--quiet", *extra]) == 2
+
+
+def test_periodic_help_names_every_path(capsys):
+    """--boundary periodic streams through the GPU too: the help no longer says the CPU."""
+    assert cli.main(["ecc", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "counted on the CPU unless" not in text
+    assert "on every --device, in memory, in slabs (--stream) and with --scheduler" in text
+
+
+def test_lazy_file_closes_what_it_opens(tmp_path):
+    """A compressed TIFF read slab by slab through LazyFile leaves no file descriptor open (each
+    read used to leave one until the garbage collector ran); LazyFile still pickles small."""
+    import gc
+    import pickle
+
+    from cutopo._io import LazyFile
+
+    tifffile = pytest.importorskip("tifffile")
+    pytest.importorskip("zarr")
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    img = _rng().integers(0, 9, size=(20, 30, 40)).astype(np.uint8)
+    tifffile.imwrite(tmp_path / "b.tif", img, compression="zlib")
+    np.save(tmp_path / "a.npy", img)
+    t = [0, 3, 8]
+    want = cutopo.ecc(img, t)
+    LazyFile(tmp_path / "b.tif")[:1]  # first use: Zarr's event loop (its descriptors stay)
+    for name in ("b.tif", "a.npy"):
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            f = LazyFile(tmp_path / name)
+            got = cutopo.ecc(f, t, max_slab_bytes=30 * 40 * 3 * 4)  # slabs of 2 planes
+            block = f[3:5]  # a .npy read is a view of the memory map: released with it
+            np.testing.assert_array_equal(block, img[3:5])
+            del block
+            after = len(os.listdir("/proc/self/fd"))
+        finally:
+            gc.enable()
+        np.testing.assert_array_equal(got, want)
+        assert after == before, name
+        g = pickle.loads(pickle.dumps(f))
+        assert len(pickle.dumps(f)) < 500 and g.shape == img.shape
+        np.testing.assert_array_equal(g[7, 2:5], img[7, 2:5])

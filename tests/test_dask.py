@@ -166,6 +166,25 @@ def test_validation(rng):
         cd.ect(d, [[1.0, 0.0]], 3)
 
 
+def test_unknown_chunk_sizes_are_named(rng):
+    """NaN chunk sizes (after boolean indexing) raise a ValueError that names the argument and
+    the fix, not a failure deep in the planning."""
+    x = da.from_array(rng.random((12, 9)).astype(np.float32), chunks=4)
+    unknown = x[x[:, 0] >= 0]
+    assert np.isnan(unknown.shape[0])
+    with pytest.raises(ValueError, match=r"darr has unknown \(NaN\) chunk sizes.*"
+                                         r"darr\.compute_chunk_sizes\(\)"):
+        cd.ecc(unknown, [0.5])
+    with pytest.raises(ValueError, match=r"darr .*compute_chunk_sizes"):
+        cd.ecc(unknown, 4, boundary="periodic")
+    with pytest.raises(ValueError, match=r"dmask has unknown \(NaN\) chunk sizes.*"
+                                         r"dmask\.compute_chunk_sizes\(\)"):
+        cd.ect(unknown > 0.5, [[1.0, 0.0]], 3)
+    known = unknown.compute_chunk_sizes()
+    np.testing.assert_array_equal(cd.ecc(known, [0.5]).compute(),
+                                  cutopo.ecc(x.compute(), [0.5]))
+
+
 def test_imports():
     """import cutopo never imports dask; without dask, cutopo.dask says what to install."""
     code = ("import sys, cutopo; assert 'dask' not in sys.modules\n"

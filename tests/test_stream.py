@@ -140,6 +140,184 @@ def test_memory_stays_bounded(tmp_path, rng):
     assert peaks[1] <= 1.25 * peaks[0] + (1 << 20)
 
 
+def traced_peak(fn):
+    """(result, peak traced host bytes) of fn(); what the first call imports is not counted."""
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def random_memmap(tmp_path, shape, name, make):
+    """A memmap filled plane by plane (no whole-volume temporary)."""
+    mm = np.memmap(tmp_path / name, dtype=make(shape[1:]).dtype, mode="w+", shape=shape)
+    for z in range(shape[0]):
+        mm[z] = make(shape[1:])
+    mm.flush()
+    return np.memmap(tmp_path / name, dtype=mm.dtype, mode="r", shape=shape)
+
+
+def test_ecc_memory_bound_with_large_planes(tmp_path, rng):
+    """Planes of 2^20 pixels (8 tiles each): the input plus keys within S, the temporaries within
+    the documented 8 MiB (the input, a memmap, is not traced). A sub-slab of one whole plane
+    took about 60 bytes per pixel: 68 MiB for S = 16 MiB."""
+    mm = random_memmap(tmp_path, (8, 1024, 1024), "big.u8",
+                       lambda s: rng.integers(0, 4, s, dtype=np.uint8))
+    t = [0, 1, 2, 3]
+    cutopo.ecc(mm[:4, :8, :8], t, max_slab_bytes=1 << 20)  # imports, first-call caches
+    slab = 16 << 20
+    for kw in ({}, {"connectivity": 3, "boundary": "periodic"}):
+        got, peak = traced_peak(lambda: cutopo.ecc(mm, t, max_slab_bytes=slab, **kw))
+        assert peak <= slab + (8 << 20), (kw, peak / 2**20)
+        np.testing.assert_array_equal(got, cutopo.ecc(np.asarray(mm), t, **kw))
+
+
+def test_ect_memory_bound_with_large_planes(tmp_path, rng):
+    """The ECT's contribution passes scale with S (they took up to 2^21 elements, about 100 MiB,
+    whatever S): the traced peak stays within S."""
+    mm = random_memmap(tmp_path, (5, 512, 512), "big.b1", lambda s: rng.random(s) < 0.5)
+    dirs = rng.normal(size=(6, 3))
+    cutopo.ect(mm[:3, :8, :8], dirs, 5, max_slab_bytes=1 << 20)
+    slab = 40 << 20  # 3 planes of 512 x 512 at 48 bytes per pixel: 36 MiB
+    for conn in (1, 3):
+        _, peak = traced_peak(lambda: cutopo.ect(mm, dirs, 16, connectivity=conn,
+                                                 max_slab_bytes=slab))
+        assert peak <= slab, (conn, peak / 2**20)
+
+
+def tied_across_rows(rng, shape, ndim, nan=0.1):
+    """Few levels; every row equal to the one before it in half the places (ties between the
+    rows of a plane, which tiles split), NaN pixels."""
+    img = rng.integers(0, 3, size=shape).astype(np.float32)
+    axis = len(shape) - ndim + (1 if ndim == 3 else 0)  # the rows of a plane (2D: the plane)
+    same = rng.random(shape) < 0.5
+    prev = np.roll(img, 1, axis=axis)
+    img = np.where(same, prev, img)
+    img[rng.random(shape) < nan] = np.nan
+    return img
+
+
+@pytest.mark.parametrize("ndim,shape", [(3, (9, 8, 7)), (3, (2, 6, 5, 9)), (2, (13, 11)),
+                                        (2, (3, 7, 12))])
+@pytest.mark.parametrize("periodic", [False, True])
+def test_planes_split_in_tiles_equal_in_memory(tmp_path, monkeypatch, rng, ndim, shape, periodic):
+    """Tiles smaller than a plane or a row (the ranges split planes, rows, pixels of a row, and
+    the images of a batch) give the in-memory ECC exactly: ties across the split rows, NaN, both
+    connectivities, the torus, batches; slabs of one plane and whole images."""
+    img = tied_across_rows(rng, shape, ndim)
+    mm = memmap_of(tmp_path, img)
+    t = np.array([0.0, 1.0, 2.0])
+    boundary = "periodic" if periodic else "box"
+    plane = plane_bytes(shape, ndim, img.itemsize + 2)
+    for conn in (1, ndim):
+        want = cutopo.ecc(img, t, ndim=ndim, connectivity=conn, boundary=boundary)
+        for step in (1, 5, 17, 64, 300):
+            monkeypatch.setattr(_stream, "CPU_STEP_ELEMENTS", step)
+            for slab in ((6 if periodic else 3) * plane, 1 << 20):
+                got = cutopo.ecc(mm, t, ndim=ndim, connectivity=conn, boundary=boundary,
+                                 max_slab_bytes=slab)
+                np.testing.assert_array_equal(got, want, err_msg=f"step={step} slab={slab}")
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_owned_histograms_of_a_partition_add_up(rng, ndim):
+    """owned_histogram with arbitrary per-axis masks (as Dask's seams give) and tiles smaller
+    than a row: the histograms of the 2^ndim products of each mask and its complement add up to
+    the whole image's."""
+    from cutopo import _ecc_numpy
+
+    shape = (2,) + ((12, 10) if ndim == 2 else (7, 6, 9))
+    img = tied_across_rows(rng, shape, ndim, nan=0.05)
+    t = np.array([0.0, 1.0, 2.0], dtype=np.float32)
+    masks = [rng.random(n) < 0.5 for n in shape[1:]]
+    for tconn in (False, True):
+        whole = _ecc_numpy.owned_histogram(img, t, ndim, tconn)
+        assert (np.cumsum(whole, axis=1) == cutopo.ecc(img, t, ndim=ndim,
+                                                      connectivity=ndim if tconn else 1)).all()
+        for step in (1, 4, 23):
+            total = sum(_ecc_numpy.owned_histogram(
+                img, t, ndim, tconn, [m if keep else ~m for m, keep in zip(masks, signs)],
+                step_elements=step) for signs in np.ndindex(*(2,) * ndim))
+            np.testing.assert_array_equal(total, whole, err_msg=f"step={step}")
+
+
+def test_threshold_count_needs_no_larger_slab(tmp_path, rng):
+    """float64: explicit thresholds need 3 planes of 8 + 2 bytes per voxel; the count's min/max
+    pass used to plan 16 bytes per voxel and refused that bound."""
+    img = tied_image(rng, (9, 12, 10), dtype="float64", nan=0.1)
+    img[4, 3, 2] = -7.5  # the extremes in an owned plane of a middle slab
+    img[6, 0, 9] = 11.25
+    mm = memmap_of(tmp_path, img)
+    slab = 3 * plane_bytes(img.shape, 3, img.itemsize + 2)
+    t = np.linspace(0, 3, 4)
+    np.testing.assert_array_equal(cutopo.ecc(mm, t, max_slab_bytes=slab), cutopo.ecc(img, t))
+    for conn in (1, 3):
+        np.testing.assert_array_equal(cutopo.ecc(mm, 7, connectivity=conn, max_slab_bytes=slab),
+                                      cutopo.ecc(img, 7, connectivity=conn))
+    src = _stream.check_source(mm, None)
+    assert _stream.stream_min_max(src, slab) == (-7.5, 11.25)
+    with pytest.raises(ValueError, match="too small"):
+        cutopo.ecc(mm, 7, max_slab_bytes=slab - 1)
+
+
+@pytest.mark.parametrize("ndim,shape", [(3, (9, 6, 5)), (2, (3, 14, 9))])
+@pytest.mark.parametrize("periodic", [False, True])
+def test_ect_small_passes_equal_in_memory(tmp_path, monkeypatch, rng, ndim, shape, periodic):
+    """Contribution passes of a few elements (one direction, entries split within a
+    direction) give the in-memory ECT exactly."""
+    mask = rng.random(shape) < 0.55
+    mm = memmap_of(tmp_path, mask)
+    dirs = np.concatenate([np.eye(ndim)[:1], rng.normal(size=(3, ndim))])
+    boundary = "periodic" if periodic else "box"
+    slab = 4 * plane_bytes(shape, ndim, _stream.ECT_CPU_BYTES_PER_PIXEL)
+    for conn in (1, ndim):
+        want = cutopo.ect(mask, dirs, 9, connectivity=conn, boundary=boundary)
+        for per_element in (slab // 7, slab // 100):
+            monkeypatch.setattr(_stream, "ECT_CPU_PASS_BYTES", per_element)
+            got = cutopo.ect(mm, dirs, 9, connectivity=conn, boundary=boundary, max_slab_bytes=slab)
+            np.testing.assert_array_equal(got, want)
+
+
+def test_gpu_ect_passes_scale_with_the_slab(tmp_path, monkeypatch, rng):
+    """The streamed ECT hands the GPU a pass bound of S / ECT_GPU_PASS_BYTES elements, which
+    direction_groups honours (one direction at least). CPU stand-ins for CuPy and the kernels;
+    tests/test_stream_gpu.py::test_streamed_ect_on_the_gpu and
+    ::test_streamed_periodic_ect_on_the_gpu run the real ones."""
+    import sys
+    import types
+
+    from cutopo import _band_cupy, _ect
+
+    mask = rng.random((12, 9, 8)) < 0.5
+    mm = memmap_of(tmp_path, mask)
+    dirs = rng.normal(size=(7, 3))
+    slab = 4 * plane_bytes(mask.shape, 3, _stream.ECT_GPU_BYTES_PER_PIXEL)
+    seen = []
+
+    def forward(block, dirs64, coords, t, tconn, soft, own=None, general=False,
+                pass_elements=None):
+        per = math.prod(block.shape)
+        groups = _band_cupy.direction_groups(block, len(dirs64), True, pass_elements)
+        assert all((d1 - d0) * per <= max(pass_elements, per) for d0, d1 in groups)
+        seen.append((pass_elements, len(groups)))
+        out = _ect.curves(block, dirs64, coords, t, tconn, own, general=general)
+        return types.SimpleNamespace(get=lambda: out), None
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(asarray=np.asarray))
+    monkeypatch.setattr(_band_cupy, "ect_forward", forward)
+    got = _stream.ect(mm, dirs, 9, 3, "box", "cuda", slab)
+    np.testing.assert_array_equal(got, cutopo.ect(mask, dirs, 9, connectivity=3))
+    assert {p for p, _ in seen} == {slab // _stream.ECT_GPU_PASS_BYTES}
+    assert max(n for _, n in seen) > 1  # the directions were split
+    assert _band_cupy.direction_groups(np.zeros((2, 10, 10)), 16, True) == [(0, 16)]
+    assert _band_cupy.direction_groups(np.zeros((2, 10, 10)), 5, True, 450) == [
+        (0, 2), (2, 4), (4, 5)]
+    assert _band_cupy.direction_groups(np.zeros((2, 10, 10)), 3, True, 1) == [
+        (0, 1), (1, 2), (2, 3)]
+
+
 @pytest.mark.parametrize("ndim,shape", [(3, (15, 8, 7)), (2, (50, 12)), (2, (3, 11, 10))])
 @pytest.mark.parametrize("conn", ["V", "T"])
 def test_ect_streaming_equals_in_memory(tmp_path, rng, ndim, shape, conn):
@@ -401,8 +579,9 @@ class FakeDeviceArray(np.ndarray):
 
 
 def fake_cupy(log):
-    """Enough of CuPy for cutopo._stream._gpu_pipeline, on the host: copies are memmoves done
-    at once, events always done, kernels are owned_histogram (see test below)."""
+    """Enough of CuPy for cutopo._stream._gpu_pipeline and _device_slabs, on the host: copies
+    are memmoves done at once, events always done, kernels are owned_histogram (see test
+    below)."""
     import ctypes
     import types
 
@@ -434,9 +613,24 @@ def fake_cupy(log):
     def dev(a):
         return np.asarray(a).view(FakeDeviceArray)
 
+    class Device:
+        id = 0
+
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def synchronize(self):
+            pass
+
     runtime = types.SimpleNamespace(memcpyAsync=memcpy, memcpyHostToDevice=1)
-    cuda = types.SimpleNamespace(Stream=Stream, runtime=runtime,
-                                 Device=lambda *a: types.SimpleNamespace(synchronize=lambda: None))
+    cuda = types.SimpleNamespace(Stream=Stream, runtime=runtime, Device=Device,
+                                 get_current_stream=lambda: Stream())
     class NotADeviceArray:  # nothing on the host is a fake CuPy array
         pass
 
@@ -537,6 +731,46 @@ def test_gpu_pipeline_logic_on_a_fake_device(monkeypatch, rng, mode, dtype, shap
         assert sum(direct) == sum(n for _, n in log) and stats["staged"] == 0
     if mode == "staged":
         assert not direct and stats["direct"] == 0
+
+
+@pytest.mark.parametrize("boundary", ["box", "periodic"])
+@pytest.mark.parametrize("dtype,shape", [(bool, (13, 9, 8)), (np.uint8, (3, 11, 10))])
+def test_gpu_ect_slab_pipeline_on_a_fake_device(tmp_path, monkeypatch, rng, boundary, dtype,
+                                                shape):
+    """The streamed ECT's GPU slab pipeline (_device_slabs: a reader thread, two pinned and two
+    device buffers used in turn) with the fake CuPy and _ect.curves as the kernel: every slab
+    copied once, the exact in-memory ECT; tests/test_stream_gpu.py runs the real one."""
+    import types
+
+    from cutopo import _band_cupy, _ect
+
+    log = install_fake_device(monkeypatch, False)
+    ndim = 3 if len(shape) == 3 and dtype is bool else 2
+    mask = rng.random(shape) < 0.5
+    mask = mask if dtype is bool else mask.astype(dtype) * dtype(7)
+    mm = memmap_of(tmp_path, mask)
+    dirs = rng.normal(size=(5, ndim))
+    buffers = set()
+
+    def forward(block, dirs64, coords, t, tconn, soft, own=None, general=False,
+                pass_elements=None):
+        buffers.add(np.asarray(block).__array_interface__["data"][0])
+        out = _ect.curves(np.asarray(block), dirs64, coords, t, tconn,
+                          [np.asarray(o, dtype=bool) for o in own], general=general)
+        return types.SimpleNamespace(get=lambda: out), None
+
+    monkeypatch.setattr(_band_cupy, "ect_forward", forward)
+    slab = 3 * plane_bytes(shape, ndim, _stream.ECT_GPU_BYTES_PER_PIXEL)
+    got = _stream.ect(mm, dirs, 7, 1, boundary, "cuda", slab)
+    np.testing.assert_array_equal(got, cutopo.ect(mask != 0, dirs, 7, boundary=boundary))
+    pieces = _stream.plan_pieces(_stream.check_source(mm, ndim, mask=True),
+                                 _stream.ECT_GPU_BYTES_PER_PIXEL, slab, boundary == "periodic")
+    assert len(pieces) > 2 and len(log) == len(pieces)
+    assert [n for _, n in log] == [math.prod(_stream.piece_shape(
+        _stream.check_source(mm, ndim, mask=True), p)) * mask.itemsize for p in pieces]
+    assert len({p for p, _ in log}) == 2  # two pinned buffers, in turn
+    if boundary == "box" and dtype is bool:
+        assert len(buffers) == 2          # the kernel read the two device buffers in turn
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -645,3 +879,11 @@ def test_cli_scheduler_unreachable(tmp_path, rng, monkeypatch, capsys):
     assert main(["ecc", str(tmp_path / "a.npy"), "--scheduler", "tcp://127.0.0.1:1", "--no-plot",
                  "--quiet"]) == 2
     assert "--scheduler tcp://127.0.0.1:1: cannot connect" in capsys.readouterr().err
+
+
+def test_count_over_a_range_wider_than_float64_streamed(tmp_path):
+    image = np.zeros((6, 5, 4))
+    image[1, 2, 3], image[4, 0, 0] = -1e308, 1e308
+    mm = memmap_of(tmp_path, image)
+    np.testing.assert_array_equal(cutopo.ecc(mm, 5), cutopo.ecc(image, 5))
+    assert np.isfinite(cutopo.linear_thresholds(image, 5)).all()
