@@ -18,18 +18,44 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-__all__ = ["ArraySpec", "AdaptedOp", "adapted_ops", "docstring", "freeze"]
+__all__ = ["ArraySpec", "AdaptedOp", "adapted_ops", "docstring", "freeze", "stand_in"]
 
 
 class ArraySpec(NamedTuple):
-    """Shape and NumPy dtype of an array argument, without data (what an op's ``meta`` sees)."""
+    """Shape and NumPy dtype of an array argument, without data (what an op's ``meta`` sees).
+
+    ``example_shape``: the concrete sizes of the example being traced when ``shape`` holds
+    symbolic ones (``torch.compile`` with dynamic shapes), else None. A shape rule computes its
+    result from ``shape`` and checks the arguments on :func:`stand_in` arrays, which take
+    ``example_shape``: so the checks neither specialise nor guard the symbolic sizes.
+    """
 
     shape: tuple
     dtype: np.dtype
+    example_shape: tuple | None = None
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+
+def stand_in(value, fill=0):
+    """An array argument of a shape rule (an :class:`ArraySpec`, or any array) as a NumPy array
+    of its shape and dtype holding ``fill`` everywhere, without data: a 0-d array broadcast with
+    zero strides. A shape rule runs its op's own argument checks on such stand-ins, so that
+    bad shapes, dtypes and options raise the op's errors when the adapters trace the op, before
+    it runs. Other values (Python and NumPy scalars, ``None``, objects) are returned as given.
+
+    The checks read the fill value, never the argument's data: pick a ``fill`` that passes the
+    value checks (1 for a scale or directions, 0 for probabilities), and run only checks whose
+    cost does not grow with the data, or grows only with a cheap pass over the stand-in.
+    """
+    if isinstance(value, np.generic) or not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        return value
+    shape = getattr(value, "example_shape", None)
+    if shape is None:
+        shape = value.shape
+    return np.broadcast_to(np.full((), fill, dtype=np.dtype(value.dtype)), tuple(shape))
 
 
 # ----------------------------------------------------------------------------- shape rules
@@ -39,21 +65,45 @@ def _is_count(thresholds) -> bool:
     return isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
 
 
-# The other keyword arguments (connectivity, boundary, device, max_slab_bytes, ...) do not
-# change the result's shape: the rules take them as ``**_``, so that a new option of an op
-# does not break its adapters.
+# The other keyword arguments (device, max_slab_bytes, ...) do not change the result's shape:
+# the rules take them as ``**_``, so that a new option of an op does not break its adapters.
+# Each rule first runs the op's checks that need no data, on stand-ins (``stand_in``), in the
+# op's order: a bad argument raises the op's own error when the adapters trace the call.
 
-def _ecc_meta(image, thresholds, *, ndim=None, **_):
-    spatial = image.ndim if ndim is None else ndim
+def _thresholds_probe(image):
+    """A stand-in image of 1 pixel (0 when ``image`` is empty) for ``check_thresholds``: a count
+    of thresholds is checked (``linear_thresholds``) without a pass over the image."""
+    return np.zeros(min(image.size, 1), dtype=image.dtype)
+
+
+def _ecc_meta(image, thresholds, *, ndim=None, connectivity=1, boundary="box", **_):
+    from ._checks import check_boundary, check_connectivity, check_image, check_thresholds
+
+    blank, spatial = check_image(stand_in(image), ndim)
+    check_connectivity(connectivity, spatial)
+    check_boundary(boundary, blank, spatial)
+    check_thresholds(stand_in(thresholds), _thresholds_probe(blank))
     T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
     return tuple(image.shape[:image.ndim - spatial]) + (T,), np.dtype(np.int64)
 
 
-def _contributions_meta(image, **_):
+def _contributions_meta(image, *, ndim=None, connectivity=1, boundary="box", **_):
+    from ._checks import check_boundary, check_connectivity, check_image
+
+    blank, spatial = check_image(stand_in(image), ndim)
+    check_connectivity(connectivity, spatial)
+    check_boundary(boundary, blank, spatial)
     return tuple(image.shape), np.dtype(np.int8)
 
 
-def _ect_meta(mask, directions, thresholds, **_):
+def _ect_meta(mask, directions, thresholds, *, connectivity=1, boundary="box", **_):
+    from ._checks import check_boundary
+    from ._ect import _prepare
+
+    # directions of ones: the stand-in must pass the check that no direction is zero
+    _, _, mask_b, _, spatial, _, _, _, _ = _prepare(
+        "ect", stand_in(mask), stand_in(directions, 1), stand_in(thresholds), connectivity)
+    check_boundary(boundary, mask_b, len(spatial))
     D, ndim = directions.shape
     T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
     return tuple(mask.shape[:mask.ndim - ndim]) + (D, T), np.dtype(np.int64)

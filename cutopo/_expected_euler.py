@@ -213,7 +213,14 @@ def _backward(residuals, cotangent, needs):
 
 
 def _meta(prob, *, ndim=None, connectivity=1):
-    """Output (shape, dtype) from the argument's shape and dtype (see cutopo.vjp.OpSpec)."""
+    """Output (shape, dtype) from the argument's shape and dtype (see cutopo.vjp.OpSpec).
+
+    First the op's checks (_validate: dtype, rank, ndim, connectivity) on a data-free stand-in
+    of zeros, so that a bad argument raises the op's own error before the op runs; its check of
+    the values reads the stand-in (one pass over a broadcast 0), never the data."""
+    from ._adapters import stand_in
+
+    _validate(stand_in(prob), ndim, connectivity)
     spatial = prob.ndim if ndim is None else ndim
     wide = prob.dtype == np.float64
     return tuple(prob.shape[:prob.ndim - spatial]), np.dtype(np.float64 if wide else np.float32)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _band_cupy, _band_numpy, _ecc_numpy
-from ._array import as_array, is_cupy_array
+from ._array import array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_scale,
                       check_thresholds, same_array_type)
@@ -31,6 +31,7 @@ class _Config(NamedTuple):
     dtype: np.dtype     # computation dtype (float32 or float64)
     band: float         # B
     periodic: bool = False  # boundary="periodic": the torus complex
+    count: bool = False     # t = linear_thresholds(image, n): t moves with the image's range
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +44,9 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
     tconn = check_connectivity(connectivity, ndim)
     periodic = check_boundary(boundary, image, ndim)
     scale_value, scale64 = check_scale(scale)
-    if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
+    count = (isinstance(thresholds, (int, np.integer))
+             and not isinstance(thresholds, (bool, np.bool_)))
+    if count:
         t_host, _ = check_thresholds(thresholds, image)  # linear_thresholds(image, n)
         t64 = False  # a count does not choose the precision
     else:
@@ -57,7 +60,7 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
     if not (np.isfinite(lam) and lam > 0):
         raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
     t = t_host.astype(dtype)
-    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic)
+    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic, count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,24 +112,64 @@ def _backward(cfg: _Config, g, needs):
     need_image, need_t, need_scale = needs
     if not any(needs):
         return None, None, None
+    chain = need_image and cfg.count  # count thresholds move with the image's min and max
     if is_cupy_array(cfg.image):
-        return _band_cupy.soft_ecc_backward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
-                                            cfg.ndim, cfg.tconn, g, needs, cfg.periodic)
-    g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
-    index, px = _pixels(cfg)
-    d_f, d_t, d_scale = _band_numpy.backward(px, cfg.t, cfg.scale, g, need_image, need_t,
-                                             need_scale)
-    d_image = None
-    if need_image:
-        d_image = np.zeros(cfg.image.size, dtype=np.float64)
-        d_image[index] = d_f
-        d_image = d_image.reshape(cfg.image.shape)
-    return d_image, d_t, (np.asarray(d_scale) if need_scale else None)
+        d_image, d_t, d_scale = _band_cupy.soft_ecc_backward(
+            cfg.image, cfg.t, cfg.scale, _halfwidth(cfg), cfg.ndim, cfg.tconn, g,
+            (need_image, need_t or chain, need_scale), cfg.periodic)
+    else:
+        g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
+        index, px = _pixels(cfg)
+        d_f, d_t, d_scale = _band_numpy.backward(px, cfg.t, cfg.scale, g, need_image,
+                                                 need_t or chain, need_scale)
+        d_image = None
+        if need_image:
+            d_image = np.zeros(cfg.image.size, dtype=np.float64)
+            d_image[index] = d_f
+            d_image = d_image.reshape(cfg.image.shape)
+        d_scale = np.asarray(d_scale) if need_scale else None
+    if chain:
+        d_image = _range_pullback(cfg, d_image, d_t)
+    return d_image, (d_t if need_t else None), d_scale
+
+
+def _range_pullback(cfg: _Config, d_image, d_t):
+    """Add the count thresholds' cotangent ``d_t`` to the pixels that set them.
+
+    linear_thresholds(image, n) is numpy.linspace(lo, hi, n) over the finite pixels of the
+    whole array (one range shared by the batch): t_k = lo + (hi - lo) k / (n - 1), t = [lo]
+    when n = 1, so dt_k/dhi = k / (n - 1) and dt_k/dlo = 1 - k / (n - 1). lo and hi move with
+    the first pixel (C order) attaining them: at ties that is one one-sided derivative, as
+    soft_ect's reach R takes the first direction attaining it. On the array's own device.
+    """
+    xp = array_module(cfg.image)
+    n = cfg.t.size
+    slope = xp.arange(n, dtype=np.float64) / (n - 1) if n > 1 else xp.zeros(1)
+    d_hi = xp.dot(d_t, slope)
+    d_lo = xp.sum(d_t) - d_hi
+    flat = cfg.image.reshape(-1)
+    finite = xp.isfinite(flat)  # NaN and +-inf are left out of the range, as there
+    i_lo = xp.argmin(xp.where(finite, flat, xp.inf))  # first minimum, on both backends
+    i_hi = xp.argmax(xp.where(finite, flat, -xp.inf))
+    d_image = d_image.reshape(-1)  # a view: d_image is contiguous
+    d_image[i_lo] += d_lo
+    d_image[i_hi] += d_hi
+    return d_image.reshape(cfg.image.shape)
 
 
 def _meta(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
-    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
-    spatial = image.ndim if ndim is None else ndim
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec).
+
+    First _prepare's checks, in its order, on data-free stand-ins (a scale of ones; a count of
+    thresholds against a 1-pixel image): a bad argument raises the op's own error before the
+    op runs. The checks of values (scale overflowing float32) are left to the op."""
+    from ._adapters import stand_in
+
+    blank, spatial = check_image(stand_in(image), ndim)
+    check_connectivity(connectivity, spatial)
+    check_boundary(boundary, blank, spatial)
+    check_scale(stand_in(scale, 1))
+    check_thresholds(stand_in(thresholds), np.zeros(min(blank.size, 1), dtype=blank.dtype))
     batch = tuple(image.shape[:image.ndim - spatial])
     count = isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
     T = int(thresholds) if count else thresholds.shape[0]
@@ -162,8 +205,9 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
         (sigmoid(-inf) = 0); -inf pixels contribute c(p) at every threshold.
     thresholds : int or 1-D array
         Sorted (non-decreasing), finite threshold values, or a count ``n`` meaning
-        :func:`linear_thresholds(image, n) <linear_thresholds>` (then not differentiable, and
-        the count does not affect the computation dtype).
+        :func:`linear_thresholds(image, n) <linear_thresholds>` (the count does not affect the
+        computation dtype; it gets no cotangent, but the image's does include the
+        thresholds' dependence on the image's finite minimum and maximum, see Notes).
     scale : float or 0-d array
         The positive, finite sharpness lambda of the sigmoid, in inverse units of the image.
     ndim : {None, 2, 3}, optional
@@ -223,7 +267,11 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     band entries only (sigma' = s (1 - s) inside the band, 0 outside): for a cotangent g,
 
     * image: ``-scale * c(p) * sum_k g_k sigma'_pk`` (c is piecewise constant, so its
-      derivative is zero almost everywhere; NaN and +-inf pixels get 0);
+      derivative is zero almost everywhere; NaN and +-inf pixels get 0). With a count
+      ``n``, t_k = lo + (hi - lo) k / (n - 1) moves with the finite minimum lo and maximum
+      hi of the whole array (one range for the batch), so the pixel attaining lo also gets
+      ``sum_k d_t_k (1 - k / (n - 1))`` and the one attaining hi ``sum_k d_t_k k / (n - 1)``
+      (d_t as below; the first such pixel in C order when several tie);
     * thresholds: ``scale * sum_p c(p) g_k sigma'_pk``, summed over the batch;
     * scale: ``sum_k sum_p g_k c(p) (t_k - f(p)) sigma'_pk``.
 

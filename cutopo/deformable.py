@@ -556,7 +556,21 @@ def _backward(cfg: _Config, g, needs):
 def _meta(features, spatial_shapes, level_start_index, sampling_locations, weights, *,
           boundary="sparse4d", deterministic=False, level_layout="channels_first"):
     """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec):
-    (bs, A, C) with C from the (first level of the) features, dtype as _prepare promotes."""
+    (bs, A, C) with C from the (first level of the) features, dtype as _prepare promotes.
+
+    First _prepare's checks (options, dtypes, ranks, shapes against one another), on data-free
+    stand-ins: a bad argument raises the op's own error before the op runs. The map tables'
+    values are unknown here: their stand-ins (every map 1 x 1, starting at row 0) pass the
+    checks of values whenever the features have a row, so those are left to the op."""
+    from ._adapters import stand_in
+
+    flat = hasattr(features, "shape")  # an array (the adapters' specs are NamedTuples: tuples)
+    if flat:
+        tables = (stand_in(spatial_shapes, 1), stand_in(level_start_index, 0))
+    else:  # per-level features: _prepare checks given tables against the levels' own values
+        tables = (None, None)
+    _prepare(stand_in(features) if flat else [stand_in(f) for f in features], *tables,
+             stand_in(sampling_locations), stand_in(weights), boundary, deterministic, level_layout)
     if hasattr(features, "shape"):  # an array (the adapters' array specs are NamedTuples)
         first = features
         C = first.shape[2]
@@ -653,7 +667,8 @@ def deformable_aggregation(features, spatial_shapes, level_start_index, sampling
     NaN from an upstream projection silently drops that (point, camera) pair. The op is
     piecewise bilinear in the locations: its derivative jumps where x or y crosses a pixel
     centre, and with ``"sparse4d"`` the value jumps at u, v in {0, 1}; the VJP there is the
-    derivative of the cell the point is in.
+    derivative of the cell the point is in, except at x = -1 or y = -1 exactly, which read
+    nothing (the reference's -1 < x test): there the sample adds its left-hand derivative, 0.
 
     *VJP.* ``cutopo.vjp(deformable_aggregation, *args, wrt=...)`` returns the cotangents of
     the arguments named in ``wrt`` (default: features, sampling_locations, weights; the

@@ -23,7 +23,9 @@ op's shape rule (``OpSpec.meta``), the backward calls :func:`cutopo.vjp` (the on
 for exactly the arguments being differentiated (``symbolic_zeros`` tells which).
 
 * CPU: ``jax.pure_callback`` to the NumPy path. The data is on the host already, so NumPy sees
-  JAX's buffers without copies; the result is copied once into a JAX buffer.
+  JAX's buffers without copies; the result is copied once into a JAX buffer. An eager call
+  (concrete arrays on one CPU device, no transformation running) skips the callback: it runs
+  the NumPy op on the same buffers at once and returns the result on the arrays' device.
 * GPU (``jax.default_backend() == "gpu"``, or concrete arrays on a GPU): the callbacks are
   ``jax.experimental.buffer_callback`` callbacks (jax >= 0.6.1) that hand XLA's device buffers
   to CuPy through ``__cuda_array_interface__`` (no copies), run the CUDA kernels on XLA's stream
@@ -51,8 +53,36 @@ for exactly the arguments being differentiated (``symbolic_zeros`` tells which).
 
 Static arguments are part of the cache key: under ``jax.jit`` pass them as Python values (mark
 them static with ``static_argnums`` when they are arguments of the jitted function). An eager
-call costs the op plus about 0.3 ms (the callback's dispatch; measured on this CPU); under
-``jax.jit`` the callback is part of the compiled computation.
+call on the CPU costs the op plus about 0.1 ms (argument handling and the copy of the result
+into a JAX buffer; measured on this CPU; the first call of a configuration also builds its
+function), against about 0.35 ms through a callback; under ``jax.jit`` the callback is part of
+the compiled computation.
+
+Errors
+------
+Bad arguments raise the op's own exception (TypeError or ValueError naming the argument,
+the same type and message as ``cutopo.<op>``), in three ways:
+
+* Shapes, dtypes and static values (ranks, a ``scale`` of -1.0 given as a Python float, a bad
+  ``connectivity``, thresholds that are not 1-D, inconsistent shapes of arguments): the op's
+  shape rule runs the op's checks that need no data, when the call is traced. So these are
+  raised at the call, eagerly and under ``jax.jit`` (while tracing), ``jax.grad`` and
+  ``jax.vmap``.
+* Values (``prob`` outside [0, 1], unsorted thresholds, an inconsistent ``level_start_index``
+  given as an array): only the op can check them, when it runs. An eager call on the CPU runs
+  it at once and raises its exception. Under ``jax.grad`` or ``jax.vmap`` without ``jit``, and
+  eagerly on a GPU, the op runs in a callback; where XLA reports the callback's failure during
+  the call, the call raises the op's exception too (JAX also logs the callback's traceback),
+  but with JAX's asynchronous dispatch it can surface later, at ``block_until_ready`` or on
+  reading the result, as JAX's report of the failed callback: a ``jax.errors.JaxRuntimeError``
+  (or, from JAX's C++ dispatch path, a ValueError) whose message, "INTERNAL: CpuCallback
+  error ...", ends with the op's exception and its traceback.
+* Under ``jax.jit`` value errors always surface as that report when the compiled function
+  runs: the op cannot run before the computation does. Check values before a jitted call
+  where a clear error matters.
+
+A count given as a JAX array (a traced int, under ``jax.jit`` without ``static_argnums``)
+cannot set the result's shape: a TypeError says so.
 
 Examples
 --------
@@ -72,6 +102,7 @@ dtype('int32')
 """
 from __future__ import annotations
 
+import collections
 import inspect
 
 import numpy as np
@@ -280,12 +311,43 @@ def _on_gpu(args) -> bool:
 
 _CALLBACKS: dict = {}  # host function -> its pure/buffer callback wrapper (stable identity)
 
+# The latest exceptions raised by cutopo in callbacks. XLA reports such an exception as a
+# JaxRuntimeError ("CpuCallback error ...", its traceback as text); where that surfaces in a call
+# of the adapter (eager transformations, GPU), the call raises the op's exception itself
+# (_callback_error). Few are kept, so that failed calls pin little memory (their tracebacks).
+_CALLBACK_ERRORS: collections.deque = collections.deque(maxlen=4)
+
+
+def _host_call(fn, arrays):
+    """``fn(*arrays)``, remembering an exception for :func:`_callback_error` (any thread: XLA
+    may run callbacks on its own)."""
+    try:
+        return fn(*arrays)
+    except Exception as exc:
+        _CALLBACK_ERRORS.append(exc)
+        raise
+
+
+def _callback_error(error):
+    """The exception of a callback that ``error`` reports (XLA's report of a failed callback: a
+    JaxRuntimeError, or a ValueError from JAX's C++ dispatch, whose message holds the
+    callback's traceback), or None."""
+    text = str(error)
+    for exc in reversed(list(_CALLBACK_ERRORS)):
+        if f"{type(exc).__name__}: {exc}" in text:
+            try:
+                _CALLBACK_ERRORS.remove(exc)
+            except ValueError:  # taken by another thread meanwhile
+                pass
+            return exc
+    return None
+
 
 def _pure_wrapper(fn):
     wrapper = _CALLBACKS.get((fn, "pure"))
     if wrapper is None:
         def wrapper(*arrays):
-            return fn(*[np.asarray(a) for a in arrays])
+            return _host_call(fn, [np.asarray(a) for a in arrays])
         _CALLBACKS[(fn, "pure")] = wrapper
     return wrapper
 
@@ -299,7 +361,7 @@ def _buffer_wrapper(fn, device: bool):
         def wrapper(ctx, out, *args):
             outs = out if isinstance(out, (list, tuple)) else [out]
             if not device:
-                results = fn(*[np.asarray(a) for a in args])
+                results = _host_call(fn, [np.asarray(a) for a in args])
                 results = results if isinstance(results, (list, tuple)) else [results]
                 for o, r in zip(outs, results):
                     np.asarray(o)[...] = r
@@ -309,7 +371,7 @@ def _buffer_wrapper(fn, device: bool):
             ptr = (args[0] if args else outs[0]).__cuda_array_interface__["data"][0]
             device_id = cupy.cuda.runtime.pointerGetAttributes(ptr).device
             with cupy.cuda.Device(device_id), _external_stream(cupy, ctx.stream, device_id):
-                results = fn(*[cupy.asarray(a) for a in args])
+                results = _host_call(fn, [cupy.asarray(a) for a in args])
                 results = results if isinstance(results, (list, tuple)) else [results]
                 for o, r in zip(outs, results):
                     cupy.asarray(o)[...] = r  # XLA owns the output buffer: one device copy
@@ -349,7 +411,8 @@ _VMAP_BUFFER = {"vmap_method": "expand_dims"}
 # ----------------------------------------------------------------------------- the generic adapter
 
 def _make(op, template, kwargs, avals, out_shape):
-    """The custom_vjp function of the dynamic arguments for one static configuration."""
+    """The custom_vjp function of the dynamic arguments for one static configuration, and its
+    runner (which eager calls on the host run directly)."""
     runner = _Runner(op, template, kwargs, avals, out_shape.dtype)
     n = len(avals)
     names = [name for name, v in zip(op.arg_names, template) if _is_dyn(v)]
@@ -376,10 +439,10 @@ def _make(op, template, kwargs, avals, out_shape):
         return tuple(next(grads) if need else None for need in needs)
 
     function.defvjp(function_fwd, function_bwd, symbolic_zeros=True)
-    return function
+    return function, runner
 
 
-_FUNCTIONS: dict = {}  # configuration key -> custom_vjp function
+_FUNCTIONS: dict = {}  # configuration key -> (custom_vjp function, its runner, result struct)
 
 
 def _public(op: _adapters.AdaptedOp):
@@ -419,12 +482,29 @@ def _public(op: _adapters.AdaptedOp):
                      tuple((k, _adapters.freeze(v)) for k, v in sorted(static.items())))
         entry = _FUNCTIONS.get(cache_key)
         if entry is None:
+            # the shape rule runs the op's checks that need no data: bad shapes, dtypes and
+            # static values raise the op's error here, also when tracing under jax.jit
             out_shape = _out_shape(op, template, static, avals)
-            entry = (_make(op, tuple(template), dict(static), avals, out_shape), out_shape)
+            entry = _make(op, tuple(template), dict(static), avals, out_shape) + (out_shape,)
             _FUNCTIONS[cache_key] = entry
+        function, runner, out_shape = entry
         if not dyn:  # nothing dynamic: the op itself, on host values
-            return jnp.asarray(np.asarray(op.function(*values, **static)).astype(entry[1].dtype))
-        return entry[0](*dyn)
+            return jnp.asarray(np.asarray(op.function(*values, **static)).astype(out_shape.dtype))
+        device = _host_device(dyn)
+        if device is not None:
+            # eager, nothing traced, on the host: the op itself on the arrays' host buffers (the
+            # callback would do the same, later; this way the op's errors come as raised)
+            out = runner.forward(*[np.asarray(a) for a in dyn])
+            if any(a.committed for a in dyn):
+                return jax.device_put(out, device)
+            return jnp.asarray(out)
+        try:
+            return function(*dyn)
+        except Exception as exc:  # JaxRuntimeError; the C++ dispatch path raises a ValueError
+            original = _callback_error(exc)
+            if original is None or original is exc:
+                raise
+            raise original from None
 
     function.__name__ = function.__qualname__ = op.public_name
     function.__module__ = __name__ + (f".{op.family}" if op.family else "")
@@ -433,25 +513,58 @@ def _public(op: _adapters.AdaptedOp):
     return function
 
 
+def _host_device(arrays):
+    """The device of concrete (not traced) JAX arrays that all live on one CPU device, or None
+    (tracers: a transformation is running; GPU arrays: the buffer callback's path)."""
+    device = None
+    for a in arrays:
+        if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
+            return None
+        devices = a.devices()
+        if len(devices) != 1:
+            return None
+        (d,) = devices
+        if d.platform != "cpu" or (device is not None and d != device):
+            return None
+        device = d
+    return device
+
+
 def _out_shape(op, template, static, avals):
     """The result's ShapeDtypeStruct from the op's shape rule; float64 needs x64."""
     name = op.qualified_name.replace("cutopo.", "cutopo.jax.", 1)
     if op.meta is None:
         raise NotImplementedError(f"{name}: the op has no shape rule (OpSpec.meta), which "
                                   "cutopo.jax needs; use the NumPy op directly")
-    args = []
-    for v in template:
+    args, counts = [], []
+    for arg_name, v in zip(op.arg_names, template):
         if _is_dyn(v):
             aval = avals[v[1]]
-            args.append(0.0 if v[2] else _adapters.ArraySpec(tuple(aval.shape), np.dtype(aval.dtype)))
+            # a weakly typed scalar reaches the op as a Python float, value unknown here: 1.0
+            # passes the checks of a scale
+            args.append(1.0 if v[2] else _adapters.ArraySpec(tuple(aval.shape), np.dtype(aval.dtype)))
+            if aval.ndim == 0 and np.dtype(aval.dtype).kind in "iu":
+                counts.append(arg_name)  # perhaps a count given as an array
         else:
             args.append(v)
     try:
         shape, dtype = op.meta(*args, **static)
     except Exception as exc:
-        raise TypeError(f"{name}: cannot infer the result's shape ({type(exc).__name__}: {exc}); "
-                        "arguments that set shapes (a threshold count) must be Python values, "
-                        "not JAX arrays") from exc
+        # The op's own checks raise TypeError or ValueError naming the argument: raised as they
+        # are, as an eager call of the op would, unless the argument is a 0-d integer array
+        # where a count (a Python int, which sets the result's shape) was perhaps meant.
+        checked = isinstance(exc, (TypeError, ValueError))
+        named = [n for n in counts if n in str(exc)] if checked else counts
+        if named:
+            raise TypeError(f"{name}: cannot infer the result's shape ({type(exc).__name__}: "
+                            f"{exc}); {named[0]} is a 0-d integer JAX array, but arguments that "
+                            "set the result's shape, such as a count of thresholds, must be "
+                            "Python values, not JAX arrays (under jax.jit: static arguments)"
+                            ) from exc
+        if checked:
+            raise
+        raise TypeError(f"{name}: the shape rule failed on these argument shapes and static "
+                        f"values ({type(exc).__name__}: {exc})") from exc
     dtype = np.dtype(dtype)
     canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     if canonical != dtype and dtype.kind == "f":

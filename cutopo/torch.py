@@ -60,6 +60,17 @@ keywords, a grid's shape) are constants of the graph: a new value recompiles (pa
 taken from a symbolic shape (``image.shape``) is specialised (guarded) to its value. The ops have no ``torch.func`` (vmap) rules. An op registered
 later without a shape rule still works, but runs outside the compiled graph (a graph break).
 
+Errors: eager calls raise the op's own exceptions (TypeError or ValueError naming the
+argument). Under ``torch.compile`` the fake kernels run the op's shape rule, which runs the
+op's checks that need no data (ranks, shapes, dtypes, options) on data-free stand-ins of the
+tensors (with dynamic shapes, of the example's sizes: the checks add no guards). A bad shape
+is therefore reported while tracing, but Dynamo wraps every exception of a fake kernel in its
+own ``torch._dynamo.exc.TorchRuntimeError`` (there is no way around this in Dynamo, with
+``fullgraph=True`` or without): its message quotes the op's error (``... got
+ValueError('features must have shape (bs, num_feat, C) ...')``) and its ``__cause__`` chain
+holds the op's exception itself. Errors that depend on values (a probability outside [0, 1],
+unsorted thresholds) are raised by the op when the compiled graph runs, as they are (ValueError).
+
 Cost per call: the op, plus about 0.1 ms of Python (argument handling and torch's dispatch of a
 Python custom op; measured on this CPU), so tiny inputs are dominated by it.
 
@@ -104,6 +115,13 @@ try:
 except ImportError:  # pragma: no cover - older torch: scalars are never symbolic there
     def _guard_scalar(v):
         return v
+try:  # the example value of a symbolic size, without a guard (torch >= 2.13; before: hint_int)
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as _size_hint
+except ImportError:  # pragma: no cover
+    try:
+        from torch.fx.experimental.symbolic_shapes import hint_int as _size_hint
+    except ImportError:
+        _size_hint = None
 from ._array import is_cupy_array
 from .vjp import vjp as _vjp
 
@@ -334,7 +352,8 @@ def _define(op: _adapters.AdaptedOp):
                                       schema=_FORWARD_SCHEMA)
 
     def abstract(tensors, template):
-        specs = [_adapters.ArraySpec(tuple(t.shape), _numpy_dtype(t.dtype, op)) for t in tensors]
+        specs = [_adapters.ArraySpec(tuple(t.shape), _numpy_dtype(t.dtype, op), _example(t.shape))
+                 for t in tensors]
         return _arguments(template, specs)
 
     if op.meta is not None:
@@ -348,6 +367,21 @@ def _define(op: _adapters.AdaptedOp):
     if op.differentiable:
         _define_vjp(op, forward)
     return forward
+
+
+def _example(shape):
+    """The concrete sizes of a fake tensor whose shape is symbolic (dynamic shapes), for the
+    shape rule's argument checks (:func:`cutopo._adapters.stand_in`): the example's sizes, read
+    without a guard, so that the checks do not specialise the graph. None for a concrete shape,
+    or where the sizes have no example value (the checks then use the symbolic sizes)."""
+    if all(type(s) is int for s in shape):
+        return None
+    if _size_hint is None:
+        return None
+    try:
+        return tuple(int(_size_hint(s)) for s in shape)
+    except Exception:  # noqa: BLE001 - a size without an example value (unbacked)
+        return None
 
 
 def _slot_names(op, template):

@@ -10,10 +10,11 @@ Conventions
 -----------
 * Positional arguments are the arrays (and scalars) that may be differentiated; keyword
   arguments are static configuration and never receive cotangents.
-* A cotangent has the shape, dtype and array type of its argument. Python scalars get 0-d
-  arrays of the output's array type and floating dtype. An argument that is a list or tuple of
-  floating arrays (such as per-level feature maps) gets a list or tuple of cotangents, one per
-  array, each in that array's shape, dtype and array type.
+* A cotangent has the shape, dtype and array type of its argument. Scalars get 0-d arrays of
+  the output's array type: of the scalar's dtype for a NumPy scalar (``numpy.float32(4.0)``),
+  of the output's floating dtype for a Python float (it has no dtype). An argument that is a
+  list or tuple of floating arrays (such as per-level feature maps) gets a list or tuple of
+  cotangents, one per array, each in that array's shape, dtype and array type.
 * Floating means float16, float32, float64 and bfloat16 (``ml_dtypes.bfloat16``, the dtype
   CuPy and JAX use for bfloat16 arrays; NumPy files it under kind "V", not "f"):
   :func:`is_float_dtype`. Half-precision arguments are differentiated like the others: a
@@ -177,8 +178,9 @@ def vjp(op, *args, wrt=None, **kwargs):
     out : the op's output
     pullback : callable
         ``pullback(cotangent) -> tuple`` with one entry per positional argument: its cotangent
-        (same shape, dtype and array type; a 0-d array for a Python scalar; a list or tuple of
-        cotangents for a list or tuple of arrays) or None. ``cotangent`` has the output's shape
+        (same shape, dtype and array type; a 0-d array for a scalar, of a NumPy scalar's dtype
+        or, for a Python float, the output's; a list or tuple of cotangents for a list or
+        tuple of arrays) or None. ``cotangent`` has the output's shape
         and a real dtype (bfloat16 included); it is cast to the output's dtype.
 
     Examples
@@ -220,7 +222,9 @@ def vjp(op, *args, wrt=None, **kwargs):
         for need, g, a, name in zip(needs, grads, args, spec.arg_names):
             if not need:
                 result.append(None)
-            elif isinstance(a, (float, np.floating)):
+            elif isinstance(a, np.floating):  # a NumPy scalar keeps its own dtype
+                result.append(xp.asarray(g).astype(a.dtype, copy=False).reshape(()))
+            elif isinstance(a, float):
                 result.append(xp.asarray(g, dtype=out_dtype).reshape(()))
             else:
                 result.append(_as_cotangent(g, a, name))

@@ -514,6 +514,42 @@ def test_vjp_batches_sum_over_shared_arguments(rng):
         np.testing.assert_allclose(d_points, np.array([r[0] for r in ref]), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("points_shape,theta_shape", [((4, 2), (0,)), ((1, 4, 2), (0,)),
+                                                       ((0, 4, 2), (1,)), ((0, 4, 2), ()),
+                                                       ((0, 4, 2), (0,)), ((3, 0, 2), (3,))])
+def test_vjp_of_empty_batches(points_shape, theta_shape, rng):
+    """An empty batch has an empty output and zero cotangents of the arguments' shapes (an
+    empty theta batch used to fail reshaping the per-cell moments)."""
+    from cutopo.cpab import compose
+
+    tess = Tessellation((2, 2))
+    points = rng.random(points_shape)
+    theta = theta_with_norm(tess, rng, 3.0, n=1)[0] * np.ones(theta_shape + (1,))
+    out, pullback = cutopo.vjp(integrate, points, theta, tess, n_steps=10)
+    assert out.size == 0
+    d_points, d_theta, d_tess = pullback(np.zeros(out.shape))
+    assert d_points.shape == points.shape and d_theta.shape == theta.shape and d_tess is None
+    assert not d_points.any() and not d_theta.any()
+    out, pullback = cutopo.vjp(compose, points, np.stack([theta, -theta]), tess, n_steps=10)
+    d_points, d_thetas, _ = pullback(np.zeros(out.shape))
+    assert d_points.shape == points.shape and d_thetas.shape == (2,) + theta.shape
+    assert not d_points.any() and not d_thetas.any()
+
+
+@pytest.mark.gpu
+def test_vjp_of_an_empty_theta_batch_on_the_device(rng):
+    """The device backward's theta cotangent of an empty batch (no -1 to infer there either)."""
+    import cupy as cp
+
+    tess = Tessellation((2, 2))
+    points = cp.asarray(rng.random((4, 2)))
+    out, pullback = cutopo.vjp(integrate, points, cp.zeros((0, tess.n_params)), tess, n_steps=10)
+    assert out.shape == (0, 4, 2)
+    d_points, d_theta, _ = pullback(cp.zeros(out.shape))
+    assert d_points.shape == (4, 2) and d_theta.shape == (0, tess.n_params)
+    assert not bool(d_points.any())
+
+
 def test_vjp_wrt_one_argument(rng):
     tess = Tessellation((4,))
     theta = theta_with_norm(tess, rng, 3.0)

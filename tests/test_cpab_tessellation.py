@@ -587,6 +587,8 @@ def test_bad_tessellations():
         Tessellation((4000, 4000, 4000))
     with pytest.raises(ValueError, match="shape"):
         Tessellation((10**12,))
+    with pytest.raises(ValueError, match="2\\^31"):       # before any memory estimate
+        Tessellation((2**31,))
     for zb in [True, False, "zero", 0]:
         with pytest.raises(ValueError, match="zero_boundary"):
             Tessellation((2, 2), zb)

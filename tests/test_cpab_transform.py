@@ -230,6 +230,101 @@ def test_vjp_batches_sum_over_shared_arguments(rng):
     np.testing.assert_allclose(d_theta, sum(r[1] for r in ref), rtol=1e-12, atol=1e-14)
 
 
+def _no_computation(monkeypatch):
+    """Make any integration or sampling fail: an empty batch must need neither."""
+    import importlib
+    import types
+
+    # the modules (cutopo.cpab.compose is also the function's name)
+    transform, compose = (importlib.import_module(f"cutopo.cpab.{m}") for m in ("transform",
+                                                                              "compose"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an empty batch integrated or sampled")
+
+    stand_in = types.SimpleNamespace(forward=refuse, backward=refuse)
+    for module, names in ((transform, ("_INTEGRATE", "_GRID_SAMPLE")),
+                          (compose, ("_INTEGRATE", "_COMPOSE", "_GRID_SAMPLE"))):
+        for name in names:
+            monkeypatch.setattr(module, name, stand_in)
+
+
+@pytest.mark.parametrize("n_image,theta_shape", [(0, ()), (0, (1,)), (0, (0,)), (1, (0,))])
+def test_empty_batches_broadcast_as_numpy(n_image, theta_shape, rng, monkeypatch):
+    """Batch sizes broadcast as NumPy's (0 with 1 is 0): an empty result and zero cotangents of
+    the arguments' shapes, without integrating (0 with 1 used to make a batch of 1)."""
+    from cutopo.cpab import compose_image
+    from cutopo.vjp import REGISTRY
+
+    tess = Tessellation((2, 2))
+    image = rng.random((n_image, 2, 6, 5)).astype(np.float32)
+    theta = np.zeros(theta_shape + (tess.n_params,))
+    _no_computation(monkeypatch)
+    for name, fn, th in (("cpab_transform_image", transform_image, theta),
+                         ("cpab_compose_image", compose_image, np.stack([theta, theta]))):
+        out, pullback = cutopo.vjp(fn, image, th, tess, n_steps=10)
+        assert type(out) is np.ndarray and out.shape == (0, 2, 6, 5), name
+        assert (out.shape, out.dtype) == REGISTRY[name].meta(image, th, tess, n_steps=10), name
+        assert out.dtype == np.float64                     # float32 image, float64 theta
+        d_image, d_theta, d_tess = pullback(np.zeros(out.shape))
+        assert d_image.shape == image.shape and d_theta.shape == th.shape and d_tess is None
+        assert not d_image.any() and not d_theta.any()
+    assert transform_image(image, theta.astype(np.float32), tess).dtype == np.float32
+
+
+def test_empty_batches_are_checked(rng):
+    tess = Tessellation((2, 2))
+    d = tess.n_params
+    empty = rng.random((0, 1, 6, 5))
+    with pytest.raises(ValueError, match="image and theta have batch sizes 0 and 3"):
+        transform_image(empty, np.zeros((3, d)), tess)
+    with pytest.raises(ValueError, match="image and theta have batch sizes 3 and 0"):
+        transform_image(rng.random((3, 1, 6, 5)), np.zeros((0, d)), tess)
+    with pytest.raises(ValueError, match="theta must have shape"):
+        transform_image(empty, np.zeros(d + 1), tess)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        transform_image(empty, np.zeros(d), tess, mode="bicubic")
+    with pytest.raises(TypeError, match="not supported"):
+        transform_image(empty.astype(np.int64), np.zeros(d), tess)
+    with pytest.raises(ValueError, match="n_steps must be >= 1"):
+        transform_image(empty, np.zeros(d), tess, n_steps=0)
+
+
+def test_vjp_transform_grid_of_an_empty_batch(rng):
+    tess = Tessellation((2, 3))
+    out, pullback = cutopo.vjp(transform_grid, np.zeros((0, tess.n_params)), tess, (5, 4))
+    assert out.shape == (0, 5, 4, 2)
+    assert pullback(np.zeros(out.shape))[0].shape == (0, tess.n_params)
+
+
+@pytest.mark.gpu
+def test_empty_batches_on_the_device_launch_nothing(rng, monkeypatch):
+    """CuPy: the fused warp of an empty batch used to launch B = 1 on a 0-row image (an
+    out-of-bounds read); now nothing is launched and the result is an empty CuPy array."""
+    import cupy as cp
+
+    from cutopo.cpab import _integrate_cupy, _warp_cupy, compose_image
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was launched for an empty batch")
+
+    for module in (_warp_cupy, _integrate_cupy):
+        monkeypatch.setattr(module, "launch", refuse)
+    tess = Tessellation((2, 2))
+    d = tess.n_params
+    for n_image, theta_shape in ((0, ()), (0, (1,)), (1, (0,))):
+        image = cp.asarray(rng.random((n_image, 2, 6, 5)))
+        theta = cp.zeros(theta_shape + (d,), dtype=cp.float32)
+        for fn, th in ((transform_image, theta), (compose_image, cp.stack([theta, theta]))):
+            out, pullback = cutopo.vjp(fn, image, th, tess, n_steps=10)
+            assert isinstance(out, cp.ndarray) and out.shape == (0, 2, 6, 5)
+            assert out.dtype == np.float64
+            d_image, d_theta, _ = pullback(cp.zeros(out.shape))
+            assert isinstance(d_image, cp.ndarray) and d_image.shape == image.shape
+            assert isinstance(d_theta, cp.ndarray) and d_theta.shape == th.shape
+            assert not bool(d_image.any()) and not bool(d_theta.any())
+
+
 def test_registry_entries():
     from cutopo.vjp import REGISTRY
 

@@ -292,6 +292,161 @@ def test_a_newly_registered_op_is_adapted_generically():
 
 
 # ---------------------------------------------------------------------------------------------
+# Bad arguments: the op's own errors (type and message), eagerly and, for shapes, under jit
+
+
+def _bad_shape_calls():
+    """(op path, NumPy arguments, keywords) whose shapes, dtypes or static values the op refuses:
+    its shape rule refuses them too, without data."""
+    rng = np.random.default_rng(14)
+    image = rng.random((6, 7))
+    t = np.linspace(0.1, 0.9, 4)
+    mask = rng.random((6, 7)) > 0.5
+    dirs = np.array([[0.8, 0.3], [-0.4, 0.7]])
+    feats, shapes, starts, loc, weights = next(c for c in CASES if c.id == "deformable-f64").args
+    picture, theta, tess = next(c for c in CASES if c.id == "cpab-image-f64").args
+    grid_image, grid = next(c for c in CASES if c.id == "grid_sample-2d-f64").args
+    return [
+        pytest.param("expected_euler", (np.full(4, 0.5),), {}, id="expected_euler-rank"),
+        pytest.param("expected_euler", (np.zeros((3, 3), np.int32),), {}, id="expected_euler-dtype"),
+        pytest.param("soft_ecc", (image, t, -1.0), {}, id="soft_ecc-scale"),
+        pytest.param("soft_ecc", (image, np.ones((2, 2)), 1.0), {}, id="soft_ecc-thresholds-rank"),
+        pytest.param("soft_ecc", (image, t, 1.0), {"connectivity": 5}, id="soft_ecc-connectivity"),
+        pytest.param("soft_ecc", (image[:2, :2], t, 1.0), {"boundary": "periodic"},
+                     id="soft_ecc-periodic-small"),
+        pytest.param("soft_ecc", (image, 0, 1.0), {}, id="soft_ecc-count-0"),
+        pytest.param("soft_ect", (mask, dirs[0], 5, 2.0), {}, id="soft_ect-directions-rank"),
+        pytest.param("ecc", (image[0], t), {}, id="ecc-rank"),
+        pytest.param("euler_contributions", (image,), {"ndim": 4}, id="contributions-ndim"),
+        pytest.param("ect", (mask[0], dirs, t), {}, id="ect-mask-rank"),
+        pytest.param("deformable_aggregation", (feats[0], shapes, starts, loc, weights), {},
+                     id="deformable-features-rank"),
+        pytest.param("deformable_aggregation", (feats, shapes, starts, loc[0, 0, 0, 0], weights),
+                     {}, id="deformable-locations-rank"),
+        pytest.param("deformable_aggregation", (feats, shapes, starts, loc, weights[..., :1].repeat(3, -1)),
+                     {}, id="deformable-groups"),
+        pytest.param("deformable_aggregation", (feats, shapes, starts[:1], loc, weights), {},
+                     id="deformable-starts-shape"),
+        pytest.param("grid_sample", (grid_image[0], grid), {}, id="grid_sample-image-rank"),
+        pytest.param("grid_sample", (grid_image, grid), {"mode": "cubic"}, id="grid_sample-mode"),
+        pytest.param("cpab.integrate", (rng.random((5, 3)), theta, tess), {}, id="integrate-points"),
+        pytest.param("cpab.transform_grid", (theta[:-1], tess, (4, 5)), {}, id="grid-theta"),
+        pytest.param("cpab.transform_grid", (theta, tess, (4, 5, 6)), {}, id="grid-shape"),
+        pytest.param("cpab.transform_image", (picture[0], theta, tess), {}, id="image-rank"),
+        pytest.param("cpab.transform_image", (picture, theta, tess), {"mode": "cubic"},
+                     id="image-mode"),
+        pytest.param("cpab.compose", (rng.random((5, 2)), theta, tess), {}, id="compose-thetas"),
+        pytest.param("cpab.compose_grid", (np.stack([theta, theta]), tess, (4,)), {},
+                     id="compose_grid-shape"),
+        pytest.param("cpab.compose_image", (picture, np.stack([theta[:-1]] * 2), tess), {},
+                     id="compose_image-thetas"),
+    ]
+
+
+def _bad_value_calls():
+    """Calls whose arguments only the op, reading their values, can refuse."""
+    feats, shapes, starts, loc, weights = next(c for c in CASES if c.id == "deformable-f64").args
+    bad_starts = starts.copy()
+    bad_starts[1, 1] = 10 ** 6  # a map past the end of features
+    grid_image, grid = next(c for c in CASES if c.id == "grid_sample-2d-f64").args
+    nan_grid = grid.copy()
+    nan_grid[0, 0, 0, 0] = np.nan
+    return [
+        pytest.param("expected_euler", (np.full((3, 3), 1.5),), {}, id="expected_euler-range"),
+        pytest.param("soft_ecc", (np.full((4, 4), 0.3), np.array([0.5, 0.1]), 2.0), {},
+                     id="soft_ecc-unsorted"),
+        pytest.param("deformable_aggregation", (feats, shapes, bad_starts, loc, weights), {},
+                     id="deformable-starts-values"),
+        pytest.param("grid_sample", (grid_image, nan_grid), {}, id="grid_sample-nan"),
+    ]
+
+
+def _numpy_error(path, args, kwargs):
+    """The exception the NumPy op raises for these arguments."""
+    with pytest.raises(Exception) as info:
+        resolve(cutopo, path)(*args, **kwargs)
+    assert isinstance(info.value, (TypeError, ValueError)), info.value
+    return info.value
+
+
+def _of_arrays(path, args, kwargs):
+    """(function of the array arguments, those arguments as JAX arrays)."""
+    fn = resolve(cj, path)
+    dyn = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+
+    def of_arrays(*arrays):
+        full = list(args)
+        for i, a in zip(dyn, arrays):
+            full[i] = a
+        return fn(*full, **kwargs)
+
+    return of_arrays, [jnp.asarray(args[i]) for i in dyn]
+
+
+@pytest.mark.parametrize("path, args, kwargs", _bad_shape_calls() + _bad_value_calls())
+def test_bad_arguments_raise_the_ops_error_eagerly(path, args, kwargs, caplog):
+    """Eager calls raise the NumPy op's exception itself: its type and message (which names the
+    argument), not JAX's JaxRuntimeError of a failed callback, and nothing is logged."""
+    expected = _numpy_error(path, args, kwargs)
+    fn, arrays = _of_arrays(path, args, kwargs)
+    with pytest.raises(type(expected)) as info:
+        jax.block_until_ready(fn(*arrays))
+    assert type(info.value) is type(expected) and str(info.value) == str(expected)
+    assert not [r for r in caplog.records if r.levelno >= 40], caplog.text
+
+
+@pytest.mark.parametrize("path, args, kwargs", _bad_shape_calls())
+def test_bad_shapes_raise_the_ops_error_while_tracing_under_jit(path, args, kwargs):
+    """Shapes, dtypes and static values are checked by the shape rule: jax.jit raises the op's
+    exception while tracing (``lower`` runs nothing), not a JaxRuntimeError when it runs."""
+    expected = _numpy_error(path, args, kwargs)
+    fn, arrays = _of_arrays(path, args, kwargs)
+    with pytest.raises(type(expected)) as info:
+        jax.jit(fn).lower(*arrays)
+    assert type(info.value) is type(expected) and str(info.value) == str(expected)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+@pytest.mark.parametrize("path, args, kwargs", _bad_value_calls())
+def test_bad_values_raise_the_ops_error_under_eager_grad_and_vmap(path, args, kwargs, transform):
+    """Without jit the op runs in a callback during the call: its exception comes through."""
+    expected = _numpy_error(path, args, kwargs)
+    fn, arrays = _of_arrays(path, args, kwargs)
+    floats = [i for i, a in enumerate(arrays) if a.dtype.kind == "f"]
+    if transform == "grad":
+        run = jax.grad(lambda x: jnp.sum(fn(*arrays[:floats[0]], x, *arrays[floats[0] + 1:])))
+        call = lambda: run(arrays[floats[0]])  # noqa: E731
+    else:
+        batched = [jnp.stack([a, a]) for a in arrays]
+        call = lambda: jax.vmap(fn)(*batched)  # noqa: E731
+    with pytest.raises(type(expected)) as info:
+        jax.block_until_ready(call())
+    assert str(info.value) == str(expected)
+
+
+def test_bad_values_under_jit_fail_when_the_computation_runs():
+    """Under jax.jit only the compiled computation reads values: the op's error surfaces as
+    JAX's report of the failed callback (a JaxRuntimeError; from JAX's C++ dispatch, once the
+    executable is cached, a ValueError), whose message ends with the op's (documented)."""
+    expected = _numpy_error("expected_euler", (np.full((3, 3), 1.5),), {})
+    f = jax.jit(cj.expected_euler)
+    for _ in range(2):
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError)) as info:
+            jax.block_until_ready(f(jnp.full((3, 3), 1.5)))
+        assert "CpuCallback" in str(info.value) and str(expected) in str(info.value)
+
+
+def test_a_count_given_as_an_array_is_named_only_when_it_is_the_problem():
+    image = jnp.asarray(np.random.default_rng(15).random((6, 6)))
+    f = jax.jit(lambda x, n: cj.soft_ecc(x, n, 1.0, ndim=2))
+    with pytest.raises(TypeError, match="thresholds is a 0-d integer JAX array.*Python values"):
+        f(image, 5)
+    with pytest.raises(ValueError, match="image: ndim=2") as info:  # the image's error, as it is
+        f(image[0], 5)
+    assert "count" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
 # vmap
 
 

@@ -276,6 +276,138 @@ def test_integer_image_gets_no_image_cotangent(rng):
 
 
 # ---------------------------------------------------------------------------------------------
+# Pullback with a count: the thresholds move with the image's finite min and max
+
+
+def central_differences(loss, image, eps):
+    """d loss / d image by central differences, pixel by pixel (float64)."""
+    fd = np.zeros(image.size)
+    for i in range(image.size):
+        e = np.zeros(image.size)
+        e[i] = eps
+        e = e.reshape(image.shape)
+        fd[i] = (loss(image + e) - loss(image - e)) / (2 * eps)
+    return fd.reshape(image.shape)
+
+
+def count_shape(ndim, batched):
+    return ((2,) if batched else ()) + ((4, 5) if ndim == 2 else (3, 4, 3))
+
+
+def assert_matches_differences(rng, image, n, scale, kw):
+    out, pullback = cutopo.vjp(soft_ecc, image, n, scale, **kw)
+    g = rng.standard_normal(out.shape)
+    d_image, d_t, d_scale = pullback(g)
+    assert d_t is None and d_image.dtype == np.float64 and d_image.shape == image.shape
+    # eps far below every gap of distinct_image: no pixel changes places, c stays put
+    fd = central_differences(lambda x: float(np.sum(g * soft_ecc(x, n, scale, **kw))), image, 1e-6)
+    np.testing.assert_allclose(d_image, fd, rtol=0, atol=1e-6 * max(1.0, np.abs(fd).max()))
+    return d_image, g
+
+
+@pytest.mark.parametrize("ndim,conn", CASES)
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("boundary", ["box", "periodic"])
+@pytest.mark.parametrize("n", [1, 2, 9])
+def test_count_thresholds_pullback_matches_finite_differences(rng, ndim, conn, batched,
+                                                               boundary, n):
+    """Every pixel, the min and max included. A batch shares one range (linear_thresholds
+    takes the min and max of the whole array), so its cotangent goes to one image."""
+    image = distinct_image(rng, count_shape(ndim, batched))
+    kw = dict(ndim=ndim, connectivity=conn, boundary=boundary)
+    d_image, g = assert_matches_differences(rng, image, n, 6.0, kw)
+    # only the min and max pixels differ from the pullback of the same thresholds held fixed
+    fixed = cutopo.vjp(soft_ecc, image, cutopo.linear_thresholds(image, n), 6.0, **kw)[1](g)[0]
+    extremes = [np.argmin(image), np.argmax(image)]
+    extra = (d_image - fixed).reshape(-1)
+    assert np.any(extra[extremes] != 0)
+    extra[extremes] = 0
+    assert np.all(extra == 0)
+
+
+@pytest.mark.parametrize("ndim,conn", CASES)
+def test_count_thresholds_pullback_leaves_out_nan_and_inf(rng, ndim, conn):
+    """The range is that of the finite pixels, as in linear_thresholds: the extreme values
+    made NaN, +inf and -inf move the range to the next pixels, which get its cotangent."""
+    image = distinct_image(rng, count_shape(ndim, True))
+    order = np.argsort(image, axis=None)
+    image.reshape(-1)[order[[-1, -2, 0]]] = [np.nan, np.inf, -np.inf]
+    kw = dict(ndim=ndim, connectivity=conn)
+    d_image, _ = assert_matches_differences(rng, image, 9, 4.0, kw)
+    assert np.all(d_image.reshape(-1)[order[[-1, -2, 0]]] == 0)
+
+
+@pytest.mark.parametrize("ndim,conn", CASES)
+def test_count_thresholds_pullback_with_ties(rng, ndim, conn):
+    """Tied min and max pixels have no two-sided derivative there, but two identities hold
+    whatever the tie rule: the count's curve does not change under
+    image + a (the thresholds shift along) and image * a equals scale * a, so
+    sum(d_image) = 0 and <image, d_image> = scale * d_scale. The range's cotangent goes to the
+    first pixel (C order) attaining the min and the first attaining the max."""
+    shape = count_shape(ndim, True)
+    image = random_image(rng, shape, ties=True)
+    free = np.setdiff1d(np.arange(image.size), [np.argmin(image), np.argmax(image)])[-2:]
+    image.flat[free] = [image.min(), image.max()]  # surely tied at both ends
+    n, scale = 9, 3.0
+    kw = dict(ndim=ndim, connectivity=conn)
+    out, pullback = cutopo.vjp(soft_ecc, image, n, scale, **kw)
+    g = rng.standard_normal(out.shape)
+    d_image, _, d_scale = pullback(g)
+    size = np.abs(d_image).sum()
+    assert abs(d_image.sum()) <= 1e-12 * size
+    assert abs(np.sum(image * d_image) - scale * d_scale) <= 1e-12 * size * np.abs(image).max()
+
+    t = cutopo.linear_thresholds(image, n)  # fixed thresholds: the same numbers otherwise
+    fixed, d_t, _ = cutopo.vjp(soft_ecc, image, t, scale, **kw)[1](g)
+    i_lo, i_hi = np.argmin(image), np.argmax(image)
+    assert np.sum(image == image.flat[i_lo]) > 1 and np.sum(image == image.flat[i_hi]) > 1
+    extra = (d_image - fixed).reshape(-1)
+    slope = np.arange(n) / (n - 1)
+    np.testing.assert_allclose(extra[[i_lo, i_hi]], [d_t @ (1 - slope), d_t @ slope], rtol=1e-12)
+    extra[[i_lo, i_hi]] = 0
+    assert np.all(extra == 0)
+
+
+@pytest.mark.parametrize("ndim,conn", CASES)
+def test_explicit_thresholds_image_cotangent_is_unchanged(rng, ndim, conn):
+    """Explicit thresholds do not move with the image: its cotangent stays
+    -scale c(p) sum_k g_k sigma'(scale (t_k - f(p))), at the min and max pixels too."""
+    image = distinct_image(rng, count_shape(ndim, True))
+    t = cutopo.linear_thresholds(image, 9)  # the count's thresholds, held fixed
+    scale = 5.0
+    out, pullback = cutopo.vjp(soft_ecc, image, t, scale, ndim=ndim, connectivity=conn)
+    g = rng.standard_normal(out.shape)
+    d_image = pullback(g)[0]
+    c = cutopo.euler_contributions(image, ndim=ndim, connectivity=conn).astype(np.float64)
+    s = sigmoid(scale * (t - image[..., None]))
+    g_pixel = g.reshape(g.shape[:1] + (1,) * ndim + g.shape[1:])
+    want = -scale * c * np.sum(g_pixel * s * (1 - s), axis=-1)
+    np.testing.assert_allclose(d_image, want, rtol=0, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("boundary", ["box", "periodic"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_count_thresholds_pullback_on_gpu_matches_numpy(rng, boundary, dtype):
+    """The CuPy path adds the range's cotangent on the device, as the NumPy path does."""
+    import cupy as cp
+
+    image = distinct_image(rng, (2, 6, 7))
+    order = np.argsort(image, axis=None)
+    image.reshape(-1)[order[[-1, 0]]] = np.nan  # the range is that of the finite pixels
+    image = image.astype(dtype)
+    kw = dict(ndim=2, boundary=boundary)
+    out, pullback = cutopo.vjp(soft_ecc, image, 9, 5.0, **kw)
+    _, pullback_g = cutopo.vjp(soft_ecc, cp.asarray(image), 9, 5.0, **kw)
+    g = rng.standard_normal(out.shape).astype(out.dtype)
+    want = pullback(g)[0]
+    got = pullback_g(cp.asarray(g))[0]
+    assert isinstance(got, cp.ndarray) and got.dtype == dtype
+    tol = (1e-10 if dtype == np.float64 else 1e-4) * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=0, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------
 # NaN / inf pixels
 
 

@@ -539,6 +539,126 @@ def test_torch_compile_dynamic_shapes():
         assert x.grad.shape == (2, n, n)
 
 
+def _bad_shape_calls():
+    """(op path, NumPy arguments, keywords) whose shapes, dtypes or options the op refuses; its
+    shape rule, which the fake kernels run, refuses them too."""
+    rng = np.random.default_rng(16)
+    image = rng.random((6, 7))
+    t = np.linspace(0.1, 0.9, 4)
+    mask = rng.random((6, 7)) > 0.5
+    dirs = np.array([[0.8, 0.3], [-0.4, 0.7]])
+    feats, shapes, starts, loc, weights = _case("deformable-f64").args
+    picture, theta, tess = _case("cpab-image-f64").args
+    grid_image, grid = _case("grid_sample-2d-f64").args
+    return [
+        pytest.param("deformable_aggregation", (feats[0], shapes, starts, loc, weights), {},
+                     id="deformable-features-rank"),
+        pytest.param("deformable_aggregation", (feats, shapes, starts, loc[0, 0, 0, 0], weights),
+                     {}, id="deformable-locations-rank"),
+        pytest.param("deformable_aggregation", (feats, shapes, starts, loc, weights[0]), {},
+                     id="deformable-weights-rank"),
+        pytest.param("deformable_aggregation", (feats, shapes[0], starts, loc, weights), {},
+                     id="deformable-shapes-rank"),
+        pytest.param("expected_euler", (np.full(4, 0.5),), {}, id="expected_euler-rank"),
+        pytest.param("soft_ecc", (image, np.ones((2, 2)), 1.0), {}, id="soft_ecc-thresholds-rank"),
+        pytest.param("soft_ecc", (image[0], t, 1.0), {}, id="soft_ecc-image-rank"),
+        pytest.param("soft_ecc", (image, t, np.ones(2)), {}, id="soft_ecc-scale-rank"),
+        pytest.param("soft_ect", (mask, dirs[0], 5, 2.0), {}, id="soft_ect-directions-rank"),
+        pytest.param("ecc", (image[0], t), {}, id="ecc-rank"),
+        pytest.param("euler_contributions", (image[0],), {}, id="contributions-rank"),
+        pytest.param("ect", (mask[0], dirs, t), {}, id="ect-mask-rank"),
+        pytest.param("grid_sample", (grid_image[0], grid), {}, id="grid_sample-image-rank"),
+        pytest.param("grid_sample", (grid_image, grid[0]), {}, id="grid_sample-grid-rank"),
+        pytest.param("cpab.integrate", (rng.random(5), theta, tess), {}, id="integrate-points-rank"),
+        pytest.param("cpab.transform_grid", (theta[None, None], tess, (4, 5)), {},
+                     id="grid-theta-rank"),
+        pytest.param("cpab.transform_image", (picture[0], theta, tess), {}, id="image-rank"),
+        pytest.param("cpab.compose", (rng.random((5, 2)), theta, tess), {}, id="compose-thetas-rank"),
+    ]
+
+
+def _in_chain(exc, expected):
+    """Whether ``exc`` or an exception in its ``__cause__``/``__context__`` chain is one of
+    ``expected``'s type with its message."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if type(exc) is type(expected) and str(exc) == str(expected):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@pytest.mark.parametrize("path, args, kwargs", _bad_shape_calls())
+def test_torch_compile_bad_shapes_raise_the_ops_error(path, args, kwargs):
+    """Under torch.compile(fullgraph=True) a bad rank or shape is refused while tracing, by the
+    op's own check in the shape rule (it used to crash the rule: IndexError, unpacking errors).
+    Dynamo wraps the fake kernel's exception in its TorchRuntimeError: the op's exception is in
+    the chain and its message, naming the argument, in Dynamo's; eager calls raise it as is."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        resolve(cutopo, path)(*args, **kwargs)
+    expected = info.value
+    fn = resolve(ct, path)
+    with pytest.raises((TypeError, ValueError)) as info:  # eager: the op's exception
+        fn(*[to_torch(a) for a in args], **kwargs)
+    assert type(info.value) is type(expected) and str(info.value) == str(expected)
+    dyn = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+
+    def of_tensors(*tensors):
+        full = list(args)
+        for i, a in zip(dyn, tensors):
+            full[i] = a
+        return fn(*full, **kwargs)
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # "eager", recording the graphs it gets
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(of_tensors, fullgraph=True, backend=backend)
+    with pytest.raises(Exception) as info:
+        compiled(*[torch.from_numpy(args[i]) for i in dyn])
+    assert not graphs  # refused while tracing, not by the op when the graph ran
+    assert _in_chain(info.value, expected), repr(info.value)
+    assert type(info.value) in (type(expected), torch._dynamo.exc.TorchRuntimeError)
+    assert str(expected) in str(info.value)
+
+
+def test_torch_compile_bad_values_raise_the_ops_error_when_run():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p: ct.expected_euler(p).sum(), fullgraph=True, backend="eager")
+    with pytest.raises(ValueError, match=r"prob: values must lie in \[0, 1\]"):
+        compiled(torch.full((3, 3), 1.5))
+
+
+def test_shape_rule_checks_do_not_specialise_dynamic_shapes():
+    """The shape rules check the arguments on stand-ins of the example's sizes: with dynamic
+    shapes a new size reuses the graph (a guard on a size would recompile)."""
+    picture, theta, tess = _case("cpab-image-f64").args
+    th = torch.from_numpy(theta)
+    t = torch.linspace(0, 1, 5)
+    calls = [
+        (lambda x: ct.soft_ecc(x, t, 10.0, ndim=2, boundary="periodic").sum(),
+         lambda n: (torch.rand(2, n, n),)),
+        (lambda x: ct.expected_euler(x, ndim=2).sum(), lambda n: (torch.rand(2, n, n),)),
+        (lambda im, g: ct.grid_sample(im, g).sum(),
+         lambda n: (torch.rand(2, 3, n, n), torch.rand(2, n, 4, 2) * 2 - 1)),
+        (lambda im: ct.cpab.transform_image(im, th, tess, n_steps=4).sum(),
+         lambda n: (torch.rand(1, 2, n, n, dtype=torch.float64),)),
+        (lambda p: ct.cpab.compose(p, torch.stack([th, -th]), tess, n_steps=4).sum(),
+         lambda n: (torch.rand(n, 2, dtype=torch.float64),)),
+    ]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for f, make in calls:
+            torch._dynamo.reset()
+            compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="eager")
+            for n in (6, 9):
+                args = make(n)
+                torch.testing.assert_close(compiled(*args), f(*args))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (skipped without one)
 

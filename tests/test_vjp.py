@@ -145,3 +145,29 @@ def test_sequence_of_arrays_gets_a_sequence_of_cotangents(rng):
             assert pullback(np.float64(1.0))[0] is None
     finally:
         REGISTRY.pop("toy_sequence_sum", None)
+
+
+@pytest.mark.parametrize("x_dtype,a,a_dtype", [
+    (np.float64, np.float32(1.5), np.float32),
+    (np.float64, np.float16(1.5), np.float16),
+    (np.float32, np.float64(1.5), np.float64),
+    (np.float32, 1.5, np.float32),   # a Python float has no dtype: the output's
+    (np.float64, 1.5, np.float64),
+])
+def test_scalar_cotangent_has_the_scalars_dtype(rng, x_dtype, a, a_dtype):
+    """A NumPy scalar's cotangent is a 0-d array of its own dtype, not the output's."""
+    x = rng.standard_normal((3, 4)).astype(x_dtype)
+    out, pullback = cutopo.vjp(toy, x, 0, a)
+    _, _, da = pullback(np.ones_like(out))
+    assert isinstance(da, np.ndarray) and da.shape == () and da.dtype == a_dtype
+    np.testing.assert_allclose(da, np.sum(x.astype(np.float64) ** 2), rtol=1e-3)
+
+
+def test_soft_ecc_numpy_scale_cotangent_keeps_its_dtype(rng):
+    image = rng.random((6, 6))  # float64: the curve and the image cotangent are float64
+    out, pullback = cutopo.vjp(cutopo.soft_ecc, image, np.linspace(0, 1, 5), np.float32(4.0))
+    d_image, d_t, d_scale = pullback(np.ones_like(out))
+    assert out.dtype == d_image.dtype == d_t.dtype == np.float64
+    assert d_scale.shape == () and d_scale.dtype == np.float32
+    _, pullback = cutopo.vjp(cutopo.soft_ecc, image, 5, 4.0)  # Python float: the output's
+    assert pullback(np.ones_like(out))[2].dtype == np.float64

@@ -32,3 +32,15 @@ def check_step_size(largest, n_steps, name):
             f"cpab.{name}: n_steps={n_steps} is too coarse for this theta: h * max_c "
             f"||A_c,lin||_F = {largest / n_steps:.4g} exceeds {MAX_STEP_NORM} (max_c "
             f"||A_c,lin||_F = {largest:.4g}); use n_steps >= {math.ceil(largest / MAX_STEP_NORM)}")
+
+
+def broadcast_batch(a, b, names, op):
+    """The batch size of two arguments whose batch axes broadcast as NumPy's do: equal sizes,
+    or 1 against any size (0 included: 1 with 0 is 0, an empty batch). ``max(a, b)`` would
+    make 1 with 0 a batch of 1, which indexes the empty argument out of bounds."""
+    if a == b or b == 1:
+        return a
+    if a == 1:
+        return b
+    raise ValueError(f"cpab.{op}: {names[0]} and {names[1]} have batch sizes {a} and {b} (they "
+                     f"must be equal, or one of them 1)")

@@ -309,7 +309,9 @@ def theta_cotangent(plan: Plan, G):
     dA = cupy.empty_like(G)
     launch(_frechet_sig(plan.K), _blocks(cells, 64), 64, (plan.A, G, dA, cells, plan.h))
     _, basis_t = _basis_tables(plan.tess)
-    return _ell_product(basis_t, dA.reshape(plan.n_theta, -1), plan.tess.n_params)
+    # the row length spelled out: an empty batch (n_theta = 0) leaves no -1 to infer
+    rows = dA.reshape(plan.n_theta, plan.C * plan.K * (plan.K + 1))
+    return _ell_product(basis_t, rows, plan.tess.n_params)
 
 
 def velocity(points, theta, tess, dtype):

@@ -19,7 +19,7 @@ from .._cuda.launch import Signature, launch
 from .._sampling_cupy import _CTYPE, PADDING_CODES, _dims, _flag
 from . import _integrate_cupy as icp
 from .velocity import check_points_theta
-from ._checks import check_count
+from ._checks import broadcast_batch, check_count
 
 FAMILY = icp.FAMILY
 THREADS = icp.THREADS
@@ -110,7 +110,7 @@ def _forward(image, theta, tess, n_steps, mode, padding_mode):
     if 0 in spatial:
         raise ValueError(f"image: spatial shape {spatial} has a zero-length axis")
     S = int(np.prod(spatial))
-    B = max(N, plan.n_theta)
+    B = broadcast_batch(N, plan.n_theta, ("image", "theta"), "transform_image")
     ti, r, o = next(c for c in TYPES[dtype.name] if c[0] == image.dtype.name)
     img = cupy.ascontiguousarray(image).reshape(N, C, S)
     out = cupy.empty((B, C, S), dtype=o)
@@ -136,7 +136,7 @@ def _backward(res: Residuals, cotangent, need_image, need_theta):
 
     plan, img = res.plan, res.image
     Bi, C, S = img.shape
-    B = max(Bi, plan.n_theta)
+    B = broadcast_batch(Bi, plan.n_theta, ("image", "theta"), "transform_image")
     K = plan.K
     g = cupy.ascontiguousarray(cotangent, dtype=res.real).reshape(B, C, S)
     d_image = cupy.zeros((Bi, C, S), dtype=res.real) if need_image else cupy.empty(0, res.real)

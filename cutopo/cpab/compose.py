@@ -17,11 +17,12 @@ import numpy as np
 
 from .._array import array_module, is_cupy_array
 from ..vjp import register
-from ._checks import check_count
+from ._checks import broadcast_batch, check_count
 from .integrate import _integrate_meta, integrate
 from .tessellation import Tessellation
-from .transform import (_check_image, _check_shape, _from_normalised_cotangent, _GRID_SAMPLE,
-                        _sum_to, _theta_dtype, _to_normalised, centres_like)
+from .transform import (_check_image, _check_shape, _EmptyResiduals, _from_normalised_cotangent,
+                        _GRID_SAMPLE, _sum_to, _theta_dtype, _to_normalised, centres_like,
+                        empty_cotangents, empty_warp)
 
 __all__ = ["compose", "compose_grid", "compose_image"]
 
@@ -72,17 +73,17 @@ def _compose_backward(residuals, cotangent, needs):
     return (lam if need_points else None), d_thetas, None
 
 
-class _Like:
-    """The shape-only stand-in :func:`_integrate_meta` expects for one theta of the stack."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.ndim, self.dtype = tuple(shape), len(shape), dtype
-
-
 def _compose_meta(points, thetas, tess, *, n_steps=50, checkpoint_every=4):
     """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec):
-    integrate's rule with one theta of the stack."""
-    return _integrate_meta(points, _Like(thetas.shape[1:], thetas.dtype), tess)
+    integrate's rule (and checks) with one theta of the stack, after compose's checks of the
+    stack on a data-free stand-in (a bad argument raises the op's own error)."""
+    from .._adapters import ArraySpec, stand_in
+
+    blank = _check_thetas(stand_in(thetas), tess, "compose")
+    check_count(checkpoint_every, "checkpoint_every")
+    # one theta of the stack: its shape (perhaps symbolic) and, for the checks, its example's
+    one = ArraySpec(tuple(thetas.shape[1:]), np.dtype(thetas.dtype), blank.shape[1:])
+    return _integrate_meta(points, one, tess, n_steps=n_steps)
 
 
 @register(name="cpab_compose", forward=_compose_forward, backward=_compose_backward,
@@ -199,7 +200,15 @@ def _grid_backward(residuals, cotangent, needs):
 
 
 def _grid_meta(thetas, tess, shape, *, n_steps=50):
-    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec).
+
+    First compose_grid's checks, in its order, on a data-free stand-in of thetas: a bad
+    argument raises the op's own error before the op runs."""
+    from .._adapters import stand_in
+    from .transform import _check_grid_arguments
+
+    blank = _check_thetas(stand_in(thetas), tess, "compose_grid")
+    _check_grid_arguments(blank[0], tess, shape, n_steps, "compose_grid")
     batch = (thetas.shape[1],) if thetas.ndim == 3 else ()
     return batch + tuple(int(s) for s in shape) + (tess.ndim,), _theta_dtype(thetas.dtype)
 
@@ -262,6 +271,9 @@ def compose_grid(thetas, tess, shape, *, n_steps=50):
 def _image_forward(image, thetas, tess, *, n_steps=50, mode="bilinear", padding_mode="border"):
     thetas = _check_thetas(thetas, tess, "compose_image")
     image, B = _check_image(image, thetas[0], tess)
+    if B == 0:
+        return empty_warp(image, thetas, tess, n_steps, mode, padding_mode, name="compose_image",
+                          theta_ndims=(2, 3))
     stack = thetas[:, None] if thetas.ndim == 2 else thetas              # (m, Bt, d)
     spatial = image.shape[2:]
     phi, grid_res = _grid_forward(stack, tess, spatial, n_steps=n_steps)  # (Bt, *spatial, K)
@@ -273,10 +285,12 @@ def _image_forward(image, thetas, tess, *, n_steps=50, mode="bilinear", padding_
 
 
 def _image_backward(residuals, cotangent, needs):
-    grid_res, sample_res, n_image, n_theta, thetas_ndim = residuals
     need_image, need_thetas = needs[0], needs[1]
     if not (need_image or need_thetas):
         return None, None, None
+    if isinstance(residuals, _EmptyResiduals):
+        return empty_cotangents(residuals, need_image, need_thetas) + (None,)
+    grid_res, sample_res, n_image, n_theta, thetas_ndim = residuals
     d_image, d_grid = _GRID_SAMPLE.backward(sample_res, cotangent, (need_image, need_thetas))
     if need_image:
         d_image = _sum_to(d_image, n_image)
@@ -290,9 +304,25 @@ def _image_backward(residuals, cotangent, needs):
 
 
 def _image_meta(image, thetas, tess, *, n_steps=50, mode="bilinear", padding_mode="border"):
-    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec).
+
+    First compose_image's checks, in its order, on data-free stand-ins: a bad argument raises
+    the op's own error before the op runs (the values of thetas are left to the op)."""
+    from .._adapters import stand_in
+    from .transform import _check_grid_arguments, _check_sampling_options
+
+    blank_thetas = _check_thetas(stand_in(thetas), tess, "compose_image")
+    blank, batch = _check_image(stand_in(image), blank_thetas[0], tess)
+    if batch == 0:
+        empty_warp(blank, blank_thetas, tess, n_steps, mode, padding_mode, name="compose_image",
+                   theta_ndims=(2, 3))
+    else:
+        stack = blank_thetas[:, None] if blank_thetas.ndim == 2 else blank_thetas
+        _check_grid_arguments(stack[0], tess, blank.shape[2:], n_steps, "compose_grid")
+        _check_sampling_options(blank, mode, padding_mode)
     Bt = thetas.shape[1] if thetas.ndim == 3 else 1
-    return ((max(image.shape[0], Bt),) + tuple(image.shape[1:]),
+    B = broadcast_batch(image.shape[0], Bt, ("image", "thetas"), "compose_image")
+    return ((B,) + tuple(image.shape[1:]),
             np.result_type(image.dtype, _theta_dtype(thetas.dtype)))
 
 
@@ -316,8 +346,10 @@ def compose_image(image, thetas, tess, *, n_steps=50, mode="bilinear", padding_m
 
     Returns
     -------
-    out : ndarray, shape (max(N, B), C, *spatial)
-        dtype ``result_type(image, result_type(thetas, float32))``.
+    out : ndarray, shape (B', C, *spatial)
+        B' the broadcast of N and B (N = B, or the one that is not 1: an empty batch, 0
+        against 1, gives an empty result without integrating). dtype ``result_type(image,
+        result_type(thetas, float32))``.
 
     Raises
     ------

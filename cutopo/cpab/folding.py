@@ -28,7 +28,11 @@ def jacobian_determinant(phi):
         ``det(d phi_k / d i_a)``, the derivative along pixel axis a taken as
         ``numpy.gradient`` does: central differences inside, one-sided at the border. In the
         units of ``phi`` per pixel (multiply by ``prod(spatial)`` for unit-box phi to get the
-        volume ratio).
+        volume ratio). A spatial axis of size 1 holds no difference: it is left out, i.e.
+        column a of the Jacobian is taken as the unit vector e_a, so that det is the
+        determinant of the block of the other axes (rows and columns), exactly what the
+        samples determine (the map restricted to the grid's plane or line, in the
+        coordinates along its axes). With every axis of size 1, det = 1.
 
     Raises
     ------
@@ -55,8 +59,11 @@ def jacobian_determinant(phi):
         raise ValueError(f"phi must have shape (*spatial, K) or (B, *spatial, K) with K = 2 or 3 "
                          f"spatial axes, got {phi.shape}")
     first = phi.ndim - 1 - K                                               # the first spatial axis
+    # a size-1 axis gives no difference; a zero column there would make every det 0 ("folded"),
+    # the unit column e_a leaves the determinant of the other axes' block
     J = [[xp.gradient(phi[..., k], axis=first + a) if phi.shape[first + a] > 1
-          else xp.zeros(phi.shape[:-1], dtype=phi.dtype) for a in range(K)] for k in range(K)]
+          else xp.full(phi.shape[:-1], float(k == a), dtype=phi.dtype) for a in range(K)]
+         for k in range(K)]
     if K == 2:
         return J[0][0] * J[1][1] - J[0][1] * J[1][0]
     return (J[0][0] * (J[1][1] * J[2][2] - J[1][2] * J[2][1])
@@ -76,7 +83,9 @@ def folding_fraction(phi):
     -------
     fraction : float
         In [0, 1], over all pixels (and batch items). VoxelMorph and TransMorph report it as a
-        percentage ("% of |J| <= 0").
+        percentage ("% of |J| <= 0"). Spatial axes of size 1 are left out of the determinant
+        (see :func:`jacobian_determinant`), so a one-pixel-thick volume is judged by the
+        Jacobian of its slice.
 
     Examples
     --------

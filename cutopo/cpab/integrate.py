@@ -281,14 +281,25 @@ def _integrate_backward(residuals, cotangent, needs):
             G_aug[:, :K, :] = G[visited].reshape(-1, K, K + 1)
             F = _expm_frechet_adjoint(s.h * s.A_aug[visited], G_aug)
             moments[visited] = s.h * F[:, :K, :]                         # dL/dA_c
-        grad_theta = np.asarray(s.basis.T @ moments.reshape(s.n_theta, -1).T).T
+        # the row length spelled out: an empty batch (n_theta = 0) leaves no -1 to infer
+        rows = moments.reshape(s.n_theta, C * K * (K + 1))
+        grad_theta = np.asarray(s.basis.T @ rows.T).T
         if s.theta_ndim == 1:
             grad_theta = grad_theta[0]
     return grad_points, grad_theta, None
 
 
 def _integrate_meta(points, theta, tess, *, n_steps=50, checkpoint_every=4):
-    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec).
+
+    First integrate's checks, in its order, on data-free stand-ins of zeros: a bad argument
+    raises the op's own error before the op runs (the finiteness checks pass over the
+    stand-ins, never the data; the step-size guard, which reads theta, is left to the op)."""
+    from .._adapters import stand_in
+
+    check_count(checkpoint_every, "checkpoint_every")
+    check_points_theta(stand_in(points), stand_in(theta), tess, "integrate")
+    check_count(n_steps, "n_steps")
     Bp = points.shape[0] if points.ndim == 3 else 1
     Bt = theta.shape[0] if theta.ndim == 2 else 1
     shape = tuple(points.shape[-2:])
@@ -378,11 +389,26 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     ``|v(x)| (e^{hL} - 1) / L <= dist(x, boundary) (e^{hL} - 1)``, less than the distance to
     the boundary because hL <= 0.5 < log 2. Trajectories therefore stay in the open box
     (boundary points stay put) and P only removes rounding excursions. Under slip the
-    frozen-cell steps can overshoot the boundary near it, and P pulls them back. Without a zero
-    boundary points may leave the box; a point outside moves with the affine map of the cell of
-    its nearest box point (:func:`~cutopo.cpab.tessellation.cell_index` clamps), i.e. that
-    boundary cell's affine extension, as in libcpab (:func:`~cutopo.cpab.velocity` instead
-    extends the field as constant along the normal).
+    frozen-cell steps can overshoot the boundary near it, and P pulls them back.
+
+    **Outside the box** (``zero_boundary=None`` only: the other boundaries never leave it).
+    Points may leave the box, and a point x outside steps with ``A_c [x; 1]``, c the cell of
+    its clamped position (:func:`~cutopo.cpab.tessellation.cell_index` clamps each coordinate
+    to [0, 1]): the affine extension of that boundary cell's map, evaluated at x itself. No
+    constraint makes these extensions agree: libcpab's ``zero_boundary=False`` adds "valid
+    outside" constraints that make its outside field continuous (and its lookup splits the
+    corner regions at 45 degrees; research notes cpab.md 3 and 4.1), cutopo imposes none
+    (see :class:`Tessellation`). So in 2-D and 3-D the field that outside trajectories follow
+    is discontinuous: it jumps across the lines (planes) normal to a face through its boundary
+    vertices, and at the edges of the corner regions (where one cell's extension takes over),
+    by amounts that grow with the distance from the box; only in 1-D (one cell per end) is it
+    continuous. Consequences: on trajectories that leave the box the map is not a
+    diffeomorphism of R^K (trajectories that meet a jump can merge or part, so it need not be
+    injective or continuous there), and :func:`log_jacobian`, finite there as everywhere,
+    no longer certifies that the map does not fold. Trajectories that stay in the box follow
+    the continuous CPA field. :func:`~cutopo.cpab.velocity` evaluates a different, continuous
+    extension outside the box (the velocity at the clamped point: constant along the normal),
+    so it is not the field that this scheme integrates there.
 
     **VJP** (registered as ``"cpab_integrate"``; points and theta are differentiable, tess
     gets None): the exact derivative of the scheme above, almost everywhere (cell indices are
@@ -474,7 +500,11 @@ def log_jacobian(points, theta, tess, *, n_steps=50):
         log det D phi(x) = h * sum_t tr A_c(t),lin
 
     along the trajectory of x, exactly for the scheme (almost everywhere) and without
-    differencing. Positive values mean expansion, negative compression; the map never folds.
+    differencing. Positive values mean expansion, negative compression. Under ``"noslip"``
+    and ``"slip"`` the map never folds; under ``zero_boundary=None`` that holds for
+    trajectories that stay in the box, while those that leave it follow a discontinuous field
+    and this value, still finite, certifies nothing (see :func:`integrate`'s Notes, "Outside
+    the box").
 
     Parameters
     ----------

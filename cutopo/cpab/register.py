@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from .. import sampling as _sampling
 from .._adam import Adam
 from .._array import array_module, as_array, is_cupy_array, to_numpy
 from .._progress import ProgressBar
@@ -145,6 +146,38 @@ def _check_positive(value, name):
     return float(value)
 
 
+def _check_nonnegative(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                      np.floating)):
+        raise TypeError(f"{name} must be a non-negative number, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+    return float(value)
+
+
+def _check_betas(betas):
+    """Adam's (beta1, beta2): two real numbers in [0, 1) (Adam itself would unpack and compare
+    anything, and fail with errors that do not name the argument)."""
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, (list, tuple, np.ndarray)) \
+            or len(betas) != 2:
+        raise TypeError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
+    out = []
+    for b in betas:
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, float, np.integer,
+                                                                  np.floating)):
+            raise TypeError(f"betas must be a pair of numbers (beta1, beta2), got {betas!r}")
+        if not 0 <= b < 1:                                 # NaN fails this too
+            raise ValueError(f"betas must lie in [0, 1), got {betas!r}")
+        out.append(float(b))
+    return tuple(out)
+
+
+def _check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def _level_tessellations(tess, levels):
     """The tessellations of the levels, coarse to fine, ending with ``tess``."""
     if isinstance(levels, (int, np.integer)) and not isinstance(levels, (bool, np.bool_)):
@@ -164,8 +197,11 @@ def _level_tessellations(tess, levels):
     for entry in shapes:
         if isinstance(entry, Tessellation):
             chain.append(entry)
-        else:
+            continue
+        try:
             chain.append(Tessellation(entry, zero_boundary=tess.zero_boundary))
+        except (TypeError, ValueError) as exc:          # Tessellation's errors name "shape"
+            raise type(exc)(f"levels: entry {entry!r}: {exc}") from None
     if not chain or chain[-1].shape != tess.shape:
         chain.append(tess)
     else:
@@ -280,7 +316,7 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     ncc_window : int, optional
         Odd window width of the NCC loss (default 9).
     betas : (float, float), optional
-        Adam's moment decay rates (default (0.9, 0.999)).
+        Adam's moment decay rates, two numbers in [0, 1) (default (0.9, 0.999)).
     lr_schedule : {"cosine", "constant"}, optional
         Step size within each level: ``"cosine"`` (default) anneals it from ``lr`` to 0 over
         the level's steps, ``lr * (1 + cos(pi k / steps)) / 2`` at step k; ``"constant"``
@@ -307,13 +343,15 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     ------
     ValueError
         Images whose shapes or channel counts disagree, that do not fit ``tess``, or that are
-        not finite; an unknown ``loss``; ``steps`` < 0; ``lr`` not positive;
-        ``smoothness`` negative; an even or non-positive ``ncc_window``; levels that do
-        not nest or do not divide ``tess.shape``; theta0 of the wrong shape; an unknown
-        ``lr_schedule``.
+        not finite; an unknown ``loss``, ``lr_schedule``, ``mode`` or ``padding_mode``;
+        ``steps`` < 0; ``lr`` not positive; ``smoothness`` negative; ``betas`` outside
+        [0, 1); an even or non-positive ``ncc_window``; levels that do not nest or do not
+        divide ``tess.shape``; theta0 of the wrong shape.
     TypeError
         ``tess`` not a :class:`Tessellation`, non-real images, one image on the GPU and the
-        other not.
+        other not; an argument of the wrong type (``betas`` not a pair of numbers,
+        ``diagnostics`` or ``progress`` not a bool, a non-numeric ``lr`` or
+        ``smoothness``, ...).
 
     Notes
     -----
@@ -329,11 +367,15 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     through the ``cutopo.vjp`` loop, which raises ``n_steps`` (or the error) exactly as it
     would have.
 
-    The transformation is a diffeomorphism for every theta, so no regulariser is needed
-    against folding; the tessellation sets the smoothness. The folding fraction is reported
-    for comparison with dense methods (VoxelMorph, TransMorph); it can exceed 0 for CPAB maps
-    only where the map varies faster than the pixel grid resolves (the differences' error).
-    ``log_jacobian`` is the exact certificate (finite everywhere).
+    Under the no-slip and slip boundaries the transformation is a diffeomorphism for every
+    theta, so no regulariser is needed against folding; the tessellation sets the smoothness.
+    The folding fraction is reported for comparison with dense methods (VoxelMorph,
+    TransMorph); it can exceed 0 for CPAB maps only where the map varies faster than the
+    pixel grid resolves (the differences' error), and a spatial axis of size 1 is left out of
+    it. ``log_jacobian`` is the exact certificate (finite everywhere). Under
+    ``zero_boundary=None`` both hold only for pixels whose trajectories stay in the box:
+    outside it the scheme follows a discontinuous field (see
+    :func:`~cutopo.cpab.integrate`, "Outside the box").
 
     Convention
     ----------
@@ -373,8 +415,12 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     if not isinstance(lr_schedule, str) or lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"lr_schedule must be one of {', '.join(map(repr, LR_SCHEDULES))}, got "
                          f"{lr_schedule!r}")
-    if smoothness != 0:
-        smoothness = _check_positive(smoothness, "smoothness")
+    smoothness = _check_nonnegative(smoothness, "smoothness")
+    betas = _check_betas(betas)
+    _sampling._choice(mode, "mode", _sampling.MODES)      # before any step, not at the first warp
+    _sampling._choice(padding_mode, "padding_mode", _sampling.PADDING_MODES)
+    diagnostics = _check_flag(diagnostics, "diagnostics")
+    progress = _check_flag(progress, "progress")
     window = check_count(ncc_window, "ncc_window")
     if window % 2 == 0:
         raise ValueError(f"ncc_window must be odd, got {window}")

@@ -102,6 +102,8 @@ def check_shape(shape) -> tuple[int, ...]:
 def _check_fits(shape):
     ndim = len(shape)
     n_cells = SIMPLICES_PER_BOX[ndim] * int(np.prod(shape, dtype=object))
+    if n_cells >= 2**31:  # the kernels number a point's cell within its table in 32 bits
+        raise ValueError(f"shape={shape}: {n_cells} cells, at most 2^31 - 1 are supported")
     entries = n_cells * ndim * (ndim + 1) ** 2           # an upper bound on nnz(basis)
     need, budget = entries * _BUILD_BYTES_PER_ENTRY, _memory_budget()
     if need > budget:
@@ -137,7 +139,12 @@ class Tessellation:
         the vertex lies on x_k = 0 or x_k = 1 (an edge vertex of a cube keeps one component, a
         box corner none). ``None``: free boundary, every vertex carries K parameters (the plain
         P1 space; libcpab's ``zero_boundary=False`` adds "valid outside" constraints on top,
-        which are not imposed here).
+        which make its field's extension beyond the box continuous; they are not imposed
+        here). Trajectories may then leave the box, where :func:`~cutopo.cpab.integrate`
+        steps with the affine extension of the cell of each point's clamped position: in 2-D
+        and 3-D a discontinuous field, so the map is not a diffeomorphism of R^K on
+        trajectories that leave the box and :func:`~cutopo.cpab.log_jacobian` does not
+        certify that it does not fold there (integrate's Notes, "Outside the box").
 
     Attributes
     ----------

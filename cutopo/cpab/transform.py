@@ -18,15 +18,18 @@ oracle; also taken for n_steps > 256, beyond the backward's local checkpoints).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import numpy as np
 
+from .. import sampling as _sampling
 from .._array import array_module, is_cupy_array
 from ..sampling import grid_sample
 from ..vjp import register
 from . import _warp_cupy
-from ._checks import check_count
+from ._checks import broadcast_batch, check_count
 from .integrate import integrate
 from .tessellation import Tessellation
 
@@ -127,7 +130,14 @@ def _grid_backward(residuals, cotangent, needs):
 
 
 def _grid_meta(theta, tess, shape, *, n_steps=50):
-    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec).
+
+    First transform_grid's checks (the grid's shape, then integrate's of theta and n_steps,
+    the grid's points being the op's own), on a data-free stand-in of theta: a bad argument
+    raises the op's own error before the op runs."""
+    from .._adapters import stand_in
+
+    _check_grid_arguments(stand_in(theta), tess, shape, n_steps, "transform_grid")
     batch = (theta.shape[0],) if theta.ndim == 2 else ()
     return batch + tuple(int(s) for s in shape) + (tess.ndim,), _theta_dtype(theta.dtype)
 
@@ -213,11 +223,57 @@ def _check_image(image, theta, tess):
         want = "(N, C, H, W)" if tess.ndim == 2 else "(N, C, D, H, W)"
         raise ValueError(f"cpab.transform_image: image must have shape {want} for a "
                          f"{tess.ndim}-D tessellation, got {image.shape}")
-    N = image.shape[0]
     Bt = np.shape(theta)[0] if np.ndim(theta) == 2 else 1
-    if Bt != N and 1 not in (Bt, N):
-        raise ValueError(f"cpab.transform_image: image and theta have batch sizes {N} and {Bt}")
-    return image, max(N, Bt) if 1 in (N, Bt) else N
+    return image, broadcast_batch(image.shape[0], Bt, ("image", "theta"), "transform_image")
+
+
+@dataclasses.dataclass
+class _EmptyResiduals:
+    """The residuals of a warp of an empty batch: what the zero cotangents need."""
+
+    image: tuple            # (shape, dtype) of d_image: the image's, in the computation dtype
+    theta: tuple            # (shape, dtype) of d_theta: theta's, float64 (as integrate's)
+    xp: object
+    device: object          # the arrays' CuPy device, or None
+
+
+def _on(device):
+    return device if device is not None else contextlib.nullcontext()
+
+
+def empty_warp(image, theta, tess, n_steps, mode, padding_mode, *, name="transform_image",
+               theta_ndims=(1, 2)):
+    """``(out, residuals)`` of a warp whose batch is empty (batch sizes 0 and 0, or 0 and 1):
+    the empty result, without integrating or launching a kernel, so that nothing indexes the
+    empty argument. Shapes, dtypes and options are checked as the warp checks them; theta's
+    values are never read, so neither its finiteness nor the step-size guard is checked.
+    ``theta_ndims``: the numbers of axes theta may have (compose_image's thetas: (2, 3))."""
+    _sampling._choice(mode, "mode", _sampling.MODES)
+    _sampling._choice(padding_mode, "padding_mode", _sampling.PADDING_MODES)
+    image = _sampling._float_array(image, "image")
+    check_count(n_steps, "n_steps")
+    _check_shape(image.shape[2:], tess, name)
+    xp = array_module(image)
+    theta = xp.asarray(theta)
+    if theta.dtype.kind not in "fiu":
+        raise TypeError(f"theta must hold real numbers, got dtype {theta.dtype}")
+    d = tess.n_params
+    if theta.ndim not in theta_ndims or theta.shape[-1] != d:   # compose_image's: checked before
+        raise ValueError(f"theta must have shape ({d},) or (B, {d}) (n_params={d}), got "
+                         f"{theta.shape}")
+    dtype = np.result_type(image.dtype, _theta_dtype(theta.dtype))    # _image_meta's rule
+    device = image.device if is_cupy_array(image) else None
+    with _on(device):
+        out = xp.zeros((0,) + image.shape[1:], dtype=dtype)
+    return out, _EmptyResiduals((image.shape, dtype), (theta.shape, np.dtype(np.float64)), xp,
+                                device)
+
+
+def empty_cotangents(res, need_image, need_theta):
+    """(d_image, d_theta) of :func:`empty_warp`: zeros, the output having no entries."""
+    with _on(res.device):
+        return tuple(res.xp.zeros(*spec) if need else None
+                     for spec, need in ((res.image, need_image), (res.theta, need_theta)))
 
 
 def _sum_to(g, n):
@@ -227,6 +283,8 @@ def _sum_to(g, n):
 
 def _image_forward(image, theta, tess, *, n_steps=50, mode="bilinear", padding_mode="border"):
     image, B = _check_image(image, theta, tess)
+    if B == 0:
+        return empty_warp(image, theta, tess, n_steps, mode, padding_mode)
     if FUSED and is_cupy_array(image) and _warp_cupy.supports(n_steps):
         return _warp_cupy.forward(image, theta, tess, n_steps, mode, padding_mode)
     theta2 = array_module(theta).asarray(theta)
@@ -245,6 +303,8 @@ def _image_backward(residuals, cotangent, needs):
     need_image, need_theta = needs[0], needs[1]
     if not (need_image or need_theta):
         return None, None, None
+    if isinstance(residuals, _EmptyResiduals):
+        return empty_cotangents(residuals, need_image, need_theta) + (None,)
     if isinstance(residuals, _warp_cupy.Residuals):
         return _warp_cupy.backward(residuals, cotangent, need_image, need_theta) + (None,)
     grid_res, sample_res, n_image, n_theta, theta_ndim = residuals
@@ -260,11 +320,43 @@ def _image_backward(residuals, cotangent, needs):
     return d_image, d_theta, None
 
 
+def _check_grid_arguments(theta, tess, shape, n_steps, name):
+    """The checks of a warp's grid (shape rules only): ``shape`` for ``tess``, then
+    integrate's of ``theta`` (a stand-in array: its shape and dtype) and ``n_steps``."""
+    from .velocity import check_points_theta
+
+    _check_shape(shape, tess, name)
+    check_points_theta(np.zeros((1, tess.ndim)), theta, tess, "integrate")
+    check_count(n_steps, "n_steps")
+
+
+def _check_sampling_options(image, mode, padding_mode):
+    """grid_sample's checks of the options and the image's dtype (shape rules only), on
+    1-pixel stand-ins of the image and the grid."""
+    K = image.ndim - 2
+    _sampling._prepare(np.zeros((1,) * (K + 2), image.dtype), np.zeros((1,) * (K + 1) + (K,)),
+                       mode, padding_mode, False)
+
+
 def _image_meta(image, theta, tess, *, n_steps=50, mode="bilinear", padding_mode="border"):
-    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec)."""
+    """Output (shape, dtype) from the arguments' shapes and dtypes (see cutopo.vjp.OpSpec).
+
+    First transform_image's checks, in its order, on data-free stand-ins: a bad argument
+    raises the op's own error before the op runs (theta's values, read by the step-size guard,
+    are left to the op)."""
+    from .._adapters import stand_in
+
+    blank, batch = _check_image(stand_in(image), stand_in(theta), tess)
+    if batch == 0:
+        empty_warp(blank, stand_in(theta), tess, n_steps, mode, padding_mode)
+    else:
+        theta2 = stand_in(theta)
+        _check_grid_arguments(theta2[None] if theta2.ndim == 1 else theta2, tess,
+                              blank.shape[2:], n_steps, "transform_grid")
+        _check_sampling_options(blank, mode, padding_mode)
     Bt = theta.shape[0] if theta.ndim == 2 else 1
-    N = image.shape[0]
-    return ((max(N, Bt),) + tuple(image.shape[1:]),
+    B = broadcast_batch(image.shape[0], Bt, ("image", "theta"), "transform_image")
+    return ((B,) + tuple(image.shape[1:]),
             np.result_type(image.dtype, _theta_dtype(theta.dtype)))
 
 
@@ -282,7 +374,8 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
         CUDA kernels).
     theta : ndarray, shape (n_params,) or (B, n_params)
         Vertex velocities, as for :func:`~cutopo.cpab.integrate`: one field for every image,
-        or one per image (B = N; a batch of 1 on either side broadcasts).
+        or one per image (B = N; a batch of 1 on either side broadcasts, as in NumPy: 1
+        against 0 gives an empty batch).
     tess : Tessellation
         A 2-D or 3-D tessellation.
     n_steps : int, optional
@@ -297,8 +390,9 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
 
     Returns
     -------
-    out : ndarray, shape (max(N, B), C, *spatial)
-        The warped images, on the same grid as ``image``. dtype ``result_type(image,
+    out : ndarray, shape (B', C, *spatial)
+        The warped images, on the same grid as ``image``; B' is the broadcast of N and B (N =
+        B, or the one that is not 1). dtype ``result_type(image,
         result_type(theta, float32))`` (float64 for a float64 image or theta).
 
     Raises
@@ -324,6 +418,10 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
     as the composition, bit for bit, without the (B, *spatial, K) grid; its VJP recomputes
     each trajectory in its thread, so the forward and backward together hold no more than
     the image, the output, their cotangents and per-cell tables.
+
+    An empty batch (B' = 0) returns an empty ``out`` of the array type and dtype above, and
+    its VJP zero cotangents, without integrating or launching a kernel: theta's values are
+    then not read (neither its finiteness nor the step-size guard is checked).
 
     Convention
     ----------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._array import array_module, is_cupy_array
+from ._checks import broadcast_batch
 from .tessellation import Tessellation, cell_index
 
 __all__ = ["velocity"]
@@ -20,7 +21,7 @@ def check_points_theta(points, theta, tess, name, *, pending=None):
     """Validate the (points, theta, tess) arguments of a CPA op; return points and theta as
     real arrays of one array type (NumPy, or CuPy when either is a CuPy array: then both must
     be) and the computation dtype. points: (N, K) or (B, N, K); theta: (d,) or (B, d); batch
-    sizes equal or one of them 1 (broadcast).
+    sizes equal or one of them 1 (broadcast as NumPy's: 1 with 0 is an empty batch).
 
     On the device the finiteness of both is one reduction read on the host; a caller that has
     more device-side checks passes a list as ``pending``: the reduction is appended to it
@@ -43,9 +44,8 @@ def check_points_theta(points, theta, tess, name, *, pending=None):
                          f"tessellation, got {points.shape}")
     if theta.ndim not in (1, 2) or theta.shape[-1] != d:
         raise ValueError(f"theta must have shape ({d},) or (B, {d}) (n_params={d}), got {theta.shape}")
-    if points.ndim == 3 and theta.ndim == 2 and 1 not in (len(points), len(theta)) \
-            and len(points) != len(theta):
-        raise ValueError(f"points and theta have batch sizes {len(points)} and {len(theta)}")
+    if points.ndim == 3 and theta.ndim == 2:
+        broadcast_batch(len(points), len(theta), ("points", "theta"), name)
     # float32 only when both are (at most) float32; everything else computes in float64
     dtype = np.result_type(points.dtype, theta.dtype, np.float32)
     if dtype not in (np.float32, np.float64):
@@ -79,8 +79,10 @@ def velocity(points, theta, tess):
     points : ndarray, shape (N, K) or (B, N, K)
         Coordinates in [0, 1]^K, shared by the batch (N, K) or one set per batch item. Points
         outside the box take the velocity of their nearest point of the box (coordinates
-        clamped to [0, 1]), a continuous extension: zero outside under no-slip. NumPy or
-        CuPy; CuPy points and theta (both) run the CUDA kernel.
+        clamped to [0, 1]), a continuous extension, constant along the normal: zero outside
+        under no-slip. This is not the field :func:`~cutopo.cpab.integrate` follows outside
+        the box under ``zero_boundary=None`` (see Convention). NumPy or CuPy; CuPy points and
+        theta (both) run the CUDA kernel.
     theta : ndarray, shape (n_params,) or (B, n_params)
         Vertex velocities at the free components, as laid out by ``tess`` (see
         :class:`Tessellation`).
@@ -98,9 +100,14 @@ def velocity(points, theta, tess):
     ----------
     Domain [0, 1]^K, coordinate k of a point is array axis k. ``theta[j]`` is the velocity
     component ``tess.dof_axis[j]`` at vertex ``tess.dof_vertex[j]`` (vertex-major,
-    component-minor, vertices in FG-CPAB's order). Each point is evaluated with the affine map
-    of the cell :func:`~cutopo.cpab.tessellation.cell_index` gives it; the field is continuous,
-    so on a face either side's map gives the same value up to rounding.
+    component-minor, vertices in FG-CPAB's order). Each point x is clamped to the box, x' =
+    clip(x, 0, 1), and evaluated there with the affine map of the cell
+    :func:`~cutopo.cpab.tessellation.cell_index` gives it: ``v(x) = A_c(x') [x'; 1]``. In the
+    box the field is continuous, so on a face either side's map gives the same value up to
+    rounding. Outside the box (where only ``zero_boundary=None`` trajectories go) the scheme
+    of :func:`~cutopo.cpab.integrate` steps instead with ``A_c(x') [x; 1]``, the boundary
+    cell's affine extension at x itself, which is discontinuous in 2-D and 3-D (see its Notes,
+    "Outside the box"); the two agree on the box.
 
     Examples
     --------
