@@ -285,7 +285,6 @@ def test_gpu_ect_passes_scale_with_the_slab(tmp_path, monkeypatch, rng):
     direction_groups honours (one direction at least). CPU stand-ins for CuPy and the kernels;
     tests/test_stream_gpu.py::test_streamed_ect_on_the_gpu and
     ::test_streamed_periodic_ect_on_the_gpu run the real ones."""
-    import sys
     import types
 
     from cutopo import _band_cupy, _ect
@@ -302,10 +301,10 @@ def test_gpu_ect_passes_scale_with_the_slab(tmp_path, monkeypatch, rng):
         groups = _band_cupy.direction_groups(block, len(dirs64), True, pass_elements)
         assert all((d1 - d0) * per <= max(pass_elements, per) for d0, d1 in groups)
         seen.append((pass_elements, len(groups)))
-        out = _ect.curves(block, dirs64, coords, t, tconn, own, general=general)
+        out = _ect.curves(np.asarray(block), dirs64, coords, t, tconn, own, general=general)
         return types.SimpleNamespace(get=lambda: out), None
 
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(asarray=np.asarray))
+    install_fake_device(monkeypatch, False)
     monkeypatch.setattr(_band_cupy, "ect_forward", forward)
     got = _stream.ect(mm, dirs, 9, 3, "box", "cuda", slab)
     np.testing.assert_array_equal(got, cutopo.ect(mask, dirs, 9, connectivity=3))
