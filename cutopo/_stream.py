@@ -884,27 +884,30 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
     pieces = plan_pieces(src, per_pixel, max_slab_bytes, periodic)
     blocks = (_device_slabs(src, pieces) if backend == "cuda" else
               ((p, np.asarray(read_piece(src, p))) for p in pieces))
-    for piece, block in blocks:
-        block = block if block.dtype == np.bool_ else block != 0
-        planes = np.concatenate([np.arange(a, b) for a, b in piece.ranges])
-        block_coords = [coords[0][planes]] + list(coords[1:])
-        own = [piece.own0] + [np.ones(n, dtype=bool) for n in src.spatial[1:]]
-        if backend == "cuda":
-            from . import _band_cupy
+    try:  # close the reader (its thread, pinned buffers) also when a slab fails
+        for piece, block in blocks:
+            block = block if block.dtype == np.bool_ else block != 0
+            planes = np.concatenate([np.arange(a, b) for a, b in piece.ranges])
+            block_coords = [coords[0][planes]] + list(coords[1:])
+            own = [piece.own0] + [np.ones(n, dtype=bool) for n in src.spatial[1:]]
+            if backend == "cuda":
+                from . import _band_cupy
 
-            if periodic:
-                # The slab as a window of the periodically repeated mask, at the positions of
-                # the pixels it copies (see _gpu_histogram): the box rule counts the torus.
-                block = _wrap_pad(block, ndim)
-                wrapped = [np.r_[n - 1, np.arange(n), 0] for n in src.spatial[1:]]
-                block_coords = block_coords[:1] + [c[w] for c, w in zip(coords[1:], wrapped)]
-                own = own[:1] + [_inner(n) for n in src.spatial[1:]]
-            part, _ = _band_cupy.ect_forward(block, dirs64, block_coords, t, tconn, soft=False,
-                                             own=own, general=periodic,
-                                             pass_elements=gpu_pass)
-            out[piece.f0:piece.f1] += part.get()
-        else:
-            out[piece.f0:piece.f1] += _ect.curves(
-                block, dirs64, block_coords, t, tconn, own, periodic,
-                (piece.start, n0) if periodic else None, pass_elements=cpu_pass)
+                if periodic:
+                    # The slab as a window of the periodically repeated mask, at the positions of
+                    # the pixels it copies (see _gpu_histogram): the box rule counts the torus.
+                    block = _wrap_pad(block, ndim)
+                    wrapped = [np.r_[n - 1, np.arange(n), 0] for n in src.spatial[1:]]
+                    block_coords = block_coords[:1] + [c[w] for c, w in zip(coords[1:], wrapped)]
+                    own = own[:1] + [_inner(n) for n in src.spatial[1:]]
+                part, _ = _band_cupy.ect_forward(block, dirs64, block_coords, t, tconn, soft=False,
+                                                 own=own, general=periodic,
+                                                 pass_elements=gpu_pass)
+                out[piece.f0:piece.f1] += part.get()
+            else:
+                out[piece.f0:piece.f1] += _ect.curves(
+                    block, dirs64, block_coords, t, tconn, own, periodic,
+                    (piece.start, n0) if periodic else None, pass_elements=cpu_pass)
+    finally:
+        blocks.close()
     return out.reshape(src.batch + (D, T))

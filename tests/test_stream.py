@@ -772,6 +772,38 @@ def test_gpu_ect_slab_pipeline_on_a_fake_device(tmp_path, monkeypatch, rng, boun
         assert len(buffers) == 2          # the kernel read the two device buffers in turn
 
 
+def test_gpu_ect_slab_reader_is_closed_when_a_slab_fails(tmp_path, monkeypatch, rng):
+    """A kernel error mid-stream closes the slab reader at once (its thread ends, the error is
+    the kernel's), not when the traceback is dropped."""
+    import threading
+    import types
+
+    from cutopo import _band_cupy
+
+    install_fake_device(monkeypatch, False)
+    mask = rng.random((12, 9, 8)) < 0.5
+    mm = memmap_of(tmp_path, mask)
+    calls = []
+
+    def forward(block, dirs64, coords, t, *args, **kwargs):
+        calls.append(block.shape)
+        if len(calls) == 2:
+            raise RuntimeError("kernel failed")
+        out = np.zeros((block.shape[0], len(dirs64), t.size), dtype=np.int64)
+        return types.SimpleNamespace(get=lambda: out), None
+
+    monkeypatch.setattr(_band_cupy, "ect_forward", forward)
+    before = threading.active_count()
+    try:
+        _stream.ect(mm, rng.normal(size=(3, 3)), 4, 1, "box", "cuda",
+                    3 * plane_bytes(mask.shape, 3, _stream.ECT_GPU_BYTES_PER_PIXEL))
+    except RuntimeError as exc:  # asserted while the traceback (and ect's frame) is alive
+        assert str(exc) == "kernel failed" and len(calls) == 2
+        assert threading.active_count() == before  # the reader's thread has ended
+    else:
+        raise AssertionError("the kernel's error was not raised")
+
+
 @pytest.mark.parametrize("pinned", [False, True])
 @pytest.mark.parametrize("dtype,shape,ndim", [("uint8", (40, 9, 8), 3), ("float32", (2, 30, 13), 2),
                                               ("int16", (5, 6, 7), 3)])
