@@ -57,8 +57,15 @@ function that calls these ops and differentiates through them compiles without g
 above; the inductor backend needs a C++ compiler). Static arguments (Python scalars,
 keywords, a grid's shape) are constants of the graph: a new value recompiles (pass a changing
 ``scale`` as a 0-d tensor instead). Dynamic shapes (``dynamic=True``) work; a static argument
-taken from a symbolic shape (``image.shape``) is specialised (guarded) to its value. The ops have no ``torch.func`` (vmap) rules. An op registered
-later without a shape rule still works, but runs outside the compiled graph (a graph break).
+taken from a symbolic shape (``image.shape``) is specialised (guarded) to its value. An op
+registered later without a shape rule still works, but runs outside the compiled graph (a graph
+break).
+
+``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``) are not supported: the ops have no
+vmap rules, and functorch refuses the autograd formula that ``register_autograd`` attaches to a
+custom op ("must override the setup_context staticmethod"; pytorch/pytorch#179652, open in torch
+2.13). Batch through the ops' leading axes and differentiate with ``torch.autograd`` or
+``.backward()``, which ``torch.compile`` also handles.
 
 Errors: eager calls raise the op's own exceptions (TypeError or ValueError naming the
 argument). Under ``torch.compile`` the fake kernels run the op's shape rule, which runs the

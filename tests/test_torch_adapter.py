@@ -772,3 +772,15 @@ def test_cuda_bfloat16_deformable(weight_dtype):
         # bfloat16 cotangents: float32 sums rounded once; the two backends sum in other orders
         tol = 2e-2 if a_.dtype == torch.bfloat16 else 1e-4
         torch.testing.assert_close(a_.cpu().float(), b_.float(), rtol=tol, atol=tol)
+
+
+def test_torch_func_transforms_are_refused_as_documented():
+    """cutopo.torch's docstring says torch.func's grad and vmap do not work (no vmap rules;
+    functorch refuses custom ops' register_autograd formulas, pytorch/pytorch#179652): if a
+    torch release lifts that, this fails and the docstring should change."""
+    x = torch.rand(6, 7, dtype=torch.float64)
+    t = torch.linspace(0, 1, 5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda a: ct.soft_ecc(a, t, 4.0).sum())(x)
+    with pytest.raises(RuntimeError, match="[Bb]atching rule"):
+        torch.vmap(lambda a: ct.soft_ecc(a, t, 4.0))(torch.rand(3, 6, 7, dtype=torch.float64))
