@@ -18,6 +18,9 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from ._checks import (check_boundary, check_connectivity, check_image, check_scale, check_thresholds,
+                      is_count)
+
 __all__ = ["ArraySpec", "AdaptedOp", "adapted_ops", "docstring", "freeze", "stand_in"]
 
 
@@ -61,8 +64,6 @@ def stand_in(value, fill=0):
 # ----------------------------------------------------------------------------- shape rules
 # The non-differentiable public ops have no OpSpec; their shape rules live here.
 
-def _is_count(thresholds) -> bool:
-    return isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
 
 
 # The other keyword arguments (device, max_slab_bytes, ...) do not change the result's shape:
@@ -70,34 +71,35 @@ def _is_count(thresholds) -> bool:
 # Each rule first runs the op's checks that need no data, on stand-ins (``stand_in``), in the
 # op's order: a bad argument raises the op's own error when the adapters trace the call.
 
-def _thresholds_probe(image):
-    """A stand-in image of 1 pixel (0 when ``image`` is empty) for ``check_thresholds``: a count
-    of thresholds is checked (``linear_thresholds``) without a pass over the image."""
-    return np.zeros(min(image.size, 1), dtype=image.dtype)
-
-
-def _ecc_meta(image, thresholds, *, ndim=None, connectivity=1, boundary="box", **_):
-    from ._checks import check_boundary, check_connectivity, check_image, check_thresholds
-
+def check_image_op(image, thresholds=None, *, ndim=None, connectivity=1, boundary="box",
+                   scale=None):
+    """The checks of an image op (ecc, euler_contributions, soft_ecc) that need no data, on
+    stand-ins, in the ops' order: image, connectivity, boundary, (unless None) scale, of
+    ones, and thresholds, a count checked against a 1-pixel image (no pass over the data).
+    Returns (spatial ndim, threshold count T or None)."""
     blank, spatial = check_image(stand_in(image), ndim)
     check_connectivity(connectivity, spatial)
     check_boundary(boundary, blank, spatial)
-    check_thresholds(stand_in(thresholds), _thresholds_probe(blank))
-    T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
+    if scale is not None:
+        check_scale(stand_in(scale, 1))
+    if thresholds is None:
+        return spatial, None
+    check_thresholds(stand_in(thresholds), np.zeros(min(blank.size, 1), dtype=blank.dtype))
+    return spatial, int(thresholds) if is_count(thresholds) else thresholds.shape[0]
+
+
+def _ecc_meta(image, thresholds, *, ndim=None, connectivity=1, boundary="box", **_):
+    spatial, T = check_image_op(image, thresholds, ndim=ndim, connectivity=connectivity,
+                                boundary=boundary)
     return tuple(image.shape[:image.ndim - spatial]) + (T,), np.dtype(np.int64)
 
 
 def _contributions_meta(image, *, ndim=None, connectivity=1, boundary="box", **_):
-    from ._checks import check_boundary, check_connectivity, check_image
-
-    blank, spatial = check_image(stand_in(image), ndim)
-    check_connectivity(connectivity, spatial)
-    check_boundary(boundary, blank, spatial)
+    check_image_op(image, ndim=ndim, connectivity=connectivity, boundary=boundary)
     return tuple(image.shape), np.dtype(np.int8)
 
 
 def _ect_meta(mask, directions, thresholds, *, connectivity=1, boundary="box", **_):
-    from ._checks import check_boundary
     from ._ect import _prepare
 
     # directions of ones: the stand-in must pass the check that no direction is zero
@@ -105,7 +107,7 @@ def _ect_meta(mask, directions, thresholds, *, connectivity=1, boundary="box", *
         "ect", stand_in(mask), stand_in(directions, 1), stand_in(thresholds), connectivity)
     check_boundary(boundary, mask_b, len(spatial))
     D, ndim = directions.shape
-    T = int(thresholds) if _is_count(thresholds) else thresholds.shape[0]
+    T = int(thresholds) if is_count(thresholds) else thresholds.shape[0]
     return tuple(mask.shape[:mask.ndim - ndim]) + (D, T), np.dtype(np.int64)
 
 
@@ -137,7 +139,7 @@ _BFLOAT16_OPS = frozenset({"deformable_aggregation"})
 
 def _leading(name, count_arg=None):
     def rule(args, kwargs):
-        if count_arg is not None and _is_count(args[count_arg]):
+        if count_arg is not None and is_count(args[count_arg]):
             return None  # a count means thresholds from the min and max of the whole batch
         if "ndim" in kwargs and kwargs["ndim"] is None:
             # ndim=None reads the spatial rank off the array; extra axes would change it

@@ -59,6 +59,20 @@ def check_connectivity(connectivity, ndim) -> bool:
     return connectivity == ndim
 
 
+def is_count(thresholds) -> bool:
+    """Whether ``thresholds`` is a count of thresholds (an int, not a bool) rather than values."""
+    return isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
+
+
+def check_count(n) -> int:
+    """A threshold count: an int (not a bool), at least 1."""
+    if not is_count(n):
+        raise TypeError(f"thresholds: a count must be an int, got {n!r}")
+    if n < 1:
+        raise ValueError(f"thresholds: the count must be at least 1, got {n}")
+    return int(n)
+
+
 def linear_thresholds(image, n):
     """``n`` evenly spaced thresholds from the image's finite minimum to its finite maximum
     (``n = 1``: the minimum alone, as ``numpy.linspace``).
@@ -76,10 +90,7 @@ def linear_thresholds(image, n):
     thresholds : 1-D ndarray of the image's array type
     """
     image = as_array(image, "image")
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"thresholds: a count must be an int, got {n!r}")
-    if n < 1:
-        raise ValueError(f"thresholds: the count must be at least 1, got {n}")
+    n = check_count(n)
     if image.size == 0:
         raise ValueError("image: cannot derive thresholds from an empty image")
     xp = array_module(image)
@@ -89,8 +100,8 @@ def linear_thresholds(image, n):
         hi = float(xp.max(xp.where(finite, image, -xp.inf)))
         if not lo <= hi:
             raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
-        return xp.asarray(evenly_spaced(lo, hi, int(n)).astype(image.dtype))
-    return xp.asarray(evenly_spaced(float(image.min()), float(image.max()), int(n)))
+        return xp.asarray(evenly_spaced(lo, hi, n).astype(image.dtype))
+    return xp.asarray(evenly_spaced(float(image.min()), float(image.max()), n))
 
 
 def evenly_spaced(lo: float, hi: float, n: int) -> np.ndarray:
@@ -109,7 +120,7 @@ def check_thresholds(thresholds, image):
     The comparison dtype is ``numpy.result_type(image, thresholds)``: both backends compare
     ``f <= t`` in it, which makes their results equal exactly.
     """
-    if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
+    if is_count(thresholds):
         thresholds = linear_thresholds(image, thresholds)
     if isinstance(thresholds, (float, np.floating)):
         raise TypeError("thresholds must be an int count or a 1-D array of values, got a float")

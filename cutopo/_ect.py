@@ -27,7 +27,7 @@ from ._array import as_array, is_cupy_array, to_numpy
 from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_scale, check_thresholds,
-                      same_array_type)
+                      is_count, same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -187,14 +187,9 @@ def _check_mask(mask, ndim):
     return mask
 
 
-def _is_count(thresholds):
-    return (isinstance(thresholds, (int, np.integer))
-            and not isinstance(thresholds, (bool, np.bool_)))
-
-
 def _check_thresholds(thresholds, coords, dirs64):
     """(float64 thresholds, count or None)."""
-    if _is_count(thresholds):
+    if is_count(thresholds):
         n = int(thresholds)
         if n < 1:
             raise ValueError(f"thresholds: the count must be at least 1, got {n}")
@@ -681,7 +676,7 @@ def _soft_meta(mask, directions, thresholds, scale, *, connectivity=1):
     _prepare("soft_ect", stand_in(mask), stand_in(directions, 1), stand_in(thresholds),
              connectivity)
     check_scale(stand_in(scale, 1))
-    count = _is_count(thresholds)
+    count = is_count(thresholds)
     D, ndim = directions.shape
     T = int(thresholds) if count else thresholds.shape[0]
     wide = (directions.dtype == np.float64 or getattr(scale, "dtype", None) == np.float64

@@ -17,7 +17,7 @@ from . import _band_cupy, _band_numpy, _ecc_numpy
 from ._array import array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_scale,
-                      check_thresholds, same_array_type)
+                      check_thresholds, is_count, same_array_type)
 from .vjp import register
 
 __all__ = ["soft_ecc"]
@@ -44,8 +44,7 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
     tconn = check_connectivity(connectivity, ndim)
     periodic = check_boundary(boundary, image, ndim)
     scale_value, scale64 = check_scale(scale)
-    count = (isinstance(thresholds, (int, np.integer))
-             and not isinstance(thresholds, (bool, np.bool_)))
+    count = is_count(thresholds)
     if count:
         t_host, _ = check_thresholds(thresholds, image)  # linear_thresholds(image, n)
         t64 = False  # a count does not choose the precision
@@ -163,16 +162,12 @@ def _meta(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"
     First _prepare's checks, in its order, on data-free stand-ins (a scale of ones; a count of
     thresholds against a 1-pixel image): a bad argument raises the op's own error before the
     op runs. The checks of values (scale overflowing float32) are left to the op."""
-    from ._adapters import stand_in
+    from ._adapters import check_image_op
 
-    blank, spatial = check_image(stand_in(image), ndim)
-    check_connectivity(connectivity, spatial)
-    check_boundary(boundary, blank, spatial)
-    check_scale(stand_in(scale, 1))
-    check_thresholds(stand_in(thresholds), np.zeros(min(blank.size, 1), dtype=blank.dtype))
+    spatial, T = check_image_op(image, thresholds, ndim=ndim, connectivity=connectivity,
+                                boundary=boundary, scale=scale)
     batch = tuple(image.shape[:image.ndim - spatial])
-    count = isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
-    T = int(thresholds) if count else thresholds.shape[0]
+    count = is_count(thresholds)
     # as _prepare: float64 when image, array thresholds or a NumPy scale is float64
     wide = (image.dtype == np.float64 or (not count and thresholds.dtype == np.float64)
             or getattr(scale, "dtype", None) == np.float64)

@@ -46,7 +46,7 @@ import numpy as np
 
 from . import _ecc_numpy
 from ._array import is_cupy_array
-from ._checks import IMAGE_DTYPES, check_spatial_ndim, evenly_spaced
+from ._checks import IMAGE_DTYPES, check_count, check_spatial_ndim, evenly_spaced
 
 # Default slab bounds. On the GPU several slabs keep the pipeline busy: the first slab's read
 # is not overlapped with anything, so it should be a small part of the volume.
@@ -368,16 +368,13 @@ def stream_min_max(src: Source, max_slab_bytes: int, *, finite=True):
 
 def linear_thresholds(src: Source, n: int, max_slab_bytes: int):
     """cutopo.linear_thresholds of a streamed source (one extra pass over it)."""
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"thresholds: a count must be an int, got {n!r}")
-    if n < 1:
-        raise ValueError(f"thresholds: the count must be at least 1, got {n}")
+    n = check_count(n)
     lo, hi = stream_min_max(src, max_slab_bytes)
     if lo is None:
         raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
     if src.dtype.kind == "f":
-        return evenly_spaced(lo, hi, int(n)).astype(src.dtype)
-    return evenly_spaced(lo, hi, int(n))
+        return evenly_spaced(lo, hi, n).astype(src.dtype)
+    return evenly_spaced(lo, hi, n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import numpy as np
 
 from . import _ecc_cupy, _ecc_numpy, _stream
 from ._array import is_cupy_array
-from ._checks import (check_boundary, check_connectivity, check_image, check_thresholds, linear_thresholds,
-                      same_array_type)
+from ._checks import (check_boundary, check_connectivity, check_image, check_thresholds, is_count,
+                      linear_thresholds, same_array_type)
 
 __all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expected_euler", "ect",
            "soft_ect"]
@@ -170,7 +170,7 @@ def _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab
                               src.ndim)
     same_array_type(image, [("thresholds", thresholds)])
     probe = np.empty(0, dtype=src.dtype)
-    if isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_)):
+    if is_count(thresholds):
         thresholds = _stream.linear_thresholds(src, thresholds,
                                                _stream.ecc_slab_bytes(slab, backend, src))
     t, _ = check_thresholds(thresholds, probe)
