@@ -346,14 +346,15 @@ def _image_meta(image, theta, tess, *, n_steps=50, mode="bilinear", padding_mode
     are left to the op)."""
     from .._adapters import stand_in
 
-    blank, batch = _check_image(stand_in(image), stand_in(theta), tess)
+    blank_theta = stand_in(theta)
+    blank, batch = _check_image(stand_in(image), blank_theta, tess)
     if batch == 0:
-        empty_warp(blank, stand_in(theta), tess, n_steps, mode, padding_mode)
+        empty_warp(blank, blank_theta, tess, n_steps, mode, padding_mode)
     else:
-        theta2 = stand_in(theta)
-        _check_grid_arguments(theta2[None] if theta2.ndim == 1 else theta2, tess,
+        _check_grid_arguments(blank_theta[None] if blank_theta.ndim == 1 else blank_theta, tess,
                               blank.shape[2:], n_steps, "transform_grid")
         _check_sampling_options(blank, mode, padding_mode)
+    # the result's batch from the (possibly symbolic) shapes, not the stand-ins' example sizes
     Bt = theta.shape[0] if theta.ndim == 2 else 1
     B = broadcast_batch(image.shape[0], Bt, ("image", "theta"), "transform_image")
     return ((B,) + tuple(image.shape[1:]),
