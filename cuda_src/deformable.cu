@@ -21,9 +21,14 @@
 // segment: no shared memory, no atomics, fixed order.
 //
 // Work layout.
-//   forward          one warp per (b, a, tile, step): the output elements of its lanes are owned
-//                    by them, accumulated over points, cameras and scales in registers, stored
-//                    once. No atomics; the order of the sum is fixed (deterministic).
+//   forward          `parts` warps per (b, a, tile, step): the output elements of its lanes are
+//                    owned by them. Each warp accumulates its share of the (point, camera, scale)
+//                    items in registers; the shares are added in shared memory in a fixed order
+//                    and stored once. No atomics (deterministic). parts > 1 fills the device
+//                    at small batches with 16-byte lanes (one lane per channel instead, the
+//                    other way to get more warps, costs four times the instructions per sample)
+//                    and shortens each warp's serial chain of loads when a unit has many items
+//                    (cutopo/_deformable_cupy.py: forward_parts).
 //   backward         one warp per (b, a, p): the warp scans its K cameras (a ballot of the
 //                    visibility test) and works only on visible ones; location and weight
 //                    cotangents are reduced inside the warp and stored with plain stores (zeros
@@ -266,12 +271,19 @@ template <typename F, typename Wt, typename R, int V>
 __global__ void __launch_bounds__(THREADS, 1)
 forward(const F* __restrict__ feat, const i64* __restrict__ maps, const R* __restrict__ loc,
         const Wt* __restrict__ wts, R* __restrict__ out, i64 n_warps, int A, int P, int K, int S,
-        int C, int G, int L, int GT, int steps, int per_anchor, int channels_first, int boundary) {
+        int C, int G, int L, int GT, int steps, int per_anchor, int parts, int channels_first,
+        int boundary) {
+    // Partial sums of the `parts` warps of one output unit (parts is 1, 2, 4 or 8: it divides
+    // WARPS, so a unit's warps are consecutive in one block).
+    __shared__ R partial[WARPS][32][V];
     const i64 warp = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
-    if (warp >= n_warps) return;  // whole warps: the ballots below see full warps
+    // Warps past the end (the last block's missing units) skip the work but not the barrier.
+    const bool live = warp < n_warps;
     const int lane = threadIdx.x % 32;
-    const i64 ba = warp / per_anchor;
-    const int r = (int)(warp - ba * per_anchor);
+    const i64 unit = warp / parts;
+    const int part = (int)(warp - unit * parts);
+    const i64 ba = unit / per_anchor;
+    const int r = (int)(unit - ba * per_anchor);
     const i64 b = ba / A;
     const int CG = C / G;
     const Lanes ln(r / steps, r % steps, L, GT, G, CG, V);
@@ -283,7 +295,7 @@ forward(const F* __restrict__ feat, const i64* __restrict__ maps, const R* __res
     const int PK = P * K;
     const R* loc_a = loc + ba * (i64)PK * 2;
     const Wt* wts_a = wts + ba * (i64)PK * S * G;
-    for (int j0 = 0; j0 < PK; j0 += 32) {
+    for (int j0 = 0; live && j0 < PK; j0 += 32) {
         // One lane per (point, camera) tests visibility; the warp then visits the visible ones.
         const int jl = j0 + lane;
         R u = R(0), v = R(0);
@@ -298,7 +310,10 @@ forward(const F* __restrict__ feat, const i64* __restrict__ maps, const R* __res
             const R uu = __shfl_sync(FULL, u, src), vv = __shfl_sync(FULL, v, src);
             const int j = j0 + src;
             const int k = j % K;
-            for (int s = 0; s < S; ++s) {
+            // This warp's items (j, s): those with (j S + s) mod parts == part (parts is a
+            // power of two).
+            const int s_first = (part - j * S) & (parts - 1);
+            for (int s = s_first; s < S; s += parts) {
                 const Map m = load_map(maps, k * S + s);
                 Cell<R> cell;
                 if (!cell.setup(uu, vv, m.H, m.W) || !ln.active) continue;
@@ -318,7 +333,17 @@ forward(const F* __restrict__ feat, const i64* __restrict__ maps, const R* __res
             }
         }
     }
-    if (ln.active) stv<V>(out + ba * C + ln.c, acc);
+    if (parts > 1) {  // the same for the whole grid: every warp reaches the barrier
+        const int w = threadIdx.x / 32;
+#pragma unroll
+        for (int q = 0; q < V; ++q) partial[w][lane][q] = acc[q];
+        __syncthreads();
+        if (part != 0) return;
+        for (int p = 1; p < parts; ++p)  // in part order: the sum's order is fixed
+#pragma unroll
+            for (int q = 0; q < V; ++q) acc[q] += partial[w + p][lane][q];
+    }
+    if (live && ln.active) stv<V>(out + ba * C + ln.c, acc);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -26,8 +26,11 @@ THREADS = 256  # deform::THREADS
 WARPS = THREADS // 32
 
 # Set to "scalar" or "vector" to force the lanes' channel width (tests, benchmarks); None picks
-# by size (see _forward_vector).
+# 16-byte lanes whenever the arrays allow them.
 FORCE_VECTOR = None
+# Set to 1, 2, 4 or 8 to force the forward's warps per output unit (tests); None picks by size
+# (see forward_parts).
+FORCE_PARTS = None
 
 _CTYPE = {"float16": "cutopo::half", "bfloat16": "cutopo::deform::bf16", "float32": "float",
           "float64": "double"}
@@ -59,7 +62,7 @@ def _forward_sig(f, w, v):
     r = _real(f)
     name = f"cutopo::deform::forward<{_CTYPE[f]}, {_CTYPE[w]}, {_CTYPE[r]}, {v}>"
     return Signature(FAMILY, name, (f"ptr:{_VIEW[f]}", "ptr:int64", f"ptr:{r}", f"ptr:{_VIEW[w]}",
-                                    f"ptr:{r}", "int64") + ("int32",) * 12)
+                                    f"ptr:{r}", "int64") + ("int32",) * 13)
 
 
 def _backward_sig(f, w, v):
@@ -220,17 +223,27 @@ class _Inputs:
         return table.reshape(K * S, 4)
 
 
-def _vector(cfg, name, ok, n_warps_of=None):
-    """Channels per lane: a 16-byte vector when possible, 1 otherwise (or when a vector leaves
-    the device under-filled: fewer than 32 warps per multiprocessor)."""
+def _vector(cfg, name, ok):
+    """Channels per lane: a 16-byte vector when possible, else 1."""
     vb = _vbig(name)
-    if not ok or (cfg.C // cfg.G) % vb:
+    if not ok or (cfg.C // cfg.G) % vb or FORCE_VECTOR == "scalar":
         return 1
-    if FORCE_VECTOR == "scalar":
-        return 1
-    if FORCE_VECTOR == "vector" or n_warps_of is None:
-        return vb
-    return vb if n_warps_of(vb) >= 32 * device_attribute("MultiProcessorCount") else 1
+    return vb
+
+
+def forward_parts(units, items):
+    """Warps per output unit of the forward (1, 2, 4 or 8): the fewest that give the device 16
+    warps per multiprocessor and each warp at most 256 of a unit's ``items`` (points x cameras
+    x scales; a warp's items are one serial chain of loads). Measured on an H200
+    (benchmarks/RESULTS.md): Sparse4D (312 items) runs fastest with 2 at batch 1 and 6, the
+    SparseDrive map head (7200 items, 2400 units) with 8."""
+    if FORCE_PARTS is not None:
+        return FORCE_PARTS
+    want = 16 * device_attribute("MultiProcessorCount")
+    parts = 1
+    while parts < WARPS and (units * parts < want or items > 256 * parts):
+        parts *= 2
+    return parts
 
 
 def _gout(cfg, g, r):
@@ -271,10 +284,10 @@ class _ForwardPlan:
 def _forward_key(cfg):
     """What a forward plan depends on besides the kind of call (``cfg.memo``, which fixes
     shapes, dtypes, tables, options and the arrays' devices): the current device, the
-    features' alignment (vector loads), the arrays' contiguity, FORCE_VECTOR."""
+    features' alignment (vector loads), the arrays' contiguity, FORCE_VECTOR, FORCE_PARTS."""
     return ("forward", _cupy().cuda.runtime.getDevice(), cfg.features.data.ptr & 15,
             cfg.features.flags.c_contiguous, cfg.loc.flags.c_contiguous,
-            cfg.weights.flags.c_contiguous, FORCE_VECTOR)
+            cfg.weights.flags.c_contiguous, FORCE_VECTOR, FORCE_PARTS)
 
 
 def forward(cfg):
@@ -289,17 +302,14 @@ def forward(cfg):
             return plan(cfg)
     with cfg.loc.device:
         x = _Inputs(cfg)
-
-        def warps(v):
-            L, GT, steps, tiles = layout(cfg.C, cfg.G, v)
-            return cfg.bs * cfg.A * tiles * steps
-
-        V = _vector(cfg, x.f, x.vector_ok, warps)
+        V = _vector(cfg, x.f, x.vector_ok)
         L, GT, steps, tiles = layout(cfg.C, cfg.G, V)
+        units = cfg.bs * cfg.A * tiles * steps
+        parts = forward_parts(units, cfg.P * cfg.K * cfg.S)
         out = cupy.empty((cfg.bs, cfg.A, cfg.C), dtype=x.r)
-        plan = _prepared(cupy.cuda.Device().id, _forward_sig(x.f, x.w, V), warps(V),
+        plan = _prepared(cupy.cuda.Device().id, _forward_sig(x.f, x.w, V), units * parts,
                          (cfg.A, cfg.P, cfg.K, cfg.S, cfg.C, cfg.G, L, GT, steps, tiles * steps,
-                          int(cfg.channels_first), cfg.boundary))
+                          parts, int(cfg.channels_first), cfg.boundary))
         plan(_kernel_view(x.levels[0]), x.maps, x.loc, _kernel_view(x.weights), out)
     # Keep the plan for the next calls of this kind when they can skip everything above: the
     # arrays went to the kernel as given (_Inputs copied or cast none of them; identity

@@ -612,3 +612,19 @@ def test_doctests():
     mod = importlib.import_module("cutopo.deformable")
     failures, _ = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert failures == 0
+
+
+@pytest.mark.parametrize("units,items,sms,parts", [
+    (1800, 312, 132, 2),     # Sparse4D batch 1 on an H200
+    (10800, 312, 132, 2),    # batch 6: full, but 312 items are two chains
+    (2400, 7200, 132, 8),    # SparseDrive map head: long chains
+    (2112, 256, 132, 1), (2111, 256, 132, 2), (2112, 257, 132, 2),
+    (1, 10, 132, 8), (0, 10, 132, 8), (900, 100, 8, 1)])
+def test_forward_parts(monkeypatch, units, items, sms, parts):
+    """The forward's warps per output unit: the fewest powers of two (at most the 8 warps of a
+    block) giving 16 warps per multiprocessor and at most 256 items per warp."""
+    from cutopo import _deformable_cupy
+
+    monkeypatch.setattr(_deformable_cupy, "device_attribute",
+                        lambda name: {"MultiProcessorCount": sms}[name])
+    assert _deformable_cupy.forward_parts(units, items) == parts

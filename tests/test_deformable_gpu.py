@@ -130,6 +130,33 @@ def test_sparse4d_like_configuration(rng, vector_mode, deterministic):
     check_against_numpy(args, dict(deterministic=deterministic), g, np.float32)
 
 
+@pytest.fixture
+def forward_parts(request):
+    """Sets _deformable_cupy.FORCE_PARTS for the test, restores it after."""
+    old = _deformable_cupy.FORCE_PARTS
+    _deformable_cupy.FORCE_PARTS = request.param
+    yield request.param
+    _deformable_cupy.FORCE_PARTS = old
+
+
+@pytest.mark.parametrize("forward_parts", [1, 2, 4, 8], indirect=True)
+@pytest.mark.parametrize("vector_mode", [None, "scalar"], indirect=True)
+@pytest.mark.parametrize("shapes", [((7, 5),), ((6, 9), (3, 5), (2, 2)), ((16, 44), (8, 22), (4, 11), (2, 6))])
+@pytest.mark.parametrize("C,G", [(32, 4), (256, 8)])
+def test_forward_split_across_warps(rng, forward_parts, vector_mode, shapes, C, G):
+    """The forward's items split over 1, 2, 4 or 8 warps per output unit (more scales than
+    warps, fewer, equal; A = 5 leaves the last block with missing units): equal to NumPy, and
+    the same bits on every call (the partial sums are added in a fixed order)."""
+    cp = _cp()
+    args = problem(rng, bs=1, A=5, P=7, K=3, shapes=shapes, C=C, G=G)
+    check_against_numpy(args, {}, rng.standard_normal((1, 5, C)).astype(np.float32), np.float32)
+    gpu = _to_gpu(*args)
+    first = deformable_aggregation(*gpu)
+    for _ in range(3):
+        poison_pool(64 << 20)
+        assert bool(cp.array_equal(deformable_aggregation(*gpu), first))
+
+
 def test_many_cameras(rng):
     """K > 32: the backward's camera ballot runs in two rounds."""
     args = problem(rng, bs=1, A=3, P=2, K=37, shapes=((3, 4), (2, 2)), C=16, G=4, visibility="uniform")
