@@ -47,8 +47,11 @@ def threshold_bins(t: np.ndarray, v: np.ndarray, dtype=np.intp, side="left") -> 
         nan = np.isnan(x) if floating else None
         if nan is not None and nan.any():
             x[nan] = lo
-        np.subtract(x, lo, out=x)
-        np.multiply(x, scale, out=x)
+        # Values far outside the thresholds' range may overflow to +-inf here: harmless, the
+        # clip below sends them to the first or last bucket.
+        with np.errstate(over="ignore"):
+            np.subtract(x, lo, out=x)
+            np.multiply(x, scale, out=x)
         np.floor(x, out=x)
         np.clip(x, 0, n_buckets - 1, out=x)
         b = x.astype(np.intp)

@@ -86,3 +86,17 @@ def test_shapes_small_inputs_and_fallbacks(rng):
     crowded = np.sort(np.r_[np.zeros(30), np.linspace(0, 1, 20)])
     assert _bins._grid(crowded) is None  # 31 thresholds in the first bucket
     assert _bins._grid(np.linspace(0, 1, 64)) is not None
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_values_far_outside_the_thresholds_warn_nothing(rng, side):
+    """Values whose distance to the range overflows float64 in the bucket arithmetic (near the
+    largest floats, infinities) land in the first or last bin, without a RuntimeWarning."""
+    import warnings
+
+    t = np.sort(rng.uniform(-1.0, 1.0, 300))
+    v = rng.choice([1.7e308, -1.7e308, np.inf, -np.inf, 0.25, np.nan], size=_bins.MIN_VALUES * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = threshold_bins(t, v, side=side)
+    np.testing.assert_array_equal(got, np.searchsorted(t, v, side=side))
