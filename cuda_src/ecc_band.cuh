@@ -627,6 +627,30 @@ soft_finalize(const long long* __restrict__ sat, const double* __restrict__ acc,
                         [o, a](int k, long long sum) { o[k] = (Real)((double)sum + a[k]); });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Entries of the ECT from the sorted positions flat[0 .. n) of the non-zero contributions of c
+// (rows of N pixels, row-major): lin = flat - row N, cc = c[flat], and seg (rows + 1) the first
+// entry of each row (n past the last). Thread i in [0, n] writes entry i and seg[r] for the
+// rows r after entry i - 1's row up to entry i's (for i = n: up to rows), so every row gets
+// its start once. One launch instead of a chain of array operations, each with its own
+// launch and host overhead.
+__global__ void __launch_bounds__(THREADS)
+compact_entries(const long long* __restrict__ flat, const signed char* __restrict__ c,
+                long long* __restrict__ lin, signed char* __restrict__ cc,
+                long long* __restrict__ seg, i64 n, i64 N, i64 rows) {
+    const i64 i = (i64)blockIdx.x * THREADS + threadIdx.x;
+    if (i > n) return;
+    i64 row = rows;
+    if (i < n) {
+        const i64 f = flat[i];
+        row = f / N;
+        lin[i] = f - row * N;
+        cc[i] = c[f];
+    }
+    const i64 before = i == 0 ? -1 : flat[i - 1] / N;
+    for (i64 r = before + 1; r <= row; ++r) seg[r] = i;
+}
+
 }  // namespace band
 }  // namespace ecc
 }  // namespace cutopo

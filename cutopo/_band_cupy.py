@@ -2,8 +2,8 @@
 
 The Python side validates and plans; the kernels evaluate the band-limited sigmoid sums
 (soft ops) or the threshold histograms (exact ECT) described in ``ecc_band.cuh``. Entries of the
-ECT are the critical pixels of the masks, found by the contribution-map kernel of ``ecc.cu``
-and compacted with ``cupy.flatnonzero``.
+ECT are the critical pixels of the masks, found by the contribution-map kernel of ``ecc.cu``,
+located with ``cupy.flatnonzero`` and compacted by one kernel (``compact_entries``).
 """
 from __future__ import annotations
 
@@ -87,7 +87,13 @@ def _finalize_sig(real_dtype):
                      ("ptr:int64", "ptr:float64", f"ptr:{r}", "int64", "int32"))
 
 
+COMPACT = Signature(FAMILY, "cutopo::ecc::band::compact_entries",
+                    ("ptr:int64", "ptr:int8", "ptr:int64", "ptr:int8", "ptr:int64", "int64",
+                     "int64", "int64"))
+
+
 def _instances():
+    yield COMPACT.name
     for in_dtype in _ecc_cupy._INPUT_CTYPE:
         for real in (np.dtype(np.float32), np.dtype(np.float64)):
             if in_dtype == np.float64 and real == np.float32:
@@ -266,14 +272,19 @@ class Entries(NamedTuple):
 
 
 def _compact(c, B, N, nseg):
-    """Entries of c (nseg * B rows of N pixels, row-major): (lin, c, seg, per_segment)."""
+    """Entries of c (int8, C-contiguous, nseg * B rows of N pixels): (lin, c, seg,
+    per_segment). flatnonzero's count is the one host synchronisation; one kernel does the rest."""
     import cupy
 
     flat = cupy.flatnonzero(c)
-    row = flat // N
-    seg = cupy.searchsorted(row, cupy.arange(nseg * B + 1, dtype=flat.dtype))
-    per_segment = -(-flat.size // (nseg * B)) if nseg * B else 0
-    return (flat - row * N).astype(np.int64), c.reshape(-1)[flat], seg.astype(np.int64), per_segment
+    n, rows = int(flat.size), nseg * B
+    lin = cupy.empty(n, dtype=np.int64)
+    cc = cupy.empty(n, dtype=np.int8)
+    seg = cupy.empty(rows + 1, dtype=np.int64)
+    launch(COMPACT, math.ceil((n + 1) / THREADS), THREADS,
+           (flat.astype(np.int64, copy=False), c.reshape(-1), lin, cc, seg, n, N, rows))
+    per_segment = -(-n // rows) if rows else 0
+    return lin, cc, seg, per_segment
 
 
 @functools.lru_cache(maxsize=16)
@@ -485,12 +496,11 @@ def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
         if not ent.lin.size:
             continue
         g_part = cupy.ascontiguousarray(g[:, d0:d1]).reshape(B * Dg, T)
-        d_part = cupy.zeros((Dg, ndim), dtype=np.float64)
         sig, shared, smem, chunks = _ect_plan("backward", ent, B, ndim, Dg, T, real)
+        # d_dirs[d0:d1] is a C-contiguous block of rows: the kernel adds into it in place.
         launch(sig, B * Dg * chunks, THREADS,
                (ent.lin, ent.c, ent.seg, ent.seg_of_dir, geo.coords_cat,
-                cupy.ascontiguousarray(geo.dirs[d0:d1]), geo.t, g_part, d_part, dt, dscale) + n
-               + (B, Dg, chunks, T, lam, w, _cbool(shared), _cbool(need_dirs), _cbool(need_t),
-                  _cbool(need_scale)), shared_mem=smem)
-        d_dirs[d0:d1] += d_part
+                cupy.ascontiguousarray(geo.dirs[d0:d1]), geo.t, g_part, d_dirs[d0:d1], dt, dscale)
+               + n + (B, Dg, chunks, T, lam, w, _cbool(shared), _cbool(need_dirs), _cbool(need_t),
+                      _cbool(need_scale)), shared_mem=smem)
     return d_dirs, dt, dscale.reshape(())

@@ -271,3 +271,26 @@ def test_soft_ecc_large_inputs_take_the_wide_map_steps(rng, shape):
     _close(d_g[0], d_c[0], lam_g, np.float32, "d_image")
     _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), np.float32, "d_thresholds")
     _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), np.float32, "d_scale")
+
+
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.3, 1.0])
+@pytest.mark.parametrize("nseg,B,N", [(1, 1, 1), (4, 3, 257), (2, 5, 1000)])
+def test_compact_entries_matches_numpy(rng, density, nseg, B, N):
+    """_band_cupy._compact (flatnonzero, then one kernel): the in-row positions, values and
+    row starts of the non-zero contributions, as NumPy finds them; empty rows at the start, in
+    the middle and at the end get their starts too (the sparse densities leave many)."""
+    from cutopo import _band_cupy
+
+    cp = _cp()
+    c = rng.choice(np.array([-2, -1, 1, 3], dtype=np.int8), size=(nseg, B, N))
+    c[rng.random(c.shape) >= density] = 0
+    c[0, 0] = 0  # the first row empty
+    poison_pool(1 << 20)
+    lin, cc, seg, per_segment = _band_cupy._compact(cp.asarray(c), B, N, nseg)
+    flat = np.flatnonzero(c)
+    rows = flat // N
+    np.testing.assert_array_equal(cp.asnumpy(lin), flat - rows * N)
+    np.testing.assert_array_equal(cp.asnumpy(cc), c.reshape(-1)[flat])
+    np.testing.assert_array_equal(cp.asnumpy(seg), np.searchsorted(rows, np.arange(nseg * B + 1)))
+    assert lin.dtype == np.int64 and cc.dtype == np.int8 and seg.dtype == np.int64
+    assert per_segment == -(-flat.size // (nseg * B))
