@@ -25,8 +25,8 @@ FAMILY = "deformable"
 THREADS = 256  # deform::THREADS
 WARPS = THREADS // 32
 
-# Set to "scalar" or "vector" to force the lanes' channel width (tests, benchmarks); None picks
-# 16-byte lanes whenever the arrays allow them.
+# "scalar" forces one channel per lane (tests, benchmarks); None and "vector" take 16-byte lanes
+# whenever the arrays allow them.
 FORCE_VECTOR = None
 # Set to 1, 2, 4 or 8 to force the forward's warps per output unit (tests); None picks by size
 # (see forward_parts).
