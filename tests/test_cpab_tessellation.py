@@ -589,6 +589,12 @@ def test_bad_tessellations():
         Tessellation((10**12,))
     with pytest.raises(ValueError, match="2\\^31"):       # before any memory estimate
         Tessellation((2**31,))
+    # fewer than 2^31 cells, but their affine table (12 entries per 3-D cell, 2 per 1-D cell)
+    # would pass the kernels' 32-bit offsets
+    with pytest.raises(ValueError, match="2\\^31"):
+        Tessellation((330, 330, 330))
+    with pytest.raises(ValueError, match="2\\^31"):
+        Tessellation((2**30,))
     for zb in [True, False, "zero", 0]:
         with pytest.raises(ValueError, match="zero_boundary"):
             Tessellation((2, 2), zb)

@@ -102,8 +102,12 @@ def check_shape(shape) -> tuple[int, ...]:
 def _check_fits(shape):
     ndim = len(shape)
     n_cells = SIMPLICES_PER_BOX[ndim] * int(np.prod(shape, dtype=object))
-    if n_cells >= 2**31:  # the kernels number a point's cell within its table in 32 bits
-        raise ValueError(f"shape={shape}: {n_cells} cells, at most 2^31 - 1 are supported")
+    # The kernels address a cell's row of an item's affine table (K (K + 1) entries per cell)
+    # with 32-bit offsets (cpab.cu: step), so the table must have fewer than 2^31 entries.
+    per_cell = ndim * (ndim + 1)
+    if n_cells * per_cell >= 2**31:
+        raise ValueError(f"shape={shape}: {n_cells} cells of {per_cell} affine entries each; at "
+                         f"most {(2**31 - 1) // per_cell} cells (2^31 - 1 entries) are supported")
     entries = n_cells * ndim * (ndim + 1) ** 2           # an upper bound on nnz(basis)
     need, budget = entries * _BUILD_BYTES_PER_ENTRY, _memory_budget()
     if need > budget:
