@@ -70,20 +70,22 @@ __device__ constexpr int cell_sign(int j) {
     return (dim & 1) ? -1 : 1;
 }
 
-// Bit J of the result: neighbour J precedes the centre (key, then C-order index). Template
-// recursion with constexpr locals, so every table entry is a compile-time constant: left to
-// the optimiser, the 3D tables were partly evaluated at run time (thousands of instructions).
+// Bit J of the result: neighbour J precedes the centre (key, then C-order index; ``flips``
+// marks the neighbours whose index order is reversed, those across the torus' wrap, 0 in the
+// box). Template recursion with constexpr locals, so every table entry is a compile-time
+// constant: left to the optimiser, the 3D tables were partly evaluated at run time (thousands
+// of instructions).
 template <int NDIM, int J = 0, typename K>
-__device__ __forceinline__ unsigned precedence_bits(const K (&nb)[pow3(NDIM)], K kp) {
+__device__ __forceinline__ unsigned precedence_bits(const K (&nb)[pow3(NDIM)], K kp, unsigned flips) {
     constexpr int N = pow3(NDIM);
     if constexpr (J == N) {
         return 0u;
     } else if constexpr (J == (N - 1) / 2) {
-        return precedence_bits<NDIM, J + 1>(nb, kp);
+        return precedence_bits<NDIM, J + 1>(nb, kp, flips);
     } else {
-        constexpr bool before = earlier<NDIM>(J);
+        const bool before = earlier<NDIM>(J) != (((flips >> J) & 1u) != 0);
         const bool l = before ? (nb[J] <= kp) : (nb[J] < kp);
-        return ((unsigned)l << J) | precedence_bits<NDIM, J + 1>(nb, kp);
+        return ((unsigned)l << J) | precedence_bits<NDIM, J + 1>(nb, kp, flips);
     }
 }
 
@@ -99,11 +101,12 @@ __device__ __forceinline__ int owned_cells(unsigned owner_test) {
     }
 }
 
-// c(p) from the keys of p's 3^NDIM neighbourhood (centre included). Outside pixels carry the
-// all-ones key, later than every pixel, so they never precede p.
+// c(p) from the keys of p's 3^NDIM neighbourhood (centre included; ``flips`` as for
+// precedence_bits). Outside pixels carry the all-ones key, later than every pixel, so they
+// never precede p.
 template <int NDIM, bool TCONN, typename K>
-__device__ __forceinline__ int contribution(const K (&nb)[pow3(NDIM)]) {
-    const unsigned lower = precedence_bits<NDIM>(nb, nb[(pow3(NDIM) - 1) / 2]);
+__device__ __forceinline__ int contribution(const K (&nb)[pow3(NDIM)], unsigned flips = 0u) {
+    const unsigned lower = precedence_bits<NDIM>(nb, nb[(pow3(NDIM) - 1) / 2], flips);
     // V: p owns a cell when every other vertex precedes it.
     // T: p owns a face when it precedes every other pixel that shares the face.
     return owned_cells<NDIM, TCONN>(TCONN ? ~lower : lower);
@@ -137,21 +140,6 @@ __device__ __forceinline__ unsigned torus_flips(const i64 (&p)[NDIM], const i64 
         constexpr unsigned below = first_axis_offsets<NDIM>(A, -1);
         constexpr unsigned above = first_axis_offsets<NDIM>(A, 1);
         return (p[A] == 0 ? below : 0u) | (p[A] == n[A] - 1 ? above : 0u) | torus_flips<NDIM, A + 1>(p, n);
-    }
-}
-
-// precedence_bits with the tie-break of the neighbours marked in ``flips`` reversed.
-template <int NDIM, int J = 0, typename K>
-__device__ __forceinline__ unsigned precedence_bits_flipped(const K (&nb)[pow3(NDIM)], K kp, unsigned flips) {
-    constexpr int N = pow3(NDIM);
-    if constexpr (J == N) {
-        return 0u;
-    } else if constexpr (J == (N - 1) / 2) {
-        return precedence_bits_flipped<NDIM, J + 1>(nb, kp, flips);
-    } else {
-        const bool before = earlier<NDIM>(J) != (((flips >> J) & 1u) != 0);
-        const bool l = before ? (nb[J] <= kp) : (nb[J] < kp);
-        return ((unsigned)l << J) | precedence_bits_flipped<NDIM, J + 1>(nb, kp, flips);
     }
 }
 
@@ -277,6 +265,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                 const i64 gy = y0 + row0 + j - 1;
                 const i64 gx = x0 + tx;
                 if (gy < ny && gx < nx && counts(z, gy, gx)) {
+                    unsigned flips = 0u;
                     if constexpr (Edges::PERIODIC) {
                         i64 p[NDIM], n[NDIM];
                         if constexpr (NDIM == 3) {
@@ -284,14 +273,10 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                         } else {
                             p[0] = gy, p[1] = gx, n[0] = ny, n[1] = nx;
                         }
-                        const K kp = nb[(pow3(NDIM) - 1) / 2];
-                        const unsigned lower = precedence_bits_flipped<NDIM>(nb, kp, torus_flips<NDIM>(p, n));
-                        sink(owned_cells<NDIM, TCONN>(TCONN ? ~lower : lower), kp,
-                             image_base + (z * ny + gy) * nx + gx);
-                    } else {
-                        sink(contribution<NDIM, TCONN>(nb), nb[(pow3(NDIM) - 1) / 2],
-                             image_base + (z * ny + gy) * nx + gx);
+                        flips = torus_flips<NDIM>(p, n);
                     }
+                    sink(contribution<NDIM, TCONN>(nb, flips), nb[(pow3(NDIM) - 1) / 2],
+                         image_base + (z * ny + gy) * nx + gx);
                 }
             }
             __syncthreads();  // the next step overwrites plane z-1
