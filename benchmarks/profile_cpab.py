@@ -2,11 +2,12 @@
 
     python benchmarks/profile_cpab.py [--case 2d|3d] [--reps N]
 
-Stages: the argument checks (a finiteness reduction read on the host), A = B theta (ELL
-product), the step-size guard (one scalar to the host; in a call it is read together with the
-finiteness checks), expm_cells, the forward kernel with and without checkpoints, the backward
-kernel, frechet_cells, B^T (ELL), and the whole forward and VJP calls. Kernel rows time the launch alone (CUDA events around repeated launches
-on prepared arrays); host rows time the Python call including its synchronisations.
+Stages: the argument checks with CuPy reductions (check_points_theta alone: a finiteness
+reduction read on the host), A = B theta (ELL product), the step-size guard by CuPy
+reductions, the call's own checks (call_checks: both in one kernel, one read), expm_cells, the
+forward kernel with and without checkpoints, the backward kernel, frechet_cells, B^T (ELL), and
+the whole forward and VJP calls. Kernel rows time the launch alone (CUDA events around repeated
+launches on prepared arrays); host rows time the Python call including its synchronisations.
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def main(argv=None):
         row("A = B theta (ELL)", lambda: icp.affine_maps(tess, theta[None] if theta.ndim == 1 else theta))
         A = plan.A
         row("guard (1 sync)", lambda: float(cp.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max()))
+        theta2 = theta[None] if theta.ndim == 1 else theta
+        row("call_checks: finiteness + guard in one kernel (1 sync)",
+            lambda: icp._call_checks(plan.points, theta2, A, K, ()))
         E = cp.empty(A.shape, dtype=dt)
         row("expm_cells", lambda: icp.launch(icp._expm_sig(dt.name, K), icp._blocks(len(A), 128), 128,
                                              (A, E, len(A), plan.h)))

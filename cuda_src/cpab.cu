@@ -43,6 +43,8 @@
 //                            the trajectory back as integrate_backward does (section below).
 //   step_guard               one thread per cell: integrate's step-size guard as a device flag
 //                            (register's device steps).
+//   call_checks              grid-stride: a call's finiteness checks and the guard's norm, read
+//                            by the host in one copy.
 // sampling.cuh (with common.cuh): the fused warp samples as grid_sample does
 #include "sampling.cuh"
 
@@ -738,6 +740,51 @@ step_guard(const double* __restrict__ A, i64 cells, int n_steps, double max_norm
         }
     const int bad = (finite ? 0 : 2) | (sqrt(s) / n_steps > max_norm ? 1 : 0);
     if (bad) atomicOr(flags, bad);
+}
+
+// -- a call's argument checks on the device ------------------------------------------------------
+
+// Every device-side check of an integrate / log_jacobian / transform_image call in one launch,
+// read on the host in one copy (CuPy reductions for the same cost ~10 launches of host work).
+// status (zeroed) gets: status[0] bit 0 when a coordinate of `points` is not finite, bit 1 when
+// an entry of `theta` is; status[1] = max_c ||A_c,lin||_F (the step-size guard's norm), kept as
+// the bits of a non-negative double, whose unsigned order is the numeric order (NaN, possible
+// only with a non-finite theta, orders above +inf). Grid-stride loops; one atomic per warp.
+template <typename TP, typename TT, int K>
+__global__ void __launch_bounds__(THREADS)
+call_checks(const TP* __restrict__ points, i64 n_points, const TT* __restrict__ theta,
+            i64 n_theta, const double* __restrict__ A, i64 cells,
+            unsigned long long* __restrict__ status) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned bad = 0;
+    for (i64 i = first; i < n_points; i += stride)
+        if (!isfinite(points[i])) bad |= 1u;
+    for (i64 i = first; i < n_theta; i += stride)
+        if (!isfinite(theta[i])) bad |= 2u;
+    unsigned long long largest = 0;
+    for (i64 c = first; c < cells; c += stride) {
+        double s = 0.0;
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            #pragma unroll
+            for (int q = 0; q < K; ++q) {
+                const double a = A[c * (K * (K + 1)) + k * (K + 1) + q];
+                s += a * a;
+            }
+        const unsigned long long bits = (unsigned long long)__double_as_longlong(sqrt(s));
+        largest = bits > largest ? bits : largest;
+    }
+    bad = __reduce_or_sync(0xffffffffu, bad);
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, largest, o);
+        largest = other > largest ? other : largest;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        if (bad) atomicOr(status, (unsigned long long)bad);
+        if (largest) atomicMax(status + 1, largest);
+    }
 }
 
 // -- the sparse basis: A = B theta and dL/dtheta = B^T dL/dA -----------------------------------

@@ -614,10 +614,18 @@ struct HistSink {
 // Blocks per multiprocessor the histogram kernel's register budget is sized for. Left to
 // itself ptxas gave the 3D kernels ~108 registers (2 blocks/SM), too few warps to hide the
 // tile loads; capping at 64 (4 blocks/SM) measured 1.86 -> 1.28 ms at 512^3 float32 despite
-// a few bytes of spill (benchmarks/RESULTS.md). 2D kernels use 32 registers either way.
+// a few bytes of spill, and 48 (5 blocks/SM) 5-12 % less again from 256^3 up (uint8 to
+// float64; the uint8 T-construction instance then spills 164 bytes and is still faster;
+// benchmarks/RESULTS.md, ninth session). 2D kernels need at most 48 at 4 blocks/SM. The masked
+// kernels (halo planes and blocks of streamed volumes) keep 4: at 5 the uint8 one spills
+// 260 bytes and was not measured.
 #ifndef CUTOPO_ECC_MIN_BLOCKS
 #define CUTOPO_ECC_MIN_BLOCKS 4
 #endif
+#ifndef CUTOPO_ECC_MIN_BLOCKS_3D
+#define CUTOPO_ECC_MIN_BLOCKS_3D 5
+#endif
+#define CUTOPO_ECC_BLOCKS(NDIM) ((NDIM) == 3 ? CUTOPO_ECC_MIN_BLOCKS_3D : CUTOPO_ECC_MIN_BLOCKS)
 
 // Keys of 16 bits take the packed sweep (tiles 64 pixels wide), 32-bit keys the scalar one.
 // The body of the histogram kernels: the pixels for which counts(z, y, x) holds are counted.
@@ -677,7 +685,7 @@ histogram_tiles(const In* __restrict__ image, const typename Ordered<Cmp>::type*
 
 // hist (rows, T) must be zeroed; each block adds the contributions of its tiles of one image.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
-__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS)
+__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
 ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
               int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem) {

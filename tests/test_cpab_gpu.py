@@ -351,6 +351,46 @@ def test_errors(rng):
 
 
 @pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("theta_dtype", [np.float16, np.float32, np.float64, np.int32])
+def test_call_checks_flags_and_norm(rng, K, theta_dtype):
+    """The call's check kernel against NumPy: which of points and theta hold a non-finite
+    value (one planted at a random place, or none), and max_c ||A_c,lin||_F of random A."""
+    cp = _cp()
+    for case in range(6):
+        bad_points, bad_theta = case & 1, (case >> 1) & 1
+        dtype = np.float32 if case < 4 else np.float64
+        points = rng.random((int(rng.integers(1, 4)), int(rng.integers(1, 3000)), K)).astype(dtype)
+        theta = (rng.standard_normal((int(rng.integers(1, 4)), int(rng.integers(1, 500)))) * 50
+                 ).astype(theta_dtype)
+        if bad_points:
+            points.reshape(-1)[rng.integers(points.size)] = rng.choice([np.nan, np.inf, -np.inf])
+        if bad_theta and theta.dtype.kind == "f":
+            theta.reshape(-1)[rng.integers(theta.size)] = rng.choice([np.nan, np.inf, -np.inf])
+        A = rng.standard_normal((int(rng.integers(0, 5000)), K, K + 1)) * rng.uniform(0.1, 100)
+        flags, largest, extra = _integrate_cupy._call_checks(
+            cp.asarray(points), cp.asarray(theta), cp.asarray(A), K,
+            (cp.ones(1), cp.zeros(1)))
+        expect_theta_bad = bad_theta and theta.dtype.kind == "f"
+        assert flags == (1 if bad_points else 0) | (2 if expect_theta_bad else 0)
+        norm = np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0)
+        assert largest == pytest.approx(norm, rel=1e-14, abs=0.0)
+        assert list(extra) == [1, 0]
+
+
+def test_theta_not_finite_is_refused(rng):
+    cp = _cp()
+    tess = Tessellation((3, 2))
+    theta = draw_theta(tess, rng)
+    theta[int(rng.integers(theta.size))] = np.inf
+    pts = cp.asarray(rng.random((9, 2)))
+    for fn in (integrate, log_jacobian):
+        with pytest.raises(ValueError, match="theta must be finite"):
+            fn(pts, cp.asarray(theta), tess)
+        with pytest.raises(ValueError, match="theta must be finite"):
+            fn(pts.astype(cp.float32), cp.asarray(theta, dtype=cp.float16), tess)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
 def test_frechet_cells_equals_scipy(rng, K):
     """frechet_cells (Taylor series of the block exponential, scaling and squaring) against
     scipy.linalg.expm_frechet, an independent implementation: dL/dA_c = h L(h A~_c^T, [G_c;

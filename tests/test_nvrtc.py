@@ -31,8 +31,11 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack
 # count); the 3D contribution-map kernels with 64-bit value keys (int32 and float64 images)
 # hold 27 64-bit keys and spill more; cpab's 3D bilinear warp_forward with float32 trajectories
 # is held to 40 registers for occupancy (its step loop is latency-bound) and spills in the
-# sampling after the loop, once per thread. Anything past these budgets is a real regression.
-_TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y|12warp_forwardIf\w*?Li3ELb[01]ELb0E")
+# sampling after the loop, once per thread; the 3D uint8 histogram kernels, held to 48
+# registers (5 blocks/SM), spill up to 148 B on sm_80 and 164 B on sm_90, and were still 5 %
+# faster on the H200 than at 64 registers. Anything past these budgets is a real regression.
+_TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y|12warp_forwardIf\w*?Li3ELb[01]ELb0E"
+                              r"|13ecc_histogramIhxtLi3E")
 _MAX_SPILL_BYTES = 96
 _MAX_TOLERATED_SPILL_BYTES = 256
 

@@ -1,10 +1,12 @@
 """CuPy path of the CPA ops: launches of ``cuda_src/cpab.cu`` (its header describes the kernels).
 
 Per call: A = B theta on the device (an ELL product of the memoized sparse basis), the
-step-size guard (read on the host together with the finiteness checks: one synchronisation), E_c = expm(h A~_c) per cell (``expm_cells``), then one thread per
-(batch item, point) for the trajectory. The VJP runs ``integrate_backward`` (per-cell moments
-G_c by warp-pooled float64 atomics), ``frechet_cells`` (dL/dA_c) and B^T (ELL) on the device. The
-callers in :mod:`cutopo.cpab.integrate` and :mod:`cutopo.cpab.velocity` shape the results.
+finiteness checks and the step-size guard's norm (``call_checks``, one kernel, read on the host
+in one copy: the call's one synchronisation), E_c = expm(h A~_c) per cell (``expm_cells``),
+then one thread per (batch item, point) for the trajectory. The VJP runs
+``integrate_backward`` (per-cell moments G_c by warp-pooled float64 atomics), ``frechet_cells``
+(dL/dA_c) and B^T (ELL) on the device. The callers in :mod:`cutopo.cpab.integrate` and
+:mod:`cutopo.cpab.velocity` shape the results.
 """
 from __future__ import annotations
 
@@ -69,6 +71,12 @@ def _backward_sig(t, K, project, moments="warp"):
                      + ("int32",) * 7 + _GRID)
 
 
+def _checks_sig(points_t, theta_t, K):
+    return Signature(FAMILY, f"cutopo::cpab::call_checks<{_CTYPE[points_t]}, {_CTYPE[theta_t]}, {K}>",
+                     (f"ptr:{points_t}", "int64", f"ptr:{theta_t}", "int64", "ptr:float64", "int64",
+                      "ptr:uint64"))
+
+
 def _expm_sig(t, K):
     return Signature(FAMILY, f"cutopo::cpab::expm_cells<{_CTYPE[t]}, {K}>",
                      ("ptr:float64", f"ptr:{t}", "int64", "float64"))
@@ -94,6 +102,8 @@ def _instances():
             yield _cell_sig(t, K).name
             yield _velocity_sig(t, K).name
             yield _expm_sig(t, K).name
+            for theta_t in _CTYPE:
+                yield _checks_sig(t, theta_t, K).name
             for project in (False, True):
                 yield _forward_sig(t, K, project).name
                 for moments in MOMENT_MODES:
@@ -201,35 +211,55 @@ def affine_maps(tess, theta2):
     return A.reshape(len(theta2) * tess.n_cells, tess.ndim, tess.ndim + 1)
 
 
-def setup(points, theta, tess, n_steps, name, dtype, *, pending=(), messages=()) -> Plan:
-    """The plan of one integrate/log_jacobian call; arguments already checked, except for the
-    device-side finiteness reductions in ``pending`` (see velocity.check_points_theta), which
-    are read together with the step-size guard's norm: one host synchronisation per call.
-    Entries of ``pending`` after the first are (1,) float64 arrays, 1 where the caller's check
-    passed, each with its error message in ``messages``."""
+# Blocks of call_checks: a grid-stride pass over the points (a few MB) needs no more.
+CHECK_BLOCKS = 1024
+
+
+def _call_checks(P, T2, A, K, extra):
+    """One call_checks launch (finiteness of the points P and theta T2, the guard's norm over
+    A) and the caller's own (1,) float64 flags ``extra``, read on the host in one copy:
+    (flags, largest norm, extra values)."""
+    import cupy
+
+    if T2.dtype.kind == "f":
+        theta = cupy.ascontiguousarray(T2 if T2.dtype in (np.float32, np.float64)
+                                       else T2.astype(np.float32))   # float16: same finiteness
+    else:
+        theta = cupy.empty(0, dtype=np.float64)                     # integers are finite
+    status = cupy.zeros(2 + len(extra), dtype=np.uint64)
+    work = max(P.size, theta.size, len(A))
+    launch(_checks_sig(P.dtype.name, theta.dtype.name, K), max(1, min(_blocks(work), CHECK_BLOCKS)),
+           THREADS, (P, P.size, theta, theta.size, A, len(A), status))
+    if extra:
+        status[2:] = cupy.concatenate(list(extra))
+    values = status.get()                                           # the one synchronisation
+    return int(values[0]), float(values[1:2].view(np.float64)[0]), values[2:]
+
+
+def setup(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=()) -> Plan:
+    """The plan of one integrate/log_jacobian/transform_image call from arguments checked by
+    check_points_theta(defer_finite=True): the finiteness of points and theta, the caller's
+    device flags ``extra`` ((1,) float64, 1 where its check passed, each with its error message
+    in ``messages``) and the step-size guard are read together: one host synchronisation."""
     import cupy
 
     K, C = tess.ndim, tess.n_cells
-    P = points if points.ndim == 3 else points[None]
+    P = cupy.ascontiguousarray((points if points.ndim == 3 else points[None]).astype(dtype, copy=False))
     T2 = theta if theta.ndim == 2 else theta[None]
     Bp, Bt = len(P), len(T2)
     A = affine_maps(tess, T2)
-    norms = cupy.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2)))
-    largest = norms.max(keepdims=True) if len(A) else cupy.zeros(1)
-    values = cupy.concatenate(list(pending) + [largest]).get()
-    if len(pending):
-        raise_not_finite(values[:2])
-        for ok, message in zip(values[2:-1], messages):   # the caller's own checks
-            if not ok:
-                raise ValueError(message)
-    check_step_size(float(values[-1]), n_steps, name)
+    flags, largest, extra_ok = _call_checks(P, T2, A, K, extra)
+    raise_not_finite((not flags & 1, not flags & 2))
+    for ok, message in zip(extra_ok, messages):                     # the caller's own checks
+        if not ok:
+            raise ValueError(message)
+    check_step_size(largest, n_steps, name)
     h = 1.0 / n_steps
     E = cupy.empty(A.shape, dtype=dtype)
     launch(_expm_sig(dtype.name, K), _blocks(len(A), 128), 128, (A, E, len(A), h))
     return Plan(shape=tess.shape, K=K, C=C, B=Bt if Bp == 1 else Bp, N=P.shape[1], n_points=Bp,
                 n_theta=Bt, n_steps=n_steps, h=h, dtype=dtype,
-                project=tess.zero_boundary in ("noslip", "slip"),
-                points=cupy.ascontiguousarray(P.astype(dtype, copy=False)), A=A, E=E, tess=tess)
+                project=tess.zero_boundary in ("noslip", "slip"), points=P, A=A, E=E, tess=tess)
 
 
 def _shared(plan):

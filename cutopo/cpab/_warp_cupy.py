@@ -100,11 +100,9 @@ def _forward(image, theta, tess, n_steps, mode, padding_mode):
     # float32 point, which gives the trajectories transform_grid's dtype (theta's, at least
     # float32) and costs no pass over a grid of centres.
     probe = cupy.full((1, tess.ndim), 0.5, dtype=np.float32)
-    pending = []
-    _, theta, dtype = check_points_theta(probe, theta, tess, "transform_image", pending=pending)
-    pending.append(_image_finite(image))
-    plan = icp.setup(probe, theta, tess, n_steps, "transform_image", dtype, pending=pending,
-                     messages=(_sampling._IMAGE_NOT_FINITE,))
+    _, theta, dtype = check_points_theta(probe, theta, tess, "transform_image", defer_finite=True)
+    plan = icp.setup(probe, theta, tess, n_steps, "transform_image", dtype,
+                     extra=(_image_finite(image),), messages=(_sampling._IMAGE_NOT_FINITE,))
     N, C = image.shape[:2]
     spatial = tuple(int(s) for s in image.shape[2:])
     if 0 in spatial:

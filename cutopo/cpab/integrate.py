@@ -181,10 +181,10 @@ def _device_plan(points, theta, tess, n_steps, name):
     """Checked arguments and the CuPy plan: (plan, batched, points.ndim, theta.ndim)."""
     from . import _integrate_cupy
 
-    pending = []                              # the finiteness checks, read with the guard
-    points, theta, dtype = check_points_theta(points, theta, tess, name, pending=pending)
+    # the finiteness checks run in setup's check kernel, read with the guard
+    points, theta, dtype = check_points_theta(points, theta, tess, name, defer_finite=True)
     n_steps = check_count(n_steps, "n_steps")
-    plan = _integrate_cupy.setup(points, theta, tess, n_steps, name, dtype, pending=pending)
+    plan = _integrate_cupy.setup(points, theta, tess, n_steps, name, dtype)
     return plan, points.ndim == 3 or theta.ndim == 2, points.ndim, theta.ndim
 
 

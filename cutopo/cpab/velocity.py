@@ -17,16 +17,15 @@ def _real_array(x, name, xp):
     return x
 
 
-def check_points_theta(points, theta, tess, name, *, pending=None):
+def check_points_theta(points, theta, tess, name, *, defer_finite=False):
     """Validate the (points, theta, tess) arguments of a CPA op; return points and theta as
     real arrays of one array type (NumPy, or CuPy when either is a CuPy array: then both must
     be) and the computation dtype. points: (N, K) or (B, N, K); theta: (d,) or (B, d); batch
     sizes equal or one of them 1 (broadcast as NumPy's: 1 with 0 is an empty batch).
 
-    On the device the finiteness of both is one reduction read on the host; a caller that has
-    more device-side checks passes a list as ``pending``: the reduction is appended to it
-    (float64 (2,): 1 where points, theta are finite) and the caller reads everything at once
-    and calls :func:`raise_not_finite`."""
+    On the device the finiteness of both is one reduction read on the host, unless
+    ``defer_finite``: then the caller must hand both to ``_integrate_cupy.setup``, whose one
+    check kernel tests them together with the step-size guard (one read for everything)."""
     on_device = is_cupy_array(points) or is_cupy_array(theta)
     if on_device and not (is_cupy_array(points) and is_cupy_array(theta)):
         which = "points" if is_cupy_array(points) else "theta"
@@ -54,12 +53,9 @@ def check_points_theta(points, theta, tess, name, *, pending=None):
     # the kernels must never see NaN or inf
     if xp is np:
         raise_not_finite((np.isfinite(points).all(), np.isfinite(theta).all()))
-    else:
-        finite = xp.stack([xp.isfinite(points).all(), xp.isfinite(theta).all()]).astype(np.float64)
-        if pending is None:
-            raise_not_finite(finite.get())                              # one host sync
-        else:
-            pending.append(finite)
+    elif not defer_finite:
+        finite = xp.stack([xp.isfinite(points).all(), xp.isfinite(theta).all()])
+        raise_not_finite(finite.get())                                  # one host sync
     return points, theta, dtype
 
 
