@@ -1,6 +1,7 @@
 """Host-side (Python) cost of repeated op calls on CuPy arrays: cProfile of N calls.
 
-    python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|register|grid_sample_stages] [--calls N]
+    python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|register|
+                                       soft_ecc|soft_ecc_vjp|grid_sample_stages] [--calls N]
 
 Prints the functions with the largest own time; ``grid_sample_stages`` instead times the
 forward's pieces (argument preparation, the image check kernel, the sampling kernel, the whole
@@ -61,6 +62,15 @@ def make_call(cp, which):
         if which == "grid_sample":
             return lambda: cutopo.grid_sample(image, grid)
         out, pb = cutopo.vjp(cutopo.grid_sample, image, grid)
+        g = cp.ones_like(out)
+        return lambda: pb(g)
+    if which.startswith("soft_ecc"):
+        # bench_soft's 1024^2 case: CuPy image and thresholds, a Python float scale
+        image = cp.random.default_rng(0).random((1024, 1024), dtype=cp.float32)
+        t = cp.linspace(0, 1, 256, dtype=cp.float32)
+        if which == "soft_ecc":
+            return lambda: cutopo.soft_ecc(image, t, 1020.0)
+        out, pb = cutopo.vjp(cutopo.soft_ecc, image, t, 1020.0)
         g = cp.ones_like(out)
         return lambda: pb(g)
     pts, theta, tess = _cpab_inputs(cp)

@@ -27,9 +27,11 @@
 //                            mu_{t+1} [x_t; 1]^T to the per-cell moments G_c. A point stays in
 //                            one cell for many consecutive steps, so the outer products are
 //                            summed in registers while the cell does not change and flushed
-//                            on a change (and at the end): then the lanes of the warp that
-//                            flush the same cell add their sums in shared memory and one lane
-//                            issues the float64 atomics (MODE 1; MODE 0: every lane its own).
+//                            on a change (and at the end): into a per-warp queue in shared
+//                            memory that the warp drains 32 entries at a time, the entries of
+//                            one cell added together before one lane issues the float64
+//                            atomics (MODE 2; MODE 1: the lanes flushing at the same step pool
+//                            their sums; MODE 0: every lane its own atomics).
 //   frechet_cells            one thread per cell: dL/dA_c = h [L(h A~_c^T, [G_c; 0])]_{:K}, the
 //                            adjoint Frechet derivative of expm, by the Taylor series of Van
 //                            Loan's block exponential (registers only: (K+1) x (K+1) blocks).
@@ -397,6 +399,74 @@ __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ 
     __syncwarp(active);
 }
 
+// MODE 2: a lane done with a cell appends its sums to a queue of 32 entries per warp in shared
+// memory (a ballot gives each appending lane its slot); when the next appends would not fit,
+// and at the end, the whole warp drains it: the entries of one cell, from any lanes and any
+// steps, are added together and one lane issues the atomics. A trajectory changes cell every
+// ~10 steps, so nearly every step some lane of a warp flushes: MODE 1 paid a warp-wide flush
+// (match, shared exchange, atomics) at almost every step, this a ballot per step and a drain
+// every few. A warp with exited lanes (the grid's tail) adds directly (MODE 0).
+// `storage`: this warp's 32 * (SIZE + 1) doubles (sums [SIZE][32], then 32 cells).
+template <int K>
+struct MomentQueue {
+    static constexpr int SIZE = Moments<K>::SIZE;
+    double* val;
+    i64* cell;
+    unsigned live;  // the lanes running the sweep
+    int n;          // entries queued (the same in every lane)
+
+    __device__ __forceinline__ MomentQueue(double* storage, unsigned live_lanes)
+        : val(storage), cell(reinterpret_cast<i64*>(storage + 32 * SIZE)), live(live_lanes), n(0) {}
+
+    __device__ __forceinline__ void drain(double* __restrict__ G) {
+        __syncwarp(live);
+        const int lane = threadIdx.x & 31;
+        const bool mine = lane < n;
+        const i64 c = mine ? cell[lane] : (i64)(-1 - lane);  // idle lanes: keys of their own
+        const unsigned group = __match_any_sync(live, (unsigned long long)c);
+        if (mine && lane == __ffs(group) - 1) {
+            double sum[SIZE];
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) sum[i] = val[i * 32 + lane];
+            for (unsigned rest = group & (group - 1); rest; rest &= rest - 1) {
+                const int other = __ffs(rest) - 1;
+                #pragma unroll
+                for (int i = 0; i < SIZE; ++i) sum[i] += val[i * 32 + other];
+            }
+            double* dst = G + c * SIZE;
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i)
+                if (sum[i] != 0.0) atomicAdd(dst + i, sum[i]);
+        }
+        n = 0;
+        __syncwarp(live);
+    }
+
+    // Every lane of `live` calls this at the same point; the lanes with `has` hand in m.
+    __device__ __forceinline__ void push(const Moments<K>& m, bool has, double* __restrict__ G) {
+        const unsigned who = __ballot_sync(live, has);
+        if (!who) return;
+        if (live != 0xffffffffu) {
+            if (has) flush<K, 0>(m, G, nullptr);
+            return;
+        }
+        const int k = __popc(who);
+        if (n + k > 32) drain(G);
+        if (has) {
+            const int slot = n + __popc(who & ((1u << (threadIdx.x & 31)) - 1u));
+            cell[slot] = m.cell;
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = m.g[i];
+        }
+        n += k;
+    }
+};
+
+// Shared doubles per warp that moment mode MODE needs.
+template <int K, int MODE> struct MomentScratch {
+    static constexpr int value = MODE == 0 ? 0 : 32 * (Moments<K>::SIZE + (MODE == 2 ? 1 : 0));
+};
+
 // The forward once more, x_t kept at t = 0, S, 2S, ... in `own` (the same steps in the same
 // order as integrate_forward, so the same values); x ends at x_T.
 template <typename T, int K, bool PROJECT>
@@ -415,13 +485,16 @@ __device__ __forceinline__ void recompute_checkpoints(T (&x)[K], const T* __rest
 // lambda_T -> lambda_0 (in place) through the trajectory, segment by segment from the last
 // checkpoint: `own` (recompute) or the forward's `checkpoints` at row `row` of planes of
 // `plane` elements. Adds mu_{t+1} [x_t; 1]^T to G when `need_theta`. MODE: how the moments
-// reach G (0: per-lane atomics, 1: warp-pooled).
+// reach G (0: per-lane atomics, 1: warp-pooled at each flush, 2: a per-warp queue), with
+// `my_scratch` the warp's MomentScratch doubles; `live`: the lanes of the warp that run the
+// sweep (all with the same n_steps and S, so they run its loops in step).
 template <typename T, int K, bool PROJECT, int MODE>
 __device__ __forceinline__ void adjoint_sweep(
         double (&lam)[K], const T* __restrict__ E, i64 cell_offset, const Grid& g, int n_steps,
         int S, bool recompute, const T (&own)[MAX_LOCAL_CHECKPOINTS][K],
         const T* __restrict__ checkpoints, i64 row, i64 plane, double* __restrict__ G,
-        int need_theta, double* my_scratch) {
+        int need_theta, double* my_scratch, unsigned live) {
+    MomentQueue<K> queue(my_scratch, live);
     // The segment's steps in local memory (indexed at run time), as compact as they go: x_t,
     // the cell within the item's block of cells (an int: a block of 2^31 cells would not fit
     // in memory) and P's mask (a byte).
@@ -461,7 +534,11 @@ __device__ __forceinline__ void adjoint_sweep(
                 lam[q] = v;
             }
             if (need_theta) {
-                if (flat != m.cell) {
+                const bool change = flat != m.cell;
+                if (MODE == 2) {
+                    queue.push(m, change && m.cell >= 0, G);
+                    if (change) m.reset(flat);
+                } else if (change) {
                     if (m.cell >= 0) flush<K, MODE>(m, G, my_scratch);
                     m.reset(flat);
                 }
@@ -474,7 +551,14 @@ __device__ __forceinline__ void adjoint_sweep(
             }
         }
     }
-    if (need_theta) flush<K, MODE>(m, G, my_scratch);
+    if (need_theta) {
+        if (MODE == 2) {
+            queue.push(m, m.cell >= 0, G);
+            if (queue.n) queue.drain(G);
+        } else {
+            flush<K, MODE>(m, G, my_scratch);
+        }
+    }
 }
 
 // The backward: `cotangent` (B, N, K) float64 in, `grad_points` (B, N, K) float64 out
@@ -486,7 +570,8 @@ __device__ __forceinline__ void backward_item(
         const Item& it, const T* __restrict__ points, const T* __restrict__ E,
         const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
         double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
-        int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch) {
+        int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch,
+        unsigned live) {
     double lam[K];
     #pragma unroll
     for (int k = 0; k < K; ++k) lam[k] = cotangent[it.idx * K + k];
@@ -498,7 +583,8 @@ __device__ __forceinline__ void backward_item(
         recompute_checkpoints<T, K, PROJECT>(x, E, it.cell_offset, g, n_steps, S, own);
     }
     adjoint_sweep<T, K, PROJECT, MODE>(lam, E, it.cell_offset, g, n_steps, S, recompute != 0, own,
-                                       checkpoints, it.idx, B * N * K, G, need_theta, my_scratch);
+                                       checkpoints, it.idx, B * N * K, G, need_theta, my_scratch,
+                                       live);
     if (need_points) {
         int inside0 = (1 << K) - 1;
         if (PROJECT) {
@@ -511,21 +597,30 @@ __device__ __forceinline__ void backward_item(
     }
 }
 
+// Blocks per SM the backward's registers are sized for: 3 for float32 in 3D, where the queue's
+// bookkeeping would otherwise take 97 registers (2 blocks/SM); float32 2D needs 64 at most (4
+// blocks/SM) anyway, and float64 trajectories would spill at 80.
+template <typename T, int K> struct BackwardBlocks {
+    static constexpr int value = (K == 3 && sizeof(T) == 4) ? 3 : 1;
+};
+
 template <typename T, int K, bool PROJECT, int MODE>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, (BackwardBlocks<T, K>::value))
 integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
                    const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
                    double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, i64 C,
                    int points_shared, int theta_shared, int n_steps, int S, int need_points,
                    int need_theta, int recompute, int n0, int n1, int n2) {
-    constexpr int SIZE = Moments<K>::SIZE;
-    __shared__ double scratch[MODE >= 1 ? WARPS * 32 * SIZE : 1];
+    constexpr int PER_WARP = MomentScratch<K, MODE>::value;
+    __shared__ double scratch[MODE >= 1 ? WARPS * PER_WARP : 1];
     Item it;
-    if (item_of(B, N, points_shared, theta_shared, C, it)) {
+    const bool valid = item_of(B, N, points_shared, theta_shared, C, it);
+    const unsigned live = __ballot_sync(0xffffffffu, valid);
+    if (valid) {
         const Grid g = {{n0, n1, n2}};
         backward_item<T, K, PROJECT, MODE>(it, points, E, checkpoints, cotangent, grad_points, G, B,
                                            N, n_steps, S, need_points, need_theta, recompute, g,
-                                           scratch + (threadIdx.x / 32) * 32 * SIZE);
+                                           scratch + (threadIdx.x / 32) * PER_WARP, live);
     }
 }
 
@@ -641,6 +736,10 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
 #ifndef CUTOPO_WARP_BACKWARD_MIN_BLOCKS
 #define CUTOPO_WARP_BACKWARD_MIN_BLOCKS 3
 #endif
+// How its moments reach G (adjoint_sweep's MODE; -DCUTOPO_WARP_BACKWARD_MOMENTS=1 to compare).
+#ifndef CUTOPO_WARP_BACKWARD_MOMENTS
+#define CUTOPO_WARP_BACKWARD_MOMENTS 2
+#endif
 
 // gout (B, channels, S) in R; dimage (Bi, channels, S) in R, zero-initialised, when
 // `need_image`; G as integrate_backward's when `need_theta` (bilinear only: nearest sampling
@@ -654,11 +753,13 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
               i64 B, i64 C, int theta_shared, int image_shared, int channels, int n_steps,
               int S_seg, int recompute, int padding, int need_image, int need_theta, int n0,
               int n1, int n2, int d, int h, int w) {
-    constexpr int SIZE = Moments<K>::SIZE;
-    __shared__ double scratch[WARPS * 32 * SIZE];
+    constexpr int PER_WARP = MomentScratch<K, CUTOPO_WARP_BACKWARD_MOMENTS>::value;
+    __shared__ double scratch[WARPS * PER_WARP];
     const sampling::Dims<i64, K> dims(d, h, w);
     Pixel px;
-    if (!pixel_of(B, dims.stride[0] * dims.size[0], C, theta_shared, px)) return;
+    const bool valid = pixel_of(B, dims.stride[0] * dims.size[0], C, theta_shared, px);
+    const unsigned live = __ballot_sync(0xffffffffu, valid);
+    if (!valid) return;
     const i64 S = px.S, idx = px.idx, b = px.b, p = px.p, cell_offset = px.cell_offset;
     const Grid g = {{n0, n1, n2}};
     const bool theta_wanted = need_theta && !NEAREST;
@@ -712,9 +813,9 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
         }
         lam[a] = convert<double>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
     }
-    adjoint_sweep<T, K, PROJECT, 1>(lam, E, cell_offset, g, n_steps, S_seg, recompute != 0, own,
-                                    checkpoints, idx, plane, G, 1,
-                                    scratch + (threadIdx.x / 32) * 32 * SIZE);
+    adjoint_sweep<T, K, PROJECT, CUTOPO_WARP_BACKWARD_MOMENTS>(
+        lam, E, cell_offset, g, n_steps, S_seg, recompute != 0, own, checkpoints, idx, plane, G, 1,
+        scratch + (threadIdx.x / 32) * PER_WARP, live);
 }
 
 // -- the step-size guard on the device ----------------------------------------------------------

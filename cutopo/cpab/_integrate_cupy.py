@@ -34,13 +34,16 @@ MAX_LOCAL_CHECKPOINTS = 16  # cpab::MAX_LOCAL_CHECKPOINTS
 # 2.56 -> 2.87 ms / 5.44 -> 5.59 ms; "recompute" is the default for that memory.
 CHECKPOINTS = "recompute"
 # How the backward's per-cell moments reach the global sums (cpab.cu, integrate_backward's
-# MODE): "lane" (float64 atomics from every lane) or "warp" (the lanes of a warp that flush one
-# cell pool their sums first). benchmarks/profile_cpab.py times both: on the H200 (2D b32 256^2
-# tess 16 / 3D 128^3 tess 10) lane 2.02 / 4.42 ms, warp 1.67 / 3.29 ms. A third mode, pooled
-# sums added to a per-block shared-memory cache of cells and flushed once per block, measured
-# 1.88 / 4.03 ms (shared float64 atomics and a larger shared footprint) and was removed.
-MOMENTS = "warp"
-MOMENT_MODES = {"lane": 0, "warp": 1}
+# MODE): "lane" (float64 atomics from every lane), "warp" (the lanes of a warp that flush one
+# cell at the same step pool their sums first) or "queue" (lanes done with a cell append their
+# sums to a per-warp queue in shared memory, which the warp drains 32 entries at a time, pooling
+# the entries of one cell from any lanes and steps). benchmarks/profile_cpab.py times them: on
+# the H200 (2D b32 256^2 tess 16 / 3D 128^3 tess 10, checkpoints from the forward) lane 1.65 /
+# 3.76 ms, warp 1.49 / 2.78 ms, queue 1.35 / 2.49 ms. A fourth mode, pooled sums added to a
+# per-block shared-memory cache of cells and flushed once per block, measured slower than
+# "warp" (shared float64 atomics and a larger shared footprint) and was removed.
+MOMENTS = "queue"
+MOMENT_MODES = {"lane": 0, "warp": 1, "queue": 2}
 _CTYPE = {"float32": "float", "float64": "double"}
 _GRID = ("int32",) * 3
 
