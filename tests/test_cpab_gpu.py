@@ -353,6 +353,22 @@ def test_errors(rng):
         cell_index(cp.asarray(pts, dtype=np.float16), (2, 2))
 
 
+def test_affine_maps_keep_float32_denormals(rng):
+    """A = B theta reads float32 theta through convert<double, float> (common.cuh): denormal
+    entries must reach A exactly, although CuPy compiles with -ftz=true (a plain cast would
+    flush them to 0)."""
+    cp = _cp()
+    tess = Tessellation((3, 2))
+    tiny = np.finfo(np.float32).smallest_subnormal
+    k = rng.integers(1, 1 << 22, size=(2, tess.n_params)) * rng.choice([-1, 1], size=(2, tess.n_params))
+    theta = (k * np.float64(tiny)).astype(np.float32)                  # exact: k < 2^23
+    assert np.all(theta != 0) and np.all(np.abs(theta) < np.finfo(np.float32).tiny)
+    got = _integrate_cupy.affine_maps(tess, cp.asarray(theta)).get()
+    want = tess.affine_maps(theta.astype(np.float64)).reshape(got.shape)
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("K", [1, 2, 3])
 @pytest.mark.parametrize("theta_dtype", [np.float16, np.float32, np.float64, np.int32])
 def test_call_checks_flags_and_norm(rng, K, theta_dtype):
