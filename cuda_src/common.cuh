@@ -39,8 +39,9 @@ __device__ __forceinline__ To convert(From v) { return static_cast<To>(v); }
 // float32 -> float64 without the denormal flush that -ftz=true applies to a cast (the compiler
 // flushes the input with a multiplication by 1 before F2F.F64.F32): cvt without .ftz is one
 // F2F, exact for denormals too. The earlier version (a denormal test, then the mantissa times
-// 2^-149; both paths predicated) took ~10 instructions per conversion, most of the CPAB adjoint step: the integrate
-// backward ran 1.40 -> 1.04 ms (2D) and 2.41 -> 1.87 ms (3D) with this (benchmarks/RESULTS.md).
+// 2^-149; both paths predicated) took ~10 instructions per conversion, most of the CPAB adjoint
+// step: the integrate backward ran 1.40 -> 1.04 ms (2D) and 2.41 -> 1.87 ms (3D) with this
+// (benchmarks/RESULTS.md, ninth session).
 template <>
 __device__ __forceinline__ double convert<double, float>(float v) {
     double d;

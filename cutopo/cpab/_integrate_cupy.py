@@ -4,9 +4,9 @@ Per call: A = B theta on the device (an ELL product of the memoized sparse basis
 finiteness checks and the step-size guard's norm (``call_checks``, one kernel, read on the host
 in one copy: the call's one synchronisation), E_c = expm(h A~_c) per cell (``expm_cells``),
 then one thread per (batch item, point) for the trajectory. The VJP runs
-``integrate_backward`` (per-cell moments G_c by warp-pooled float64 atomics), ``frechet_cells``
-(dL/dA_c) and B^T (ELL) on the device. The callers in :mod:`cutopo.cpab.integrate` and
-:mod:`cutopo.cpab.velocity` shape the results.
+``integrate_backward`` (per-cell moments G_c: float64 atomics from a per-warp queue, see
+MOMENTS), ``frechet_cells`` (dL/dA_c) and B^T (ELL) on the device. The callers in
+:mod:`cutopo.cpab.integrate` and :mod:`cutopo.cpab.velocity` shape the results.
 """
 from __future__ import annotations
 
