@@ -63,9 +63,7 @@ def stand_in(value, fill=0):
 
 # ----------------------------------------------------------------------------- shape rules
 # The non-differentiable public ops have no OpSpec; their shape rules live here.
-
-
-
+#
 # The other keyword arguments (device, max_slab_bytes, ...) do not change the result's shape:
 # the rules take them as ``**_``, so that a new option of an op does not break its adapters.
 # Each rule first runs the op's checks that need no data, on stand-ins (``stand_in``), in the

@@ -2,10 +2,10 @@
 ``cuda_src/deformable.cu`` (the kernels' header comment describes the work layout).
 
 The Python side picks the storage instance (feature and weight dtypes), the lanes' vector
-width and the lane layout, the forward's warps per output unit (:func:`forward_parts`), builds the per-map descriptor table (memoized on the device) and
-launches on CuPy's current stream. The deterministic feature cotangent sorts the
-(entry, corner) pairs by feature row with ``cupy.argsort`` (stable) before one warp sums each
-row in that order.
+width and the lane layout, the forward's warps per output unit (:func:`forward_parts`), builds
+the per-map descriptor table (memoized on the device) and launches on CuPy's current stream.
+The deterministic feature cotangent sorts the (entry, corner) pairs by feature row with
+``cupy.argsort`` (stable) before one warp sums each row in that order.
 
 Repeated forwards of one kind of call (``cfg.memo``: the validation memoized in
 :mod:`cutopo.deformable`) reuse a :class:`_ForwardPlan`: at batch 1 the host's preparation of

@@ -26,8 +26,8 @@ from . import _band_cupy, _band_numpy, _stream
 from ._array import as_array, is_cupy_array, to_numpy
 from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
-from ._checks import (check_boundary, check_connectivity, check_scale, check_thresholds,
-                      is_count, same_array_type)
+from ._checks import (check_boundary, check_connectivity, check_count, check_scale,
+                      check_thresholds, is_count, same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -190,9 +190,7 @@ def _check_mask(mask, ndim):
 def _check_thresholds(thresholds, coords, dirs64):
     """(float64 thresholds, count or None)."""
     if is_count(thresholds):
-        n = int(thresholds)
-        if n < 1:
-            raise ValueError(f"thresholds: the count must be at least 1, got {n}")
+        n = check_count(thresholds)
         reach, _, _ = _reach(coords, dirs64)
         return np.linspace(-reach, reach, n), n
     t, _ = check_thresholds(thresholds, _FLOAT64_PROBE)

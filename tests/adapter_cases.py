@@ -61,6 +61,21 @@ def resolve(module, path):
     return functools.reduce(getattr, path.split("."), module)
 
 
+def of_array_args(fn, args, kwargs):
+    """(function of the array arguments, their positions in ``args``): ``fn(*args, **kwargs)``
+    with the NumPy arrays among ``args`` replaced, in order, by the function's arguments (a
+    framework's arrays, so that its transformations see them as inputs)."""
+    dyn = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+
+    def of_arrays(*arrays):
+        full = list(args)
+        for i, a in zip(dyn, arrays):
+            full[i] = a
+        return fn(*full, **kwargs)
+
+    return of_arrays, dyn
+
+
 def skip_without_cuda_kernel(case):
     """Skip the calling (GPU) test when the op refuses CuPy arrays (NotImplementedError: no
     CUDA kernel yet). Asked of the op itself, so that a kernel added later is tested at once."""

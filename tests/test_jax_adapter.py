@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import cutopo  # noqa: E402
 import cutopo.jax as cj  # noqa: E402
-from adapter_cases import (cases, check_namespace, import_without, record_wrt,  # noqa: E402
+from adapter_cases import (cases, check_namespace, import_without, of_array_args, record_wrt,  # noqa: E402
                            resolve, run_docstring_examples, skip_without_cuda_kernel,
                            toy_backward, toy_forward, toy_meta)
 from cutopo.cpab import Tessellation  # noqa: E402
@@ -50,15 +50,7 @@ def to_jax(a):
 def call(case, transform=None):
     """The adapter's op on the case's arguments; ``transform`` wraps the function of the
     dynamic (array) arguments, e.g. jax.jit."""
-    fn = resolve(cj, case.path)
-    dyn = [i for i, a in enumerate(case.args) if isinstance(a, np.ndarray)]
-
-    def of_arrays(*arrays):
-        args = list(case.args)
-        for i, a in zip(dyn, arrays):
-            args[i] = a
-        return fn(*args, **case.kwargs)
-
+    of_arrays, dyn = of_array_args(resolve(cj, case.path), case.args, case.kwargs)
     f = transform(of_arrays) if transform else of_arrays
     return f(*[jnp.asarray(case.args[i]) for i in dyn])
 
@@ -371,15 +363,7 @@ def _numpy_error(path, args, kwargs):
 
 def _of_arrays(path, args, kwargs):
     """(function of the array arguments, those arguments as JAX arrays)."""
-    fn = resolve(cj, path)
-    dyn = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
-
-    def of_arrays(*arrays):
-        full = list(args)
-        for i, a in zip(dyn, arrays):
-            full[i] = a
-        return fn(*full, **kwargs)
-
+    of_arrays, dyn = of_array_args(resolve(cj, path), args, kwargs)
     return of_arrays, [jnp.asarray(args[i]) for i in dyn]
 
 

@@ -584,10 +584,8 @@ def fake_cupy(log):
     import ctypes
     import types
 
-    class Stream:
-        ptr = 0
-
-        def __init__(self, non_blocking=False):
+    class Context:  # a stream or device: a context manager that changes nothing
+        def __init__(self, *args, **kwargs):
             pass
 
         def __enter__(self):
@@ -596,13 +594,16 @@ def fake_cupy(log):
         def __exit__(self, *exc):
             return False
 
+        def synchronize(self):
+            pass
+
+    class Stream(Context):
+        ptr = 0
+
         def record(self):
             return FakeEvent()
 
         def wait_event(self, event):
-            pass
-
-        def synchronize(self):
             pass
 
     def memcpy(dst, src, n, kind, stream):
@@ -612,20 +613,8 @@ def fake_cupy(log):
     def dev(a):
         return np.asarray(a).view(FakeDeviceArray)
 
-    class Device:
+    class Device(Context):
         id = 0
-
-        def __init__(self, *a):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def synchronize(self):
-            pass
 
     runtime = types.SimpleNamespace(memcpyAsync=memcpy, memcpyHostToDevice=1)
     cuda = types.SimpleNamespace(Stream=Stream, runtime=runtime, Device=Device,

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import cutopo  # noqa: E402
 import cutopo.torch as ct  # noqa: E402
-from adapter_cases import (cases, check_namespace, import_without, record_wrt,  # noqa: E402
-                           resolve, run_docstring_examples, skip_without_cuda_kernel,
+from adapter_cases import (cases, check_namespace, import_without, of_array_args,  # noqa: E402
+                           record_wrt, resolve, run_docstring_examples, skip_without_cuda_kernel,
                            toy_backward, toy_forward)
 from cutopo.cpab import Tessellation  # noqa: E402
 
@@ -602,13 +602,7 @@ def test_torch_compile_bad_shapes_raise_the_ops_error(path, args, kwargs):
     with pytest.raises((TypeError, ValueError)) as info:  # eager: the op's exception
         fn(*[to_torch(a) for a in args], **kwargs)
     assert type(info.value) is type(expected) and str(info.value) == str(expected)
-    dyn = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
-
-    def of_tensors(*tensors):
-        full = list(args)
-        for i, a in zip(dyn, tensors):
-            full[i] = a
-        return fn(*full, **kwargs)
+    of_tensors, dyn = of_array_args(fn, args, kwargs)
 
     graphs = []
 

@@ -137,21 +137,14 @@ def _check_pair(fixed, moving, tess):
     return as4(fixed), as4(moving), dtype, moving.ndim == K + 1
 
 
-def _check_positive(value, name):
+def _check_positive(value, name, *, zero=False):
+    """A finite real number > 0 (>= 0 with ``zero``), as a float; bools are not numbers here."""
+    kind = "non-negative" if zero else "positive"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                       np.floating)):
-        raise TypeError(f"{name} must be a positive number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def _check_nonnegative(value, name):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                      np.floating)):
-        raise TypeError(f"{name} must be a non-negative number, got {value!r}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+        raise TypeError(f"{name} must be a {kind} number, got {value!r}")
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise ValueError(f"{name} must be a {kind} finite number, got {value!r}")
     return float(value)
 
 
@@ -415,7 +408,7 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     if not isinstance(lr_schedule, str) or lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"lr_schedule must be one of {', '.join(map(repr, LR_SCHEDULES))}, got "
                          f"{lr_schedule!r}")
-    smoothness = _check_nonnegative(smoothness, "smoothness")
+    smoothness = _check_positive(smoothness, "smoothness", zero=True)
     betas = _check_betas(betas)
     _sampling._choice(mode, "mode", _sampling.MODES)      # before any step, not at the first warp
     _sampling._choice(padding_mode, "padding_mode", _sampling.PADDING_MODES)
