@@ -221,7 +221,7 @@ def main(argv=None):
                     baseline_reps="timed repetitions of the baseline",
                     no_baseline="skip the scaling-and-squaring baseline")
     p.add_argument("--no-scaling", action="store_true", help="skip the tessellation-scaling cases")
-    p.add_argument("--checkpoints", choices=("device", "recompute"), default=None,
+    p.add_argument("--checkpoints", choices=("sparse", "device", "recompute"), default=None,
                    help="where the VJP keeps its checkpoints (cutopo.cpab._integrate_cupy.CHECKPOINTS; "
                         "default: the library's)")
     p.add_argument("--tol", type=float, default=1e-3,

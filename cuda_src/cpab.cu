@@ -54,7 +54,7 @@ namespace cutopo {
 namespace cpab {
 
 constexpr int THREADS = 256;
-constexpr int MAX_SEGMENT = 16;  // the largest checkpoint_every the backward supports
+constexpr int MAX_SEGMENT = 17;  // the largest checkpoint_every the backward supports
 // The most checkpoints the backward recomputes into a thread's local memory (no checkpoint
 // array from the forward): the host picks S >= ceil(T / MAX_LOCAL_CHECKPOINTS) for that mode.
 constexpr int MAX_LOCAL_CHECKPOINTS = 16;
@@ -331,11 +331,15 @@ integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __re
     start_point<T, K, PROJECT>(points, it.point_row, x, inside);
     double total = 0.0;
     const i64 plane = B * N * K;
+    // the next checkpoint's step and slot (a counter: t % S costs an integer division per step)
+    int next = 0, slot = 0;
     for (int t = 0; t < n_steps; ++t) {
-        if (keep && t % S == 0) {
-            T* c = checkpoints + (i64)(t / S) * plane + it.idx * K;
+        if (keep && t == next) {
+            T* c = checkpoints + (i64)slot * plane + it.idx * K;
             #pragma unroll
             for (int k = 0; k < K; ++k) c[k] = x[k];
+            ++slot;
+            next += S;
         }
         const i64 flat = step<T, K, PROJECT>(x, E, it.cell_offset, g, inside);
         if (with_log_det) total += trace[flat];
@@ -474,10 +478,13 @@ __device__ __forceinline__ void recompute_checkpoints(T (&x)[K], const T* __rest
                                                       i64 cell_offset, const Grid& g, int n_steps,
                                                       int S, T (&own)[MAX_LOCAL_CHECKPOINTS][K]) {
     int inside;
-    for (int t = 0; t < n_steps; ++t) {
-        if (t % S == 0)
+    for (int t = 0, next = 0, slot = 0; t < n_steps; ++t) {
+        if (t == next) {
             #pragma unroll
-            for (int k = 0; k < K; ++k) own[t / S][k] = x[k];
+            for (int k = 0; k < K; ++k) own[slot][k] = x[k];
+            ++slot;
+            next += S;
+        }
         step<T, K, PROJECT>(x, E, cell_offset, g, inside);
     }
 }
@@ -709,10 +716,13 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
     pixel_centre<T, K>(p, dims, x);  // inside the box: P leaves it alone
     int inside;
     const i64 plane = B * S * K;
-    for (int t = 0; t < n_steps; ++t) {
-        if (keep && t % S_seg == 0)
+    for (int t = 0, next = 0, slot = 0; t < n_steps; ++t) {
+        if (keep && t == next) {
             #pragma unroll
-            for (int k = 0; k < K; ++k) checkpoints[(i64)(t / S_seg) * plane + idx * K + k] = x[k];
+            for (int k = 0; k < K; ++k) checkpoints[(i64)slot * plane + idx * K + k] = x[k];
+            ++slot;
+            next += S_seg;
+        }
         step<T, K, PROJECT>(x, E, cell_offset, g, inside);
     }
     sampling::Cell<R, K, NEAREST> cell;

@@ -202,27 +202,33 @@ def test_vjp_matches_numpy(shape, zb, rng):
                                            err_msg=f"{name} S={S}")
 
 
-@pytest.mark.parametrize("mode", ["recompute", "device"])
+@pytest.mark.parametrize("mode", ["sparse", "recompute", "device"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("shape", [(4, 4), (2, 3, 2)])
 def test_vjp_with_recomputed_checkpoints(monkeypatch, rng, shape, dtype, mode):
-    """CHECKPOINTS = "recompute" (the default): no checkpoint array (the backward kernel reruns
-    each trajectory into local memory), the same cotangents as NumPy; S raised where T / S would
+    """CHECKPOINTS = "recompute": no checkpoint array (the backward kernel reruns each
+    trajectory into local memory), the same cotangents as NumPy; S raised where T / S would
     exceed the local checkpoints (T = 100, S = 1 -> 7), the device array kept past T = 256.
-    "device": always the forward's checkpoint array, the same cotangents."""
+    "device": always the forward's checkpoint array, the same cotangents. "sparse" (the
+    default): the forward's array with at most 3 copies (T = 20: S = 7, or the 16 asked for),
+    recomputed at T = 100 (S = 34 would exceed 17), the device array past T = 256."""
     cp = _cp()
     monkeypatch.setattr(_integrate_cupy, "CHECKPOINTS", mode)
     tess = Tessellation(shape)
     theta = draw_theta(tess, rng, n=2, largest=6.0).astype(dtype)
     pts = rng.random((3000, len(shape))).astype(dtype)
     rtol = 1e-9 if dtype == np.float64 else 1e-3
-    for n_steps, S, own in ((20, 4, True), (20, 16, True), (100, 1, True), (300, 4, False)):
+    for n_steps, S, own, own_sparse, copies in ((20, 4, True, False, 3), (20, 16, True, False, 2),
+                                                (100, 1, True, True, 0), (300, 4, False, False, 75)):
         out_np, pb_np = cutopo.vjp(integrate, pts, theta, tess, n_steps=n_steps, checkpoint_every=S)
         cot = rng.standard_normal(out_np.shape).astype(dtype)
         want = pb_np(cot)
         out, residuals = integrate.__cutopo_op__.forward(cp.asarray(pts), cp.asarray(theta), tess,
                                                           n_steps=n_steps, checkpoint_every=S)
-        assert (residuals.checkpoints is None) == (own and mode == "recompute")
+        recomputed = own if mode == "recompute" else own_sparse if mode == "sparse" else False
+        assert (residuals.checkpoints is None) == recomputed
+        if mode == "sparse" and not recomputed:
+            assert residuals.checkpoints.shape[0] == copies
         _, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=n_steps,
                            checkpoint_every=S)
         got = pb(cp.asarray(cot))
@@ -345,8 +351,8 @@ def test_errors(rng):
             fn(cp.asarray(bad), cp.asarray(theta), tess)
         with pytest.raises(ValueError, match="theta must have shape"):
             fn(cp.asarray(pts), cp.asarray(theta[:-1]), tess)
-    with pytest.raises(ValueError, match="checkpoint_every must be <= 16"):
-        cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, checkpoint_every=17)
+    with pytest.raises(ValueError, match="checkpoint_every must be <= 17"):
+        cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, checkpoint_every=18)
     with pytest.raises(ValueError, match="n_steps=2 is too coarse"):
         integrate(cp.asarray(pts), cp.asarray(theta * 100), tess, n_steps=2)
     with pytest.raises(TypeError, match="float16"):

@@ -635,12 +635,21 @@ def test_docstring_examples():
 def test_recomputed_checkpoint_segments(monkeypatch):
     """The segment length of a backward that recomputes its checkpoints (CuPy path): the
     requested S where ceil(T / S) fits the threads' 16 local checkpoints, else the smallest S
-    that fits, and None (the forward's device array) past 16 x 16 steps or in "device" mode."""
+    that fits, and None (the forward's device array) past 16 x 17 steps (segments of at most
+    17) or in "device" mode. "sparse": the forward's array with at most 3 copies (S raised to
+    ceil(T / 3)) while that S is at most 17, then as "recompute"."""
     from cutopo.cpab import _integrate_cupy as icp
 
     monkeypatch.setattr(icp, "CHECKPOINTS", "device")
     assert icp.recompute_segment(50, 4) is None
+    assert icp.checkpoint_segment(50, 4) == (4, False)
     monkeypatch.setattr(icp, "CHECKPOINTS", "recompute")
     assert [icp.recompute_segment(T, S) for T, S in ((50, 4), (64, 4), (65, 4), (100, 1),
-                                                      (256, 1), (257, 1), (20, 16))] == \
-        [4, 4, 5, 7, 16, None, 16]
+                                                      (256, 1), (257, 1), (272, 1), (273, 1),
+                                                      (20, 16))] == \
+        [4, 4, 5, 7, 16, 17, 17, None, 16]
+    monkeypatch.setattr(icp, "CHECKPOINTS", "sparse")
+    cases = ((50, 4), (51, 4), (52, 4), (20, 4), (20, 16), (100, 1), (300, 4), (3, 1))
+    assert [icp.checkpoint_segment(T, S) for T, S in cases] == \
+        [(17, False), (17, False), (4, True), (7, False), (16, False), (7, True), (4, False),
+         (1, False)]

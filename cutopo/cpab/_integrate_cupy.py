@@ -21,18 +21,26 @@ from .velocity import raise_not_finite
 
 FAMILY = "cpab"
 THREADS = 256          # cpab::THREADS
-MAX_SEGMENT = 16       # cpab::MAX_SEGMENT: the largest checkpoint_every of the backward
+MAX_SEGMENT = 17       # cpab::MAX_SEGMENT: the largest checkpoint_every of the backward
 MAX_LOCAL_CHECKPOINTS = 16  # cpab::MAX_LOCAL_CHECKPOINTS
-# Where the VJP's checkpoints live: "device" (the forward writes x_t every S steps to a
-# (ceil(T/S), B, N, K) array, which dominates the VJP's memory: 13 copies of the points at
-# T = 50, S = 4) or "recompute" (the backward kernel runs each trajectory's forward again and
-# keeps its checkpoints in the thread's local memory: one more forward pass, no such array).
-# "recompute" needs ceil(T / S) <= MAX_LOCAL_CHECKPOINTS with S <= MAX_SEGMENT: S is raised to
-# ceil(T / MAX_LOCAL_CHECKPOINTS) where needed (the same adjoint: checkpoints only say where
-# segments start), and T > 256 falls back to "device". Measured on the H200 (bench_cpab, 2D b32
-# 256^2 tess 16 / 3D 128^3 tess 10): peak memory 274 -> 56 MB / 409 -> 82 MB, forward+VJP
-# 2.56 -> 2.87 ms / 5.44 -> 5.59 ms; "recompute" is the default for that memory.
-CHECKPOINTS = "recompute"
+# Where the VJP's checkpoints live (see checkpoint_segment):
+# * "device": the forward writes x_t every S steps to a (ceil(T/S), B, N, K) array, which
+#   dominates the VJP's memory (13 copies of the points at T = 50, S = 4);
+# * "recompute": the backward kernel runs each trajectory's forward again and keeps its
+#   checkpoints in the thread's local memory: one more forward pass, no such array. It needs
+#   ceil(T / S) <= MAX_LOCAL_CHECKPOINTS with S <= MAX_SEGMENT: S is raised to
+#   ceil(T / MAX_LOCAL_CHECKPOINTS) where needed (the same adjoint: checkpoints only say where
+#   segments start), and T > 256 falls back to "device";
+# * "sparse" (default): "device" with S raised to ceil(T / SPARSE_COPIES), so that the array
+#   holds at most SPARSE_COPIES copies of the points (3 at T = 50: S = 17), where that S fits
+#   MAX_SEGMENT; "recompute" beyond (T > 51), then "device".
+# Measured on the H200 (2D b32 256^2 tess 16 / 3D 128^3 tess 10, forward kernel + backward
+# kernel): recompute 0.35 + 1.33 / 0.69 + 2.44 ms, device S = 16 (4 copies) 0.46 + 1.06 /
+# 0.83 + 2.11 ms before the forward's checkpoint test lost its integer division per step;
+# memory at bench_cpab's sizes: recompute 56 / 77 MB, sparse ~106 / ~152 MB, device S = 4
+# 274 / 409 MB, against 489 / 780 MB for the scaling-and-squaring baseline.
+CHECKPOINTS = "sparse"
+SPARSE_COPIES = 3
 # How the backward's per-cell moments reach the global sums (cpab.cu, integrate_backward's
 # MODE): "lane" (float64 atomics from every lane), "warp" (the lanes of a warp that flush one
 # cell at the same step pool their sums first) or "queue" (lanes done with a cell append their
@@ -302,10 +310,26 @@ def local_segment(n_steps, S):
     return S if S <= MAX_SEGMENT else None
 
 
+def checkpoint_segment(n_steps, S):
+    """(segment length, recompute) of a VJP asked for checkpoints every S steps, under
+    CHECKPOINTS: the forward keeps x_t every `segment length` steps in a device array
+    (recompute False), or the backward recomputes them in its threads' local memory (True)."""
+    if CHECKPOINTS == "sparse":
+        sparse = max(S, -(-n_steps // SPARSE_COPIES))
+        if sparse <= MAX_SEGMENT:
+            return sparse, False
+    if CHECKPOINTS in ("sparse", "recompute"):
+        own = local_segment(n_steps, S)
+        if own is not None:
+            return own, True
+    return S, False
+
+
 def recompute_segment(n_steps, S):
-    """The segment length of a backward that recomputes its checkpoints, or None when
-    CHECKPOINTS is "device" or n_steps is too long for the threads' local checkpoints."""
-    return local_segment(n_steps, S) if CHECKPOINTS == "recompute" else None
+    """The segment length of a backward that recomputes its checkpoints, or None when the
+    forward keeps them (see checkpoint_segment)."""
+    segment, recompute = checkpoint_segment(n_steps, S)
+    return segment if recompute else None
 
 
 def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):

@@ -207,12 +207,12 @@ def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
             raise ValueError(f"checkpoint_every must be <= {_integrate_cupy.MAX_SEGMENT} for CuPy "
                              f"inputs (the kernel keeps one segment in local memory), got {S}")
         plan, batched, pn, tn = _device_plan(points, theta, tess, n_steps, "integrate")
-        own = _integrate_cupy.recompute_segment(plan.n_steps, S)
-        if own is not None:               # the backward recomputes the checkpoints itself
+        segment, recompute = _integrate_cupy.checkpoint_segment(plan.n_steps, S)
+        if recompute:                     # the backward recomputes the checkpoints itself
             x = _integrate_cupy.integrate(plan)[0]
-            return (x if batched else x[0]), _DeviceResiduals(plan, None, own, pn, tn)
-        x, checkpoints, _ = _integrate_cupy.integrate(plan, checkpoint_every=S)
-        return (x if batched else x[0]), _DeviceResiduals(plan, checkpoints, S, pn, tn)
+            return (x if batched else x[0]), _DeviceResiduals(plan, None, segment, pn, tn)
+        x, checkpoints, _ = _integrate_cupy.integrate(plan, checkpoint_every=segment)
+        return (x if batched else x[0]), _DeviceResiduals(plan, checkpoints, segment, pn, tn)
     s = _setup(points, theta, tess, n_steps, "integrate")
     checkpoints, x = [], s.x0
     for t in range(s.n_steps):
@@ -348,7 +348,7 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     ValueError
         Shapes that do not fit ``tess`` or each other, non-finite points or theta, ``n_steps``
         or ``checkpoint_every`` below 1, ``n_steps`` too small for ``theta`` (the guard), or
-        (VJP of CuPy inputs) ``checkpoint_every`` above 16.
+        (VJP of CuPy inputs) ``checkpoint_every`` above 17.
     TypeError
         ``tess`` not a :class:`Tessellation`, non-real dtypes, ``n_steps`` or
         ``checkpoint_every`` not an int, one of points and theta a CuPy array and the other not.
@@ -375,11 +375,13 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     **GPU.** CuPy points and theta run ``cuda_src/cpab.cu``: E_c by a per-cell Pade(13) kernel
     (equal to the NumPy E_c up to float64 rounding), then one thread per point and batch item
     whose steps use NumPy's roundings in NumPy's order, so with equal E_c the trajectories are
-    the NumPy trajectories bit for bit. The VJP keeps ``checkpoint_every`` (at most 16 there)
-    steps per thread in local memory, sums the outer products in registers while a point stays
-    in one cell, pools them across the warp and adds them to G_c with float64 atomics (so the
-    theta cotangent is reproducible only to rounding); the adjoint Frechet derivatives and B^T
-    run on the device too. Float32 denormal coordinates count as 0 there (CuPy's -ftz=true).
+    the NumPy trajectories bit for bit. The VJP's forward keeps at most three copies of the
+    points there (``checkpoint_every`` raised to ceil(T / 3) when that is at most 17; longer
+    runs recompute the checkpoints in the backward), the backward keeps one segment per thread
+    in local memory, sums the outer products in registers while a point stays in one cell,
+    pools them per warp and adds them to G_c with float64 atomics (so the theta cotangent is
+    reproducible only to rounding); the adjoint Frechet derivatives and B^T run on the device
+    too. Float32 denormal coordinates count as 0 there (CuPy's -ftz=true).
 
     **Boundary.** P is the projection onto [0, 1]^K (coordinate-wise clipping) under
     ``"noslip"`` and ``"slip"``, whose exact flows keep the box invariant, and the identity
