@@ -4,8 +4,8 @@
 # Environment: BENCH_ARGS (extra benchmark options), TESTS (pytest selection, default: -m gpu tests;
 # quotes inside it are honoured, e.g. TESTS='-m "gpu and not slow" tests'),
 # BENCH_SOFT_ARGS (extra bench_soft.py options), SOFT=0 (skip bench_soft.py), ECC=0 (skip bench_ecc.py),
-# DEFORM=1 (also run bench_deformable.py), CPAB=1 (bench_cpab.py with the VJP's checkpoints on
-# the device and recomputed, and profile_cpab.py), REGISTER=1 (bench_register.py),
+# DEFORM=1 (also run bench_deformable.py), CPAB=1 (bench_cpab.py with the VJP's checkpoints
+# "sparse" (the default) and "recompute", and profile_cpab.py), REGISTER=1 (bench_register.py),
 # TRANSFORM=1 (bench_transform_image.py: transform_image's fused path against the composed one),
 # NCU=1 (also count instructions per voxel with Nsight Compute).
 set -uo pipefail
@@ -38,7 +38,7 @@ if [ "${DEFORM:-0}" = 1 ]; then
 fi
 
 if [ "${CPAB:-0}" = 1 ]; then
-  for mode in device recompute; do
+  for mode in sparse recompute; do
     python3 benchmarks/bench_cpab.py --checkpoints "$mode" --json "$OUT/bench_cpab_$mode.json" 2>&1 \
       | tee "$OUT/bench_cpab_$mode.log"
   done

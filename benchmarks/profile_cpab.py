@@ -1,6 +1,6 @@
 """Where the time of a CPAB integrate call goes: each stage of the CuPy path timed alone.
 
-    python benchmarks/profile_cpab.py [--case 2d|3d] [--reps N]
+    python benchmarks/profile_cpab.py [--case 2d,3d,2d64,3d30] [--reps N] [--all-moments]
 
 Stages: the argument checks with CuPy reductions (check_points_theta alone: a finiteness
 reduction read on the host), A = B theta (ELL product), the step-size guard by CuPy
@@ -27,13 +27,18 @@ from cutopo.cpab.integrate import integrate  # noqa: E402
 from cutopo.cpab.velocity import check_points_theta  # noqa: E402
 
 CASES = {"2d": Case("2d b32 256^2 tess 16", 32, (256, 256), (16, 16)),
-         "3d": Case("3d 128^3 tess 10", 1, (128, 128, 128), (10, 10, 10))}
+         "3d": Case("3d 128^3 tess 10", 1, (128, 128, 128), (10, 10, 10)),
+         # bench_cpab's largest tessellations of the scaling cases
+         "2d64": Case("2d b32 256^2 tess 64", 32, (256, 256), (64, 64)),
+         "3d30": Case("3d 128^3 tess 30", 1, (128, 128, 128), (30, 30, 30))}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--case", default="2d,3d")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--all-moments", action="store_true",
+                   help="time the backward under every moment mode (default: the library's)")
     args = p.parse_args(argv)
     if not cutopo.gpu_available():
         print("profile_cpab: no CUDA device visible to CuPy")
@@ -63,19 +68,24 @@ def main(argv=None):
                                              (A, E, len(A), plan.h)))
         row("setup (all of the above)", lambda: icp.setup(points, theta, tess, T_STEPS, "integrate", dt))
         row("forward kernel", lambda: icp.integrate(plan))
-        row("forward kernel + checkpoints", lambda: icp.integrate(plan, checkpoint_every=4))
-        _, chk, _ = icp.integrate(plan, checkpoint_every=4)
+        # the VJP's segment under the library's CHECKPOINTS (S = 17 at T = 50 for "sparse")
+        S, recompute = icp.checkpoint_segment(T_STEPS, 4)
+        S_dev = 4 if recompute else S
+        row(f"forward kernel + checkpoints every {S_dev}",
+            lambda: icp.integrate(plan, checkpoint_every=S_dev))
+        _, chk, _ = icp.integrate(plan, checkpoint_every=S_dev)
         out = icp.integrate(plan)[0]
         cot = cp.ones(out.shape, dtype=cp.float64)
         default = icp.MOMENTS
-        for moments in icp.MOMENT_MODES:
+        for moments in icp.MOMENT_MODES if args.all_moments else (default,):
             icp.MOMENTS = moments
-            row(f"backward kernel + frechet + B^T, moments per {moments}",
-                lambda: icp.backward(plan, chk, 4, cot, False, True))
+            row(f"backward kernel + frechet + B^T, moments per {moments}, checkpoints every {S_dev}",
+                lambda: icp.backward(plan, chk, S_dev, cot, False, True))
+            S_own = icp.local_segment(T_STEPS, 4)
             row(f"backward kernel + frechet + B^T, moments per {moments}, checkpoints recomputed",
-                lambda: icp.backward(plan, None, 4, cot, False, True))
+                lambda: icp.backward(plan, None, S_own, cot, False, True))
         icp.MOMENTS = default
-        row("backward, points only", lambda: icp.backward(plan, chk, 4, cot, True, False))
+        row("backward, points only", lambda: icp.backward(plan, chk, S_dev, cot, True, False))
         G = cp.random.default_rng(0).random((len(A), K * (K + 1)))
         dA = cp.empty_like(G)
         row("frechet_cells", lambda: icp.launch(icp._frechet_sig(K), icp._blocks(len(A), 64), 64,
@@ -83,6 +93,8 @@ def main(argv=None):
         _, basis_t = icp._basis_tables(tess)
         row("B^T dA (ELL)", lambda: icp._ell_product(basis_t, dA.reshape(plan.n_theta, -1), tess.n_params))
         row("integrate call", lambda: integrate(points, theta, tess, n_steps=T_STEPS))
+        row("VJP forward call (keeps the residuals)",
+            lambda: cutopo.vjp(integrate, points, theta, tess, wrt="theta", n_steps=T_STEPS))
         _, pb = cutopo.vjp(integrate, points, theta, tess, wrt="theta", n_steps=T_STEPS)
         cot32 = cp.ones(out.shape, dtype=cp.float32)
         row("pullback call", lambda: pb(cot32))

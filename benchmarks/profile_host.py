@@ -1,11 +1,13 @@
 """Host-side (Python) cost of repeated op calls on CuPy arrays: cProfile of N calls.
 
     python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|register|
-                                       soft_ecc|soft_ecc_vjp|grid_sample_stages] [--calls N]
+                                       soft_ecc|soft_ecc_vjp|soft_ect|soft_ect_vjp|
+                                       grid_sample_stages|soft_ect_stages] [--calls N]
 
 Prints the functions with the largest own time; ``grid_sample_stages`` instead times the
 forward's pieces (argument preparation, the image check kernel, the sampling kernel, the whole
-call) with CUDA events. Synchronising calls (a flag or a norm read on
+call) with CUDA events, and ``soft_ect_stages`` the soft ECT's (mean wall time of back-to-back
+calls: host time, or the GPU's where a stage waits for it). Synchronising calls (a flag or a norm read on
 the host) show up as time in ``get``/``synchronize``: that is the wait for the GPU, not Python.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import cProfile
 import os
 import pstats
 import sys
+import time
 
 import numpy as np
 
@@ -73,12 +76,64 @@ def make_call(cp, which):
         out, pb = cutopo.vjp(cutopo.soft_ecc, image, t, 1020.0)
         g = cp.ones_like(out)
         return lambda: pb(g)
+    if which.startswith("soft_ect"):
+        mask, directions, t, scale = _soft_ect_inputs(cp)
+        if which == "soft_ect":
+            return lambda: cutopo.soft_ect(mask, directions, t, scale)
+        out, pb = cutopo.vjp(cutopo.soft_ect, mask, directions, t, scale)
+        g = cp.ones_like(out)
+        return lambda: pb(g)
     pts, theta, tess = _cpab_inputs(cp)
     if which == "integrate":
         return lambda: integrate(pts, theta, tess)
     out, pb = cutopo.vjp(integrate, pts, theta, tess, wrt="theta")
     g = cp.ones_like(out)
     return lambda: pb(g)
+
+
+def _soft_ect_inputs(cp):
+    """bench_soft's soft_ect 512^2 D=256 case: CuPy mask, directions and thresholds."""
+    from bench_soft import SoftEct
+
+    return SoftEct("soft_ect", 512, 256, 128).inputs(cp, 0, seed=0)[0]
+
+
+def _wall_us(cp, fn, calls=300):
+    """Mean microseconds of back-to-back calls, one synchronisation at the end."""
+    for _ in range(5):
+        fn()
+    cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def soft_ect_stages(cp):
+    """Wall time per call of each piece of a CuPy soft_ect forward (V construction)."""
+    from cutopo import _band_cupy, _ect
+
+    mask, directions, t, scale = _soft_ect_inputs(cp)
+    _, dirs64, mask_b, _, spatial, coords, tconn, t64, _ = _ect._prepare("soft_ect", mask, directions, t, 1)
+    B, N = mask_b.shape[0], int(np.prod(spatial))
+    codes = np.unique((dirs64 >= 0).astype(np.int64) @ (1 << np.arange(len(spatial))))
+    c = _band_cupy.orthant_contributions(mask_b, codes)
+    t32, lam = t64.astype(np.float32), np.float32(scale)
+    out, pb = cutopo.vjp(cutopo.soft_ect, mask, directions, t, scale)
+    g = cp.ones_like(out)
+    rows = [("soft_ect call", lambda: cutopo.soft_ect(mask, directions, t, scale)),
+            ("pullback call", lambda: pb(g)),
+            ("vjp forward + pullback", lambda: cutopo.vjp(cutopo.soft_ect, mask, directions, t, scale)[1](g)),
+            ("_prepare (checks, two host reads)", lambda: _ect._prepare("soft_ect", mask, directions, t, 1)),
+            ("ect_forward (entries, kernel, finalize)",
+             lambda: _band_cupy.ect_forward(mask_b, dirs64, coords, t32, tconn, True, lam=lam, w=17.0, keep=True)),
+            ("entries_v", lambda: _band_cupy.entries_v(mask_b, dirs64)),
+            ("orthant_contributions", lambda: _band_cupy.orthant_contributions(mask_b, codes)),
+            ("_compact (one host read)", lambda: _band_cupy._compact(c, B, N, codes.size))]
+    print("\n## soft_ect stages (512^2 mask, 256 directions, T = 128)\n| stage | us per call |\n|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {_wall_us(cp, fn):.1f} |")
 
 
 def grid_sample_stages(cp, reps=50):
@@ -132,20 +187,25 @@ def main(argv=None):
     import cupy as cp
 
     for which in args.which.split(","):
-        if which == "grid_sample_stages":
-            grid_sample_stages(cp)
+        if which in ("grid_sample_stages", "soft_ect_stages"):
+            (grid_sample_stages if which == "grid_sample_stages" else soft_ect_stages)(cp)
             continue
         call = make_call(cp, which)
         for _ in range(3):
             call()
         cp.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        cp.cuda.Device().synchronize()
+        per_call = (time.perf_counter() - start) / args.calls * 1e3
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
             call()
         cp.cuda.Device().synchronize()
         prof.disable()
-        print(f"\n## {which}: {args.calls} calls")
+        print(f"\n## {which}: {args.calls} calls, {per_call:.3f} ms per call without the profiler")
         for key in args.sort.split(","):
             pstats.Stats(prof).sort_stats(key).print_stats(args.top)
     return 0

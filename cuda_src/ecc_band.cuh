@@ -628,27 +628,175 @@ soft_finalize(const long long* __restrict__ sat, const double* __restrict__ acc,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Entries of the ECT from the sorted positions flat[0 .. n) of the non-zero contributions of c
-// (rows of N pixels, row-major): lin = flat - row N, cc = c[flat], and seg (rows + 1) the first
-// entry of each row (n past the last). Thread i in [0, n] writes entry i and seg[r] for the
-// rows r after entry i - 1's row up to entry i's (for i = n: up to rows), so every row gets
-// its start once. One launch instead of a chain of array operations, each with its own
-// launch and host overhead.
-__global__ void __launch_bounds__(THREADS)
-compact_entries(const long long* __restrict__ flat, const signed char* __restrict__ c,
-                long long* __restrict__ lin, signed char* __restrict__ cc,
-                long long* __restrict__ seg, i64 n, i64 N, i64 rows) {
-    const i64 i = (i64)blockIdx.x * THREADS + threadIdx.x;
-    if (i > n) return;
-    i64 row = rows;
-    if (i < n) {
-        const i64 f = flat[i];
-        row = f / N;
-        lin[i] = f - row * N;
-        cc[i] = c[f];
+// Contribution maps of the V construction per orthant (the ECT's Eucalc precomputation), read
+// straight from the masks: image u * B + b of the output is orthant codes[u] of mask b. The key
+// of a mask pixel is the sum over the axes of its index, reversed along the axes whose
+// direction component is negative (bit a of the code clear: axis a counted from the high end),
+// so the corner that matches sign(v) is the strict key maximum of every cell and owns it; a
+// pixel outside the mask has the key `big`, above every mask key, and contributes 0. The same
+// map as contributions of the key image where(mask, key, big) multiplied by the mask (the NumPy
+// path, _ect._orthant_contributions), without that image or the two extra passes.
+struct OrthantKey {
+    const bool* mask;  // mask b, indexed by the pixel's position in its image
+    i64 image_base;    // the output image's first element (the sweep passes global indices)
+    i64 ny, nx;
+    unsigned rz, ry, rx;  // per axis: n - 1 where the axis is reversed, else 0
+    unsigned big;
+    __device__ __forceinline__ unsigned operator()(i64 i) const {
+        const i64 p = i - image_base;
+        if (!mask[p]) return big;
+        unsigned x, y, z;
+        if ((p >> 32) == 0) {  // 32-bit divisions where they suffice (a few instructions each)
+            const unsigned q = (unsigned)p, w = (unsigned)nx, h = (unsigned)ny;
+            const unsigned row = q / w;
+            x = q - row * w;
+            y = row % h;
+            z = row / h;
+        } else {
+            const i64 row = p / nx;
+            x = (unsigned)(p - row * nx);
+            y = (unsigned)(row % ny);
+            z = (unsigned)(row / ny);
+        }
+        // |r - i| with r = 0 (axis kept) or n - 1 (reversed): i or n - 1 - i
+        return (rz ? rz - z : z) + (ry ? ry - y : y) + (rx ? rx - x : x);
     }
-    const i64 before = i == 0 ? -1 : flat[i - 1] / N;
-    for (i64 r = before + 1; r <= row; ++r) seg[r] = i;
+};
+
+struct MaskedMapSink {
+    signed char* out;
+    unsigned big;
+    __device__ __forceinline__ void operator()(int c, u64 key, i64 i) const {
+        out[i] = key == big ? (signed char)0 : (signed char)c;
+    }
+};
+
+template <int NDIM>
+__global__ void __launch_bounds__(THREADS)
+orthant_contributions(const bool* __restrict__ masks, const int* __restrict__ codes,
+                      signed char* __restrict__ out, i64 B, i64 nz, i64 ny, i64 nx, int zchunk,
+                      int blocks_per_image) {
+    __shared__ unsigned tile[NDIM == 3 ? 3 : 1][PLANE];
+    const i64 img = blockIdx.x / blocks_per_image;
+    const int chunk = blockIdx.x % blocks_per_image;
+    const i64 N = nz * ny * nx;
+    const int code = codes[img / B];
+    const unsigned big = (unsigned)(nz - 1 + ny - 1 + nx - 1 + 1);
+    // axes in array order: bit 0 is axis 0 (z in 3D, y in 2D)
+    const int bz = NDIM == 3 ? 0 : -1, by = NDIM == 3 ? 1 : 0, bx = NDIM == 3 ? 2 : 1;
+    auto reversed = [&](int bit, i64 n) -> unsigned {
+        return (bit >= 0 && !((code >> bit) & 1)) ? (unsigned)(n - 1) : 0u;
+    };
+    OrthantKey key_of{masks + (img % B) * N, img * N, ny, nx, reversed(bz, nz), reversed(by, ny),
+                      reversed(bx, nx), big};
+    MaskedMapSink sink{out, big};
+    sweep<NDIM, false, unsigned>(tile, nz, ny, nx, zchunk, img * N, chunk, blocks_per_image,
+                                 key_of, sink, AllPixels(), Boundary<false>());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entries of the ECT: the non-zero contributions of c (rows of N pixels, row-major) as
+// lin (position in the row), cc (the value) and seg (rows + 1: the first entry of each row, the
+// total last), in row-major order, as flatnonzero lists them. Three launches and one 8-byte read
+// of the total (to size lin and cc) replace flatnonzero, whose count is a host synchronisation
+// after several launches of its own: count_nonzero per tile of COMPACT_TILE pixels of a row,
+// scan_counts (one block) to the tiles' first entries and seg, write_entries per tile.
+constexpr int COMPACT_TILE = THREADS * 16;
+
+__device__ __forceinline__ int tile_span(i64 N, i64 tiles, i64& row, i64& begin) {
+    row = blockIdx.x / tiles;
+    begin = (blockIdx.x - row * tiles) * COMPACT_TILE;
+    return (int)min((i64)COMPACT_TILE, N - begin);
+}
+
+// counts[b]: the non-zero contributions of tile b (tile b % tiles of row b / tiles).
+__global__ void __launch_bounds__(THREADS)
+count_nonzero(const signed char* __restrict__ c, long long* __restrict__ counts, i64 N, i64 tiles) {
+    __shared__ int warp_counts[WARPS];
+    i64 row, begin;
+    const int n = tile_span(N, tiles, row, begin);
+    const signed char* p = c + row * N + begin;
+    int k = 0;
+    for (int i = threadIdx.x; i < n; i += THREADS) k += p[i] != 0;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) k += __shfl_xor_sync(FULL, k, o);
+    if (threadIdx.x % 32 == 0) warp_counts[threadIdx.x / 32] = k;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += warp_counts[w];
+        counts[blockIdx.x] = total;
+    }
+}
+
+// counts (rows * tiles) -> their exclusive prefix sums in place; seg[r] = that of row r's first
+// tile, seg[rows] = the total. One block walks the tiles THREADS at a time.
+__global__ void __launch_bounds__(THREADS)
+scan_counts(long long* __restrict__ counts, long long* __restrict__ seg, i64 rows, i64 tiles) {
+    __shared__ long long warp_sums[WARPS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const i64 m = rows * tiles;
+    long long carry = 0;
+    for (i64 base = 0; base < m; base += THREADS) {
+        const i64 i = base + threadIdx.x;
+        const long long v = i < m ? counts[i] : 0;
+        long long x = v;  // inclusive scan over the warp
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long y = __shfl_up_sync(FULL, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) warp_sums[warp] = x;
+        __syncthreads();
+        long long before = 0, chunk = 0;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            before += w < warp ? warp_sums[w] : 0;
+            chunk += warp_sums[w];
+        }
+        if (i < m) {
+            const long long first = carry + before + x - v;
+            counts[i] = first;
+            if (i % tiles == 0) seg[i / tiles] = first;
+        }
+        carry += chunk;
+        __syncthreads();  // warp_sums is rewritten by the next pass
+    }
+    if (threadIdx.x == 0) seg[rows] = carry;
+}
+
+// The entries of tile b from its first entry first[b] (scan_counts), in pixel order: each pass
+// of THREADS pixels ranks its non-zero ones by warp ballots and the counts of the warps before.
+__global__ void __launch_bounds__(THREADS)
+write_entries(const signed char* __restrict__ c, const long long* __restrict__ first,
+              long long* __restrict__ lin, signed char* __restrict__ cc, i64 N, i64 tiles) {
+    __shared__ int warp_counts[WARPS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    i64 row, begin;
+    const int n = tile_span(N, tiles, row, begin);
+    const signed char* p = c + row * N + begin;
+    long long next = first[blockIdx.x];
+    for (int base = 0; base < n; base += THREADS) {
+        const int i = base + threadIdx.x;
+        const signed char v = i < n ? p[i] : (signed char)0;
+        const unsigned ballot = __ballot_sync(FULL, v != 0);
+        if (lane == 0) warp_counts[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0, pass = 0;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            before += w < warp ? warp_counts[w] : 0;
+            pass += warp_counts[w];
+        }
+        if (v != 0) {
+            const long long e = next + before + __popc(ballot & ((1u << lane) - 1u));
+            lin[e] = begin + i;
+            cc[e] = v;
+        }
+        next += pass;
+        __syncthreads();  // warp_counts is rewritten by the next pass
+    }
 }
 
 }  // namespace band

@@ -2,8 +2,8 @@
 
 The Python side validates and plans; the kernels evaluate the band-limited sigmoid sums
 (soft ops) or the threshold histograms (exact ECT) described in ``ecc_band.cuh``. Entries of the
-ECT are the critical pixels of the masks, found by the contribution-map kernel of ``ecc.cu``,
-located with ``cupy.flatnonzero`` and compacted by one kernel (``compact_entries``).
+ECT are the critical pixels of the masks, found by the contribution-map kernel of ``ecc.cu``
+and compacted by three kernels (``count_nonzero``, ``scan_counts``, ``write_entries``).
 """
 from __future__ import annotations
 
@@ -87,13 +87,21 @@ def _finalize_sig(real_dtype):
                      ("ptr:int64", "ptr:float64", f"ptr:{r}", "int64", "int32"))
 
 
-COMPACT = Signature(FAMILY, "cutopo::ecc::band::compact_entries",
-                    ("ptr:int64", "ptr:int8", "ptr:int64", "ptr:int8", "ptr:int64", "int64",
-                     "int64", "int64"))
+COMPACT_TILE = THREADS * 16    # band::COMPACT_TILE: pixels of a row per compaction block
+COUNT_NONZERO = Signature(FAMILY, "cutopo::ecc::band::count_nonzero",
+                          ("ptr:int8", "ptr:int64", "int64", "int64"))
+SCAN_COUNTS = Signature(FAMILY, "cutopo::ecc::band::scan_counts",
+                        ("ptr:int64", "ptr:int64", "int64", "int64"))
+WRITE_ENTRIES = Signature(FAMILY, "cutopo::ecc::band::write_entries",
+                          ("ptr:int8", "ptr:int64", "ptr:int64", "ptr:int8", "int64", "int64"))
 
 
 def _instances():
-    yield COMPACT.name
+    yield COUNT_NONZERO.name
+    yield _orthant_sig(2).name
+    yield _orthant_sig(3).name
+    yield SCAN_COUNTS.name
+    yield WRITE_ENTRIES.name
     for in_dtype in _ecc_cupy._INPUT_CTYPE:
         for real in (np.dtype(np.float32), np.dtype(np.float64)):
             if in_dtype == np.float64 and real == np.float32:
@@ -273,16 +281,21 @@ class Entries(NamedTuple):
 
 def _compact(c, B, N, nseg):
     """Entries of c (int8, C-contiguous, nseg * B rows of N pixels): (lin, c, seg,
-    per_segment). flatnonzero's count is the one host synchronisation; one kernel does the rest."""
+    per_segment), in row-major order. Three kernels (count per tile, scan, write); the one host
+    synchronisation reads the total, which sizes lin and c."""
     import cupy
 
-    flat = cupy.flatnonzero(c)
-    n, rows = int(flat.size), nseg * B
+    rows = nseg * B
+    tiles = -(-N // COMPACT_TILE)
+    first = cupy.empty(rows * tiles, dtype=np.int64)
+    seg = cupy.empty(rows + 1, dtype=np.int64)
+    c = c.reshape(-1)
+    launch(COUNT_NONZERO, rows * tiles, THREADS, (c, first, N, tiles))
+    launch(SCAN_COUNTS, 1, THREADS, (first, seg, rows, tiles))
+    n = int(seg[rows])
     lin = cupy.empty(n, dtype=np.int64)
     cc = cupy.empty(n, dtype=np.int8)
-    seg = cupy.empty(rows + 1, dtype=np.int64)
-    launch(COMPACT, math.ceil((n + 1) / THREADS), THREADS,
-           (flat.astype(np.int64, copy=False), c.reshape(-1), lin, cc, seg, n, N, rows))
+    launch(WRITE_ENTRIES, rows * tiles, THREADS, (c, first, lin, cc, N, tiles))
     per_segment = -(-n // rows) if rows else 0
     return lin, cc, seg, per_segment
 
@@ -321,12 +334,45 @@ def _owned(mask_b, own):
     return out
 
 
+def _orthant_sig(ndim):
+    return Signature(FAMILY, f"cutopo::ecc::band::orthant_contributions<{ndim}>",
+                     ("ptr:bool", "ptr:int32", "ptr:int8", "int64", "int64", "int64", "int64",
+                      "int32", "int32"))
+
+
+@functools.lru_cache(maxsize=64)
+def _orthant_launch(device_id, B, n_orthants, spatial) -> PreparedLaunch:
+    """The launch of orthant_contributions for one geometry (called with (masks, codes, out))."""
+    ndim = len(spatial)
+    sig = _orthant_sig(ndim)
+    (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(sig, n_orthants * B, spatial, ndim, 0,
+                                                      _ecc_cupy.TILE_X["unsigned int"])
+    return PreparedLaunch(sig, n_orthants * B * per_image, THREADS,
+                          (None, None, None, B, nz, ny, nx, zchunk, per_image))
+
+
+def orthant_contributions(mask_b, codes):
+    """(len(codes), B, N) int8: the V-construction contribution maps of the masks (B, *spatial)
+    for the orthants ``codes`` (bit a: v_a >= 0), zero outside the masks; one kernel."""
+    import cupy
+
+    B = mask_b.shape[0]
+    spatial = tuple(mask_b.shape[1:])
+    out = cupy.empty((len(codes), B, math.prod(spatial)), dtype=np.int8)
+    if out.size:
+        _orthant_launch(cupy.cuda.Device().id, B, len(codes), spatial)(
+            mask_b, device_table(np.asarray(codes, dtype=np.int32)), out)
+    return out
+
+
 def entries_v(mask_b, dirs64, own=None):
     """Entries of every direction, V construction: one contribution pass per orthant, all
     orthants batched into one launch.
 
     Same keys as the NumPy path (_ect._orthant_contributions): the corner matching sign(v) is the
-    strict key maximum of each cell, and non-mask pixels get a key above every mask key.
+    strict key maximum of each cell, and non-mask pixels get a key above every mask key. Without
+    ``own`` one kernel forms the keys from the masks (orthant_contributions); with it, a key
+    image goes through the contribution kernel and the owned pixels are selected after.
     """
     import cupy
 
@@ -335,11 +381,14 @@ def entries_v(mask_b, dirs64, own=None):
     ndim, N = len(spatial), math.prod(spatial)
     codes = (dirs64 >= 0).astype(np.int64) @ (1 << np.arange(ndim, dtype=np.int64))
     unique = np.unique(codes)
-    big = np.int32(sum(n - 1 for n in spatial) + 1)
-    keys = _orthant_key_stack(cupy.cuda.Device().id, spatial, tuple(int(u) for u in unique))
-    stacked = cupy.where(mask_b[None], keys[:, None], big).reshape((unique.size * B,) + spatial)
-    c = _ecc_cupy.euler_contributions(stacked, ndim, False).reshape(unique.size, B, N)
-    c *= _owned(mask_b, own).reshape(1, B, N)
+    if own is None:
+        c = orthant_contributions(mask_b, unique)
+    else:
+        big = np.int32(sum(n - 1 for n in spatial) + 1)
+        keys = _orthant_key_stack(cupy.cuda.Device().id, spatial, tuple(int(u) for u in unique))
+        stacked = cupy.where(mask_b[None], keys[:, None], big).reshape((unique.size * B,) + spatial)
+        c = _ecc_cupy.euler_contributions(stacked, ndim, False).reshape(unique.size, B, N)
+        c *= _owned(mask_b, own).reshape(1, B, N)
     lin, cc, seg, per_segment = _compact(c, B, N, unique.size)
     seg_of_dir = device_table(np.searchsorted(unique, codes).astype(np.int32))
     return Entries(lin, cc, seg, seg_of_dir, per_segment)

@@ -158,29 +158,39 @@ class HistogramPlan:
                            + (4 * T if hist_in_smem else 0))
         name = (masked_histogram_instance if masked else histogram_instance)(
             in_ctype, cmp_ctype, key_ctype, ndim, tconn)
-        masks = ("ptr:uint8",) * 3 if masked else ()
+        # masked: the per-axis masks; else the per-image counters and the cumulate flag
+        tail = ("ptr:uint8",) * 3 if masked else ("ptr:uint32", "int32")
         self.sig = Signature(FAMILY, name,
                              (f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
                               "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32")
-                             + masks)
+                             + tail)
         (nz, ny, nx), zchunk, per_image = _plan(self.sig, nimg, spatial, ndim, self.shared_mem,
                                                 TILE_X[key_ctype])
         t0, inv_dt = estimate if estimate else (0.0, 0.0)
         self.histogram = PreparedLaunch(
             self.sig, nimg * per_image, THREADS,
             (None, self.table, None, nz, ny, nx, zchunk, per_image, T, int(estimate is not None), t0,
-             inv_dt, int(table_in_smem), int(hist_in_smem)) + (None,) * len(masks),
+             inv_dt, int(table_in_smem), int(hist_in_smem)) + (None,) * len(tail),
             shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
-        self.cumsum = PreparedLaunch(CUMSUM, math.ceil(nimg / (THREADS // 32)), THREADS, (None, nimg, T))
+        # add() passes no counters (the kernel does not touch them without cumulate)
+        self._no_counters = None if masked else cupy.zeros(1, dtype=np.uint32)
 
     def __call__(self, x):
-        """Histogram then cumulative sum of the contiguous (nimg, *spatial) input ``x``."""
+        """The ECC curves (nimg, T) int64 of the contiguous (nimg, *spatial) input ``x``: one
+        launch, whose last block per image makes that image's row cumulative."""
         import cupy
 
-        out = cupy.zeros((self.nimg, self.T), dtype=np.int64)
-        self.histogram(x, out)
-        self.cumsum(out)
+        n, T = self.nimg, self.T
+        # one zeroed buffer: the curves, then one uint32 counter per image
+        buf = cupy.zeros(n * T + (n + 1) // 2, dtype=np.int64)
+        out = buf[:n * T].reshape(n, T)
+        self.histogram(x, out, buf[n * T:].view(np.uint32), 1)
         return out
+
+    def add(self, x, hist):
+        """Add the histogram (not cumulated) of the contiguous (nimg, *spatial) input ``x`` to
+        ``hist`` (nimg, T) int64, on the current stream (plans built without ``masked``)."""
+        self.histogram(x, hist, self._no_counters, 0)
 
     def add_masked(self, x, hist, own_z, own_y, own_x):
         """Add the contributions of the marked pixels of ``x`` to ``hist`` (nimg, T), on the

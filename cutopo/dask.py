@@ -507,12 +507,12 @@ class _EccCounter:
         view = _ecc_cupy._image_view(cupy.ascontiguousarray(slab)).reshape((nimg,) + spatial)
         plan = self._plan(slab, masks is not None)
         if masks is None:
-            plan.histogram(view, hist)
+            plan.add(view, hist)
             return
         dev = [_device_mask(m) for m in masks]
         if self.ndim == 2:
             dev = [_device_mask(_UNIT)] + dev
-        plan.histogram(view, hist, *dev)
+        plan.add_masked(view, hist, *dev)
 
     def _plan(self, slab, masked):
         from . import _ecc_cupy

@@ -274,11 +274,14 @@ def test_soft_ecc_large_inputs_take_the_wide_map_steps(rng, shape):
 
 
 @pytest.mark.parametrize("density", [0.0, 0.003, 0.3, 1.0])
-@pytest.mark.parametrize("nseg,B,N", [(1, 1, 1), (4, 3, 257), (2, 5, 1000)])
+@pytest.mark.parametrize("nseg,B,N", [(1, 1, 1), (4, 3, 257), (2, 5, 1000), (1, 2, 3 * 4096 + 5),
+                                      (30, 10, 4097)])
 def test_compact_entries_matches_numpy(rng, density, nseg, B, N):
-    """_band_cupy._compact (flatnonzero, then one kernel): the in-row positions, values and
-    row starts of the non-zero contributions, as NumPy finds them; empty rows at the start, in
-    the middle and at the end get their starts too (the sparse densities leave many)."""
+    """_band_cupy._compact (count per tile, scan, write): the in-row positions, values and row
+    starts of the non-zero contributions, as NumPy's flatnonzero finds them; empty rows at the
+    start, in the middle and at the end get their starts too (the sparse densities leave many).
+    Rows of several 4096-pixel tiles, with a partial last one, and more tiles (600) than the
+    scan's block has threads (256)."""
     from cutopo import _band_cupy
 
     cp = _cp()
@@ -294,3 +297,25 @@ def test_compact_entries_matches_numpy(rng, density, nseg, B, N):
     np.testing.assert_array_equal(cp.asnumpy(seg), np.searchsorted(rows, np.arange(nseg * B + 1)))
     assert lin.dtype == np.int64 and cc.dtype == np.int8 and seg.dtype == np.int64
     assert per_segment == -(-flat.size // (nseg * B))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (5, 1, 7), (2, 37, 53), (1, 1, 6, 1), (2, 11, 9, 13),
+                                   (1, 40, 3, 70)])
+@pytest.mark.parametrize("density", [0.1, 0.6, 1.0])
+def test_orthant_contributions_match_numpy(rng, shape, density):
+    """orthant_contributions (one kernel, keys formed from the masks) equals the NumPy path's
+    contribution maps of the key images (_ect._orthant_contributions) for every orthant, masks
+    from sparse to full, axes of length 1 included (ect's tests cover the entries built on
+    them)."""
+    from cutopo import _band_cupy, _ect
+
+    cp = _cp()
+    mask = rng.random(shape) < density
+    ndim = len(shape) - 1
+    codes = np.arange(1 << ndim)[::-1]  # every orthant, not in order
+    poison_pool(1 << 22)
+    got = cp.asnumpy(_band_cupy.orthant_contributions(cp.asarray(mask), codes))
+    for u, code in enumerate(codes):
+        positive = [(code >> a) & 1 == 1 for a in range(ndim)]
+        want = _ect._orthant_contributions(mask, positive)
+        np.testing.assert_array_equal(got[u], want.reshape(shape[0], -1), err_msg=f"code {code}")

@@ -219,7 +219,14 @@ def fake_cupy(monkeypatch, launches):
     class Plan:
         def __init__(self, img, t, ndim, tconn, masked):
             self.t, self.ndim, self.tconn, self.masked = t, ndim, tconn, masked
-            self.histogram = self.launch
+
+        def add(self, view, hist):
+            assert not self.masked
+            self.launch(view, hist)
+
+        def add_masked(self, view, hist, *masks):
+            assert self.masked
+            self.launch(view, hist, *masks)
 
         def launch(self, view, hist, *masks):
             assert isinstance(view, FakeDeviceArray) and view.flags.c_contiguous

@@ -176,3 +176,19 @@ def test_zero_batch():
     cp = _cp()
     out = cutopo.ecc(cp.zeros((0, 4, 4), dtype=np.float32), np.array([0.0, 1.0]), ndim=2)
     assert out.shape == (0, 2) and isinstance(out, cp.ndarray)
+
+
+def test_last_block_makes_each_curve_cumulative(rng):
+    """The histogram kernel's last block per image turns that image's row into the curve: with
+    many blocks per image (2048^2, a batch of 7 at 300^2, 3D 96^3) and 8192 global-memory bins,
+    every call of a repeated series equals the NumPy path (a block that read its row before
+    the others' additions landed would show as a run-to-run difference)."""
+    cp = _cp()
+    cases = [((2048, 2048), 2, np.linspace(-3, 3, 256)), ((7, 300, 300), 2, np.linspace(-3, 3, 64)),
+             ((96, 96, 96), 3, np.linspace(-3, 3, 256)), ((2, 257, 300), 2, np.linspace(-3, 3, 8192))]
+    for shape, ndim, t in cases:
+        img = rng.standard_normal(shape).astype(np.float32)
+        want = cutopo.ecc(img, t, ndim=ndim)
+        dev = cp.asarray(img)
+        for _ in range(10):
+            np.testing.assert_array_equal(cutopo.ecc(dev, t, ndim=ndim).get(), want, err_msg=str(shape))
