@@ -16,6 +16,7 @@ by the kernels of ``cuda_src/ecc.cu``, then per-direction kernels over the criti
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import NamedTuple
@@ -27,7 +28,7 @@ from ._array import as_array, is_cupy_array, to_numpy
 from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_count, check_scale,
-                      check_thresholds, is_count, same_array_type)
+                      check_thresholds, evenly_spaced, is_count, same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -49,18 +50,27 @@ _FLOAT64_PROBE = np.empty(0, dtype=np.float64)
 
 
 def _axis_coordinates(shape):
+    """See _coordinates_of (memoized per shape)."""
+    return _coordinates_of(tuple(int(n) for n in shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _coordinates_of(shape):
     """Per-axis float64 positions: x_a(i) = (2 i - (n_a - 1)) / (max_b n_b - 1), 0 if all n are 1.
 
     Numerator and denominator are exact integers, so each coordinate is one correctly rounded
     division: non-decreasing in i, exactly antisymmetric (x(n - 1 - i) = -x(i)), and +-1 at
-    both ends of the longest axis.
+    both ends of the longest axis. Memoized per shape (a tuple of read-only arrays): every
+    call of an ECT op needs them.
     """
     m = max(shape)
     out = []
     for n in shape:
         num = 2.0 * np.arange(n, dtype=np.float64) - float(n - 1)
-        out.append(num / float(m - 1) if m > 1 else num)
-    return out
+        x = num / float(m - 1) if m > 1 else num
+        x.flags.writeable = False
+        out.append(x)
+    return tuple(out)
 
 
 def _height_sum(xs, vs):
@@ -112,6 +122,21 @@ def heights(shape, v):
     if v.shape != (len(shape),):
         raise ValueError(f"v must have shape ({len(shape)},), got {v.shape}")
     return _heights_from_coordinates(_axis_coordinates(shape), v)
+
+
+def check_heights_finite(coords, dirs):
+    """ValueError when a pixel height <x_p, v> of some direction overflows float64.
+
+    Every position lies in [-1, 1], so |h| <= sum_a |v_a| (plus the roundings of at most three
+    products and two sums): below 1e300 nothing overflows and the exact search (_reach) is
+    skipped."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        bound = float(np.abs(dirs).sum(axis=1).max())
+    if bound <= 1e300:
+        return
+    reach, _, _ = _reach(coords, dirs)
+    if not math.isfinite(reach):
+        raise ValueError("directions: too large, the pixel heights overflow float64")
 
 
 def _reach(coords, dirs):
@@ -192,7 +217,7 @@ def _check_thresholds(thresholds, coords, dirs64):
     if is_count(thresholds):
         n = check_count(thresholds)
         reach, _, _ = _reach(coords, dirs64)
-        return np.linspace(-reach, reach, n), n
+        return evenly_spaced(-reach, reach, n), n  # linspace, also where 2 R overflows
     t, _ = check_thresholds(thresholds, _FLOAT64_PROBE)
     return t, None
 
@@ -207,9 +232,7 @@ def _prepare(op, mask, directions, thresholds, connectivity):
     spatial = mask.shape[mask.ndim - ndim:]
     batch = mask.shape[:mask.ndim - ndim]
     coords = _axis_coordinates(spatial)
-    reach, _, _ = _reach(coords, dirs64)
-    if not math.isfinite(reach):
-        raise ValueError("directions: too large, the pixel heights overflow float64")
+    check_heights_finite(coords, dirs64)
     t, count = _check_thresholds(thresholds, coords, dirs64)
     mask_b = mask.reshape((math.prod(batch),) + spatial)
     if is_cupy_array(mask_b):
@@ -554,7 +577,7 @@ def ect(mask, directions, thresholds, *, connectivity=1, boundary="box", device=
 class _Residuals(NamedTuple):
     mask_b: np.ndarray
     dirs64: np.ndarray
-    coords: list
+    coords: tuple
     tconn: bool
     t: np.ndarray          # computation dtype
     count: int | None      # thresholds given as a count (they then move with the directions)

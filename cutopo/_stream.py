@@ -866,9 +866,7 @@ def ect(mask, directions, thresholds, connectivity, boundary, backend, max_slab_
     periodic = check_boundary(boundary, types.SimpleNamespace(shape=src.shape, ndim=len(src.shape)),
                               ndim)
     coords = _ect._axis_coordinates(src.spatial)
-    reach, _, _ = _ect._reach(coords, dirs64)
-    if not math.isfinite(reach):
-        raise ValueError("directions: too large, the pixel heights overflow float64")
+    _ect.check_heights_finite(coords, dirs64)
     t, _ = _ect._check_thresholds(thresholds, coords, dirs64)
     D, T = dirs64.shape[0], t.size
     nimg = math.prod(src.batch)

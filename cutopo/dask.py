@@ -739,9 +739,7 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     tconn = check_connectivity(connectivity, ndim)
     periodic = _check_boundary(boundary, spatial, "dmask")
     coords = _ect._axis_coordinates(spatial)
-    reach, _, _ = _ect._reach(coords, dirs64)
-    if not math.isfinite(reach):
-        raise ValueError("directions: too large, the pixel heights overflow float64")
+    _ect.check_heights_finite(coords, dirs64)
     t, _ = _ect._check_thresholds(thresholds, coords, dirs64)
     if periodic:
         # the pads are copies: they carry the positions (heights) of the pixels they copy

@@ -208,10 +208,10 @@ def test_vjp_matches_numpy(shape, zb, rng):
 def test_vjp_with_recomputed_checkpoints(monkeypatch, rng, shape, dtype, mode):
     """CHECKPOINTS = "recompute": no checkpoint array (the backward kernel reruns each
     trajectory into local memory), the same cotangents as NumPy; S raised where T / S would
-    exceed the local checkpoints (T = 100, S = 1 -> 7), the device array kept past T = 256.
+    exceed the local checkpoints (T = 100, S = 1 -> 7), the device array kept past T = 272.
     "device": always the forward's checkpoint array, the same cotangents. "sparse" (the
     default): the forward's array with at most 3 copies (T = 20: S = 7, or the 16 asked for),
-    recomputed at T = 100 (S = 34 would exceed 17), the device array past T = 256."""
+    recomputed at T = 100 (S = 34 would exceed 17), the device array past T = 272."""
     cp = _cp()
     monkeypatch.setattr(_integrate_cupy, "CHECKPOINTS", mode)
     tess = Tessellation(shape)

@@ -161,5 +161,5 @@ def test_fused_errors(rng):
 def test_fused_switch_and_limits():
     """No GPU needed: the switch's default and the longest fused integration."""
     assert transform_module.FUSED is True
-    assert _warp_cupy.supports(50) and _warp_cupy.supports(256)
-    assert not _warp_cupy.supports(257)
+    assert _warp_cupy.supports(50) and _warp_cupy.supports(272)  # 16 segments of 17 steps
+    assert not _warp_cupy.supports(273)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import warnings
 
 import numpy as np
 import pytest
@@ -436,6 +437,25 @@ def test_errors_directions():
                 op(mask, bad, [0.0])
 
     _both(check)
+
+
+def test_directions_near_the_overflow_bound(rng):
+    """Directions whose sum of |v_a| exceeds the cheap bound (1e300) take the exact overflow
+    check: finite heights pass, and scaling directions and thresholds by 2^1000 (exact in
+    float64) leaves the ECT unchanged."""
+    mask = rng.random((2, 9, 11)) < 0.6
+    t = np.linspace(-1.5, 1.5, 13)
+    want = ect(mask, [[1.0, -0.5], [0.25, 1.0]], t)
+    got = ect(mask, [[2.0 ** 1000, -(2.0 ** 999)], [2.0 ** 998, 2.0 ** 1000]], t * 2.0 ** 1000)
+    np.testing.assert_array_equal(got, want)
+    # |h| up to R = 1.5 * 2^1023 = 1.35e308: finite, so accepted (the 1e308 pair above is
+    # refused); a count of thresholds then spans [-R, R] although 2 R overflows: finite
+    # thresholds, the whole mask's Euler number at t = R
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        curve = ect(mask, [[2.0 ** 1023, 2.0 ** 1022]], 3)
+    np.testing.assert_array_equal(curve[:, 0, 2], [euler_number(np.pad(m, 1), connectivity=1)
+                                                   for m in mask])
 
 
 def test_errors_thresholds():

@@ -30,7 +30,7 @@ MAX_LOCAL_CHECKPOINTS = 16  # cpab::MAX_LOCAL_CHECKPOINTS
 #   checkpoints in the thread's local memory: one more forward pass, no such array. It needs
 #   ceil(T / S) <= MAX_LOCAL_CHECKPOINTS with S <= MAX_SEGMENT: S is raised to
 #   ceil(T / MAX_LOCAL_CHECKPOINTS) where needed (the same adjoint: checkpoints only say where
-#   segments start), and T > 256 falls back to "device";
+#   segments start), and T > 272 (16 x 17) falls back to "device";
 # * "sparse" (default): "device" with S raised to ceil(T / SPARSE_COPIES), so that the array
 #   holds at most SPARSE_COPIES copies of the points (3 at T = 50: S = 17), where that S fits
 #   MAX_SEGMENT; "recompute" beyond (T > 51), then "device".

@@ -60,7 +60,7 @@ register_instances(FAMILY, _instances)
 
 def supports(n_steps) -> bool:
     """Whether the backward can keep an n_steps trajectory's checkpoints in local memory
-    (n_steps <= 256); longer ones take the composed path."""
+    (n_steps <= 272: 16 checkpoints, segments of at most 17); longer ones take the composed path."""
     return icp.local_segment(n_steps, 4) is not None
 
 

@@ -14,7 +14,7 @@ On CuPy images ``transform_image`` is not composed: one kernel per call integrat
 centre and samples the image at its end point (``_warp_cupy``, with the same operations and
 roundings, so the same output), and its VJP recomputes the trajectories, so no grid and no
 checkpoints are ever stored. ``FUSED = False`` selects the composition (the fused path's test
-oracle; also taken for n_steps > 256, beyond the backward's local checkpoints).
+oracle; also taken for n_steps > 272, beyond the backward's local checkpoints).
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ _INTEGRATE = integrate.__cutopo_op__
 _GRID_SAMPLE = grid_sample.__cutopo_op__
 # CuPy images: one kernel integrates every pixel centre and samples there (_warp_cupy), with no
 # grid array and a backward that recomputes the trajectories; False: the composition below
-# (integrate, then grid_sample), kept as the fused path's test oracle and for n_steps > 256.
+# (integrate, then grid_sample), kept as the fused path's test oracle and for n_steps > 272.
 FUSED = True
 
 
@@ -415,7 +415,7 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
     summed over it. The result is exact almost everywhere: bilinear interpolation has kinks at
     pixel boundaries and the integration scheme at cell faces (one-sided derivatives there).
 
-    On CuPy arrays one fused kernel integrates and samples (n_steps <= 256): the same output
+    On CuPy arrays one fused kernel integrates and samples (n_steps <= 272): the same output
     as the composition, bit for bit, without the (B, *spatial, K) grid; its VJP recomputes
     each trajectory in its thread, so the forward and backward together hold no more than
     the image, the output, their cotangents and per-cell tables.
