@@ -646,7 +646,7 @@ struct OrthantKey {
         const i64 p = i - image_base;
         if (!mask[p]) return big;
         unsigned x, y, z;
-        if ((p >> 32) == 0) {  // 32-bit divisions where they suffice (a few instructions each)
+        if ((p >> 32) == 0) {  // 32-bit divisions where they suffice (far fewer instructions)
             const unsigned q = (unsigned)p, w = (unsigned)nx, h = (unsigned)ny;
             const unsigned row = q / w;
             x = q - row * w;
