@@ -221,7 +221,9 @@ def _threshold_spec(args) -> _Thresholds:
         lo, hi = args.range
         if lo > hi:
             raise CLIError(f"--range LO HI needs LO <= HI, got {lo:g} > {hi:g}")
-        return _Thresholds(values=np.linspace(lo, hi, count), source=f"--range {lo:g} {hi:g}")
+        from ._checks import evenly_spaced  # linspace, also where HI - LO overflows
+
+        return _Thresholds(values=evenly_spaced(lo, hi, count), source=f"--range {lo:g} {hi:g}")
     return _Thresholds(count=count, source="per image")
 
 

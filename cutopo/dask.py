@@ -63,7 +63,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
 
 from . import _ecc_numpy
 from ._array import is_cupy_array, to_numpy
-from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds
+from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds, evenly_spaced
 
 __all__ = ["ecc", "ect"]
 
@@ -676,9 +676,9 @@ def _linear_thresholds(x, n):
         if not lo <= hi:
             raise ValueError("darr: no finite pixel to derive thresholds from; pass explicit "
                              "thresholds")
-        return np.linspace(lo, hi, int(n)).astype(x.dtype)
+        return evenly_spaced(lo, hi, int(n)).astype(x.dtype)
     lo, hi = dask.compute(x.min(), x.max())
-    return np.linspace(float(to_numpy(lo)), float(to_numpy(hi)), int(n))
+    return evenly_spaced(float(to_numpy(lo)), float(to_numpy(hi)), int(n))
 
 
 # ---------------------------------------------------------------------------------------------

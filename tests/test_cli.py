@@ -91,6 +91,19 @@ def test_paths_shared_range_csv_and_npy(tmp_path, connectivity):
     np.testing.assert_array_equal(npy, expected)
 
 
+def test_range_wider_than_float64(tmp_path):
+    """--range -1e308 1e308: HI - LO overflows float64, the thresholds stay finite (numpy's
+    linspace would give NaN there) and end at LO and HI."""
+    paths, images = _random_images(tmp_path)
+    csv_path = tmp_path / "r.csv"
+    lo = "-1" + "0" * 308  # -1e308 written as digits: argparse takes "-1e308" for an option
+    assert cli.main(["ecc", *paths, "--device", "cpu", "--thresholds", "5", "--range", lo,
+                     "1e308", "--csv", str(csv_path), "--no-plot", "--quiet",
+                     "--out", str(tmp_path / "o")]) == 0
+    t = np.array(_read_csv(csv_path)[0][3:], dtype=np.float64)
+    assert np.all(np.isfinite(t)) and t[0] == -1e308 and t[-1] == 1e308 and np.all(np.diff(t) > 0)
+
+
 def test_thresholds_file_text_and_npy(tmp_path):
     paths, images = _random_images(tmp_path)
     t = np.sort(_rng().uniform(-2, 260, size=25))

@@ -63,6 +63,17 @@ def test_batch_chunks_and_counts(rng, conn):
     np.testing.assert_array_equal(got, cutopo.ecc(img, 16, ndim=2, connectivity=conn))
 
 
+def test_count_thresholds_over_a_range_wider_than_float64(rng):
+    """A count of thresholds over pixels from -1e308 to 1e308 (max - min overflows float64):
+    the Dask thresholds equal cutopo.linear_thresholds' (finite, not linspace's NaN), so the
+    curves agree."""
+    img = rng.standard_normal((2, 17, 19))
+    img[0, 3, 4], img[1, 10, 2] = -1e308, 1e308
+    got = cd.ecc(da.from_array(img, chunks=(1, 9, 10)), 6, ndim=2).compute()
+    np.testing.assert_array_equal(got, cutopo.ecc(img, 6, ndim=2))
+    assert np.isfinite(cutopo.linear_thresholds(img, 6)).all()
+
+
 @pytest.mark.parametrize("ndim,shape,chunks", CASES[:3] + CASES[4:])
 @pytest.mark.parametrize("conn", ["V", "T"])
 def test_ect_equals_single_array(rng, ndim, shape, chunks, conn):
