@@ -125,11 +125,12 @@ def _uniform_estimate(t: np.ndarray):
     if T < 3:
         return None
     tt = t.astype(np.float64)
-    dt = (tt[-1] - tt[0]) / (T - 1)
-    if not dt > 0:
-        return None
-    if np.max(np.abs(tt - (tt[0] + dt * np.arange(T)))) > 0.25 * dt:
-        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        dt = (tt[-1] - tt[0]) / (T - 1)
+        if not (dt > 0 and math.isfinite(dt)):  # a span beyond float64: no estimate
+            return None
+        if not np.max(np.abs(tt - (tt[0] + dt * np.arange(T)))) <= 0.25 * dt:
+            return None
     return float(tt[0]), float(1.0 / dt)
 
 

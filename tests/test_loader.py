@@ -187,6 +187,8 @@ def test_uniform_estimate(ecc_cupy, rng):
     assert ue(np.array([0.0, 1.0])) is None           # fewer than 3 thresholds
     assert ue(np.array([2.0, 2.0, 2.0])) is None      # no spread
     assert ue(np.array([0.0, 0.1, 10.0])) is None     # far from even
+    # a span beyond float64 (the kernel's guess would then start every search at bin 1)
+    assert ue(np.array([-1e308, 0.0, 1e308])) is None
     t0 = rng.normal()
     dt = rng.uniform(0.01, 5)
     t = t0 + dt * np.arange(50)
