@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A/B of two source trees in one device call: the same command run in alternating processes,
+# once per tree per round, so that both see the same machine (host speed varies up to 2x
+# between calls on the device machines; compare only within one run).
+#
+# Usage (repository root):
+#   git archive REF cutopo cuda_src | (mkdir -p ab/old && tar -x -C ab/old)   # on the build machine
+#   bash benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/profile_cpab.py --case 2d
+#
+# Each tree must hold cutopo/ and cuda_src/ side by side (cutopo finds its CUDA sources next to
+# the package). COMMAND must run a script file: "python -c" and "python -m" put the working
+# directory first on sys.path, so both runs would import this checkout's cutopo. Output lines
+# are prefixed with "[tree round]". ab/ is untracked and not ignored, so it travels to the
+# device with the working tree; delete it before committing.
+set -uo pipefail
+if [ $# -lt 5 ] || [ "$4" != "--" ]; then
+    echo "usage: $0 TREE_A TREE_B ROUNDS -- COMMAND..." >&2
+    exit 2
+fi
+a=$(cd "$1" && pwd) b=$(cd "$2" && pwd) rounds=$3
+shift 4
+case " ${2-} " in
+    " -c "|" -m ") echo "$0: run a script file, not python $2 (see the header)" >&2; exit 2 ;;
+esac
+for tree in "$a" "$b"; do
+    if [ ! -d "$tree/cutopo" ] || [ ! -d "$tree/cuda_src" ]; then
+        echo "$0: $tree needs cutopo/ and cuda_src/" >&2
+        exit 2
+    fi
+done
+for ((r = 1; r <= rounds; r++)); do
+    for tree in "$a" "$b"; do
+        label="$(basename "$tree") $r"
+        PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$@" 2>&1 | sed "s|^|[$label] |"
+    done
+done
