@@ -448,9 +448,9 @@ def test_directions_near_the_overflow_bound(rng):
     want = ect(mask, [[1.0, -0.5], [0.25, 1.0]], t)
     got = ect(mask, [[2.0 ** 1000, -(2.0 ** 999)], [2.0 ** 998, 2.0 ** 1000]], t * 2.0 ** 1000)
     np.testing.assert_array_equal(got, want)
-    # |h| up to R = 1.5 * 2^1023 = 1.35e308: finite, so accepted (the 1e308 pair above is
-    # refused); a count of thresholds then spans [-R, R] although 2 R overflows: finite
-    # thresholds, the whole mask's Euler number at t = R
+    # |h| up to R = 1.5 * 2^1023 = 1.35e308: finite, so accepted (1e308, 1e308 is refused:
+    # test_errors_directions); a count of thresholds then spans [-R, R] although 2 R
+    # overflows: finite thresholds, the whole mask's Euler number at t = R
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         curve = ect(mask, [[2.0 ** 1023, 2.0 ** 1022]], 3)
