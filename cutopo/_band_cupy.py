@@ -300,25 +300,6 @@ def _compact(c, B, N, nseg):
     return lin, cc, seg, per_segment
 
 
-@functools.lru_cache(maxsize=16)
-def _orthant_key_stack(device_id, spatial, codes):
-    """(len(codes), *spatial) int32 keys, one grid per orthant code (bit a: v_a >= 0): the sum
-    over axes of the index, reversed along the axes with v_a < 0. Memoized; read-only."""
-    import cupy
-
-    ndim = len(spatial)
-    grids = []
-    for code in codes:
-        key = np.zeros(spatial, dtype=np.int32)
-        for a, n in enumerate(spatial):
-            i = np.arange(n, dtype=np.int32)
-            if not (code >> a) & 1:
-                i = (n - 1) - i
-            key = key + i.reshape((-1,) + (1,) * (ndim - 1 - a))
-        grids.append(key)
-    return cupy.asarray(np.stack(grids))
-
-
 def _owned(mask_b, own):
     """The masks, cleared outside the pixels that ``own`` marks (one 1-D bool mask per spatial
     axis, or None): the halo pixels of a block of a larger volume are neighbours only."""
@@ -370,24 +351,16 @@ def entries_v(mask_b, dirs64, own=None):
     orthants batched into one launch.
 
     Same keys as the NumPy path (_ect._orthant_contributions): the corner matching sign(v) is the
-    strict key maximum of each cell, and non-mask pixels get a key above every mask key. Without
-    ``own`` one kernel forms the keys from the masks (orthant_contributions); with it, a key
-    image goes through the contribution kernel and the owned pixels are selected after.
+    strict key maximum of each cell, and non-mask pixels get a key above every mask key (one
+    kernel, orthant_contributions); with ``own``, only the owned pixels are kept after it.
     """
-    import cupy
-
     B = mask_b.shape[0]
     spatial = tuple(mask_b.shape[1:])
     ndim, N = len(spatial), math.prod(spatial)
     codes = (dirs64 >= 0).astype(np.int64) @ (1 << np.arange(ndim, dtype=np.int64))
     unique = np.unique(codes)
-    if own is None:
-        c = orthant_contributions(mask_b, unique)
-    else:
-        big = np.int32(sum(n - 1 for n in spatial) + 1)
-        keys = _orthant_key_stack(cupy.cuda.Device().id, spatial, tuple(int(u) for u in unique))
-        stacked = cupy.where(mask_b[None], keys[:, None], big).reshape((unique.size * B,) + spatial)
-        c = _ecc_cupy.euler_contributions(stacked, ndim, False).reshape(unique.size, B, N)
+    c = orthant_contributions(mask_b, unique)
+    if own is not None:
         c *= _owned(mask_b, own).reshape(1, B, N)
     lin, cc, seg, per_segment = _compact(c, B, N, unique.size)
     seg_of_dir = device_table(np.searchsorted(unique, codes).astype(np.int32))

@@ -640,13 +640,17 @@ def test_recomputed_checkpoint_segments(monkeypatch):
     ceil(T / 3)) while that S is at most 17, then as "recompute"."""
     from cutopo.cpab import _integrate_cupy as icp
 
+    def recompute_segment(T, S):
+        segment, recompute = icp.checkpoint_segment(T, S)
+        return segment if recompute else None
+
     monkeypatch.setattr(icp, "CHECKPOINTS", "device")
-    assert icp.recompute_segment(50, 4) is None
+    assert recompute_segment(50, 4) is None
     assert icp.checkpoint_segment(50, 4) == (4, False)
     monkeypatch.setattr(icp, "CHECKPOINTS", "recompute")
-    assert [icp.recompute_segment(T, S) for T, S in ((50, 4), (64, 4), (65, 4), (100, 1),
-                                                      (256, 1), (257, 1), (272, 1), (273, 1),
-                                                      (20, 16))] == \
+    assert [recompute_segment(T, S) for T, S in ((50, 4), (64, 4), (65, 4), (100, 1),
+                                                  (256, 1), (257, 1), (272, 1), (273, 1),
+                                                  (20, 16))] == \
         [4, 4, 5, 7, 16, 17, 17, None, 16]
     monkeypatch.setattr(icp, "CHECKPOINTS", "sparse")
     cases = ((50, 4), (51, 4), (52, 4), (20, 4), (20, 16), (100, 1), (300, 4), (3, 1))

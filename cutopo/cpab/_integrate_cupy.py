@@ -325,16 +325,9 @@ def checkpoint_segment(n_steps, S):
     return S, False
 
 
-def recompute_segment(n_steps, S):
-    """The segment length of a backward that recomputes its checkpoints, or None when the
-    forward keeps them (see checkpoint_segment)."""
-    segment, recompute = checkpoint_segment(n_steps, S)
-    return segment if recompute else None
-
-
 def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
     """``(m_0 lambda_0 (B, N, K) float64 or None, dL/dtheta (Bt, d) float64 or None)``.
-    ``checkpoints`` None: the kernel recomputes them (S from :func:`recompute_segment`)."""
+    ``checkpoints`` None: the kernel recomputes them (S from :func:`checkpoint_segment`)."""
     import cupy
 
     B, N, K = plan.B, plan.N, plan.K
@@ -347,7 +340,7 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
     if recompute:
         if -(-plan.n_steps // S) > MAX_LOCAL_CHECKPOINTS or S > MAX_SEGMENT:
             raise ValueError(f"backward: {plan.n_steps} steps in segments of {S} do not fit the "
-                             "threads' local checkpoints (see recompute_segment)")
+                             "threads' local checkpoints (see local_segment)")
         checkpoints = cupy.empty(0, dtype=plan.dtype)
     launch(_backward_sig(plan.dtype.name, K, plan.project, MOMENTS), _blocks(B * N), THREADS,
            (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
