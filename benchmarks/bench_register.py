@@ -15,12 +15,18 @@ Cases (issue 6, the FG-CPAB paper's synthetic protocol):
   (tess 3^3, 30 steps); with --quick 2d 48 and 3d 16, 10 and 5 steps.
 
 Inputs: fixed = skimage.data.binary_blobs(length, n_dim, volume_fraction=0.5, rng=seed),
-Gaussian-smoothed (sigma length / 128 pixels) and scaled to [0, 1], float32; theta_true drawn
+Gaussian-smoothed (sigma length / 128 pixels, or --sigma) and scaled to [0, 1], float32; theta_true drawn
 from the tessellation's prior (length scale 0.3, scale --theta-scale, default 0.03: largest
 displacements near 7 % of the image), scaled down where needed so that h max_c ||A_c,lin|| <=
 0.4 at T steps (inside the step-size guard); moving = transform_image(fixed, -theta_true), so the
 registration should find theta_true. No-slip boundary, T = --n-steps integration steps (50),
 bilinear warps with border padding; no smoothness term for the SVF.
+
+The blur sets the data's interpolation floor (the MSE of a perfect registration, printed as
+"MSE at theta_true"): length / 128 is 4 px at 512^2 but 1 voxel at 128^3, where the floor
+(5.4e-4) lies above the published 3D MSE (7.26e-5), so no method reaches that target on this
+data. ``--sigma 4`` gives the 3D volume the 2D case's absolute blur (floor 1.1e-5); its rows
+are the same cases on other data, reported beside the default ones, not instead of them.
 
 Methods, timed the same way (wall time of the whole optimisation, device synchronised at the
 end; one short run compiles the kernels, one full-length run warms the card, then the median
@@ -74,14 +80,18 @@ class Case:
     def __init__(self, name, length, ndim, cells, steps):
         self.name, self.length, self.ndim, self.cells, self.steps = name, length, ndim, cells, steps
 
-    def inputs(self, xp, n_steps, seed, theta_scale=0.03):
+    def sigma(self, sigma=None):
+        """The blur of the blobs in pixels: ``sigma``, or length / 128 by default."""
+        return self.length / 128 if sigma is None else sigma
+
+    def inputs(self, xp, n_steps, seed, theta_scale=0.03, sigma=None):
         """(fixed, moving, tess, theta_true): float32 (1, 1, *spatial) arrays of ``xp``."""
         from scipy.ndimage import gaussian_filter
         from skimage import data
 
         blobs = data.binary_blobs(length=self.length, n_dim=self.ndim, volume_fraction=0.5,
                                   rng=seed).astype(np.float32)
-        fixed = gaussian_filter(blobs, sigma=self.length / 128)
+        fixed = gaussian_filter(blobs, sigma=self.sigma(sigma))
         fixed = (fixed - fixed.min()) / (fixed.max() - fixed.min())
         tess = Tessellation((self.cells,) * self.ndim)
         theta = tess.sample(1, length_scale=0.3, scale=theta_scale, rng=seed)[0]
@@ -145,10 +155,11 @@ def timed_runs(xp, fn, reps):
 
 def run_case(xp, case, args, bw, rows, notes, failures):
     fixed, moving, tess, theta_true = case.inputs(xp, args.n_steps, seed=sum(map(ord, case.name)),
-                                                  theta_scale=args.theta_scale)
+                                                  theta_scale=args.theta_scale, sigma=args.sigma)
     steps = args.steps or case.steps
     spatial = fixed.shape[2:]
-    notes.append(f"{case.name}: images {'x'.join(map(str, spatial))} float32, tess "
+    notes.append(f"{case.name}: images {'x'.join(map(str, spatial))} float32 (blobs blurred by "
+                 f"sigma {case.sigma(args.sigma):g} px), tess "
                  f"{'x'.join(map(str, tess.shape))} ({tess.n_params} parameters), {steps} steps, "
                  f"initial MSE {float(((moving - fixed) ** 2).mean()):.3g}")
     cpab = lambda n: register(fixed[0], moving[0], tess,  # noqa: E731
@@ -188,6 +199,8 @@ def run_case(xp, case, args, bw, rows, notes, failures):
            "min_mb_per_step": min_bytes / 1e6, "gbs": gbs,
            "copy_bw_fraction": gbs / bw if bw else None, "cpab_folding": fold,
            "svf_folding": svf_fold, "cpab_mean_error_px": error}
+    row["sigma_px"] = case.sigma(args.sigma)
+    row["mse_floor"] = floor
     rows.append(row)
     print_row((case.name, "x".join(map(str, spatial)), f"{'x'.join(map(str, tess.shape))} "
                f"({tess.n_params})", str(steps), f"{cpab_s:.3f}", f"{cpab_mse:.3g}",
@@ -206,7 +219,8 @@ def target_rows(rows):
         limit_s, limit_mse = TARGETS[r["case"]]
         out.append((f"{r['case']}: <= {limit_s} s ({PUBLISHED[r['case']]})", f"{r['cpab_s']:.3f} s",
                     time_status(r["cpab_s"], None, limit_s)))
-        out.append((f"{r['case']}: MSE <= {limit_mse:g}", f"{r['cpab_mse']:.3g}",
+        out.append((f"{r['case']}: MSE <= {limit_mse:g} (blur {r['sigma_px']:g} px; floor "
+                    f"{r['mse_floor']:.3g})", f"{r['cpab_mse']:.3g}",
                     "MET" if r["cpab_mse"] <= limit_mse else
                     f"MISSED ({r['cpab_mse'] / limit_mse:.1f}x)"))
     return out
@@ -235,6 +249,9 @@ def main(argv=None):
     p.add_argument("--theta-scale", type=float, default=0.03,
                    help="prior scale of the synthetic theta_true (default 0.03)")
     p.add_argument("--svf-lr", type=float, default=0.001, help="Adam step size for v (default 0.001)")
+    p.add_argument("--sigma", type=float, default=None,
+                   help="blur of the blob images in pixels (default: length / 128; see the "
+                        "header on the 3D case's interpolation floor)")
     args = p.parse_args(argv)
     if args.numpy:
         xp, device, bw = np, "NumPy (CPU)", None

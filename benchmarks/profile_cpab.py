@@ -62,11 +62,12 @@ def main(argv=None):
         row("guard (1 sync)", lambda: float(cp.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max()))
         theta2 = theta[None] if theta.ndim == 1 else theta
         row("call_checks: finiteness + guard in one kernel (1 sync)",
-            lambda: icp._call_checks(plan.points, theta2, A, K, ()))
+            lambda: icp._queue_checks(plan.points, theta2, A, K, ()).read())
         E = cp.empty(A.shape, dtype=dt)
         row("expm_cells", lambda: icp.launch(icp._expm_sig(dt.name, K), icp._blocks(len(A), 128), 128,
                                              (A, E, len(A), plan.h)))
-        row("setup (all of the above)", lambda: icp.setup(points, theta, tess, T_STEPS, "integrate", dt))
+        row("setup (all of the above, checks read)",
+            lambda: icp.setup(points, theta, tess, T_STEPS, "integrate", dt))
         row("forward kernel", lambda: icp.integrate(plan))
         # the VJP's segment under the library's CHECKPOINTS (S = 17 at T = 50 for "sparse")
         S, recompute = icp.checkpoint_segment(T_STEPS, 4)

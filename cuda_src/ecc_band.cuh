@@ -799,6 +799,26 @@ write_entries(const signed char* __restrict__ c, const long long* __restrict__ f
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The argument checks of device thresholds (soft_ecc), read by the host once the op's kernels
+// are queued (cutopo/_cuda/deferred.py): status[0] (zeroed) gets bit 0 when a value is not
+// finite, bit 1 when some t[k + 1] < t[k] (a NaN compares false, and sets bit 0). Grid-stride;
+// one atomic per warp that found something. The band kernels stay in bounds on such thresholds
+// (band edges are clamped to [0, T], loops are bounded by T), their output is never returned.
+template <typename Real>
+__global__ void __launch_bounds__(THREADS)
+check_thresholds(const Real* __restrict__ t, i64 T, unsigned long long* __restrict__ status) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    unsigned bad = 0;
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < T; k += stride) {
+        const Real v = t[k];
+        if (!isfinite(v)) bad |= 1u;
+        if (k + 1 < T && t[k + 1] < v) bad |= 2u;
+    }
+    bad = __reduce_or_sync(FULL, bad);
+    if (threadIdx.x % 32 == 0 && bad) atomicOr(status, (unsigned long long)bad);
+}
+
 }  // namespace band
 }  // namespace ecc
 }  // namespace cutopo

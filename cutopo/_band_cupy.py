@@ -14,7 +14,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _ecc_cupy
+from ._checks import THRESHOLDS_NOT_FINITE, THRESHOLDS_NOT_SORTED
 from ._cuda.compile import register_instances
+from ._cuda.deferred import DeferredFlags
 from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
 
 FAMILY = "ecc"
@@ -96,8 +98,15 @@ WRITE_ENTRIES = Signature(FAMILY, "cutopo::ecc::band::write_entries",
                           ("ptr:int8", "ptr:int64", "ptr:int64", "ptr:int8", "int64", "int64"))
 
 
+def _check_thresholds_sig(real_dtype):
+    return Signature(FAMILY, f"cutopo::ecc::band::check_thresholds<{_REAL[real_dtype]}>",
+                     (f"ptr:{real_dtype.name}", "int64", "ptr:uint64"))
+
+
 def _instances():
     yield COUNT_NONZERO.name
+    for real in (np.dtype(np.float32), np.dtype(np.float64)):
+        yield _check_thresholds_sig(real).name
     yield _orthant_sig(2).name
     yield _orthant_sig(3).name
     yield SCAN_COUNTS.name
@@ -148,6 +157,40 @@ def _device_table_cached(device_id, data: bytes, dtype, shape):
     import cupy
 
     return cupy.asarray(np.frombuffer(data, dtype=dtype).reshape(shape))
+
+
+# Blocks of check_thresholds: a grid-stride pass over at most a few thousand thresholds.
+CHECK_BLOCKS = 64
+
+
+def checked_thresholds(thresholds, real_dtype):
+    """Float CuPy thresholds (1-D, checked by _checks.check_threshold_array) in the computation
+    dtype ``real_dtype`` (the cast is exact: float16 -> float32, float32 -> float64, or none),
+    and the DeferredFlags of their check on the device (finite, non-decreasing), for
+    :func:`raise_failed_thresholds` once the op's kernels are queued. No host copy."""
+    import cupy
+
+    t = cupy.ascontiguousarray(thresholds.astype(real_dtype, copy=False))
+    status = cupy.zeros(1, dtype=np.uint64)
+    launch(_check_thresholds_sig(np.dtype(real_dtype)),
+           max(1, min(-(-t.size // THREADS), CHECK_BLOCKS)), THREADS, (t, t.size, status))
+    return t, DeferredFlags(status)
+
+
+def raise_failed_thresholds(values):
+    """The ValueError of a failed check_thresholds (the host check's message), if any."""
+    flags = int(values[0])
+    if flags & 1:
+        raise ValueError(THRESHOLDS_NOT_FINITE)
+    if flags & 2:
+        raise ValueError(THRESHOLDS_NOT_SORTED)
+
+
+def _thresholds_on_device(t):
+    """Device thresholds: host ones through the memoized table, device ones as they are."""
+    import cupy
+
+    return t if isinstance(t, cupy.ndarray) else device_table(t)
 
 
 def device_table(host):
@@ -228,7 +271,8 @@ def _soft_ecc_inputs(image, ndim, tconn, T, real, periodic=False):
 
 
 def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False):
-    """(nimg, T) curve in the dtype of ``t``; ``t`` host thresholds, ``lam`` the scale (same dtype)."""
+    """(nimg, T) curve in the dtype of ``t``; ``t`` host thresholds or device ones (C-contiguous,
+    on the image's device), ``lam`` the scale (same dtype)."""
     import cupy
 
     real, T = t.dtype, t.size
@@ -236,7 +280,7 @@ def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False):
         x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real, periodic)
         acc = cupy.zeros((plan.nimg, T), dtype=np.float64)
         sat = cupy.zeros((plan.nimg, T), dtype=np.int64)
-        plan.forward(x, cmap, device_table(t), acc, sat, lam, w)
+        plan.forward(x, cmap, _thresholds_on_device(t), acc, sat, lam, w)
         out = cupy.empty((plan.nimg, T), dtype=real)
         plan.finalize(sat, acc, out)
     return out
@@ -254,8 +298,8 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False):
         d_image = cupy.empty((plan.nimg, plan.N) if need_image else (1,), dtype=real)
         dt = cupy.zeros(T, dtype=np.float64)
         dscale = cupy.zeros(1, dtype=np.float64)
-        plan.backward(tuple(bool(n) for n in needs))(x, cmap, device_table(t), g, d_image, dt,
-                                                     dscale, lam, w)
+        plan.backward(tuple(bool(n) for n in needs))(x, cmap, _thresholds_on_device(t), g,
+                                                     d_image, dt, dscale, lam, w)
         dt *= float(lam)
     return (d_image.reshape(image.shape) if need_image else None,
             dt if need_t else None,

@@ -114,14 +114,15 @@ def evenly_spaced(lo: float, hi: float, n: int) -> np.ndarray:
     return lo * (1 - s) + hi * s
 
 
-def check_thresholds(thresholds, image):
-    """Validate thresholds; return (host copy in the comparison dtype, comparison dtype).
+# The errors of the checks of threshold values (also raised by the device-side check of
+# cutopo._band_cupy.checked_thresholds)
+THRESHOLDS_NOT_FINITE = "thresholds must be finite (found NaN or inf)"
+THRESHOLDS_NOT_SORTED = "thresholds must be sorted in non-decreasing order"
 
-    The comparison dtype is ``numpy.result_type(image, thresholds)``: both backends compare
-    ``f <= t`` in it, which makes their results equal exactly.
-    """
-    if is_count(thresholds):
-        thresholds = linear_thresholds(image, thresholds)
+
+def check_threshold_array(thresholds):
+    """The checks of threshold values that need no values: a non-empty 1-D array (NumPy or
+    CuPy, returned as such) of a real number type."""
     if isinstance(thresholds, (float, np.floating)):
         raise TypeError("thresholds must be an int count or a 1-D array of values, got a float")
     t = as_array(thresholds, "thresholds")
@@ -131,11 +132,22 @@ def check_thresholds(thresholds, image):
         raise ValueError(f"thresholds must be 1-D, got shape {t.shape}")
     if t.size == 0:
         raise ValueError("thresholds must not be empty")
-    host = to_numpy(t)
+    return t
+
+
+def check_thresholds(thresholds, image):
+    """Validate thresholds; return (host copy in the comparison dtype, comparison dtype).
+
+    The comparison dtype is ``numpy.result_type(image, thresholds)``: both backends compare
+    ``f <= t`` in it, which makes their results equal exactly.
+    """
+    if is_count(thresholds):
+        thresholds = linear_thresholds(image, thresholds)
+    host = to_numpy(check_threshold_array(thresholds))
     if host.dtype.kind == "f" and not np.all(np.isfinite(host)):
-        raise ValueError("thresholds must be finite (found NaN or inf)")
+        raise ValueError(THRESHOLDS_NOT_FINITE)
     if host.size > 1 and not np.all(host[1:] >= host[:-1]):
-        raise ValueError("thresholds must be sorted in non-decreasing order")
+        raise ValueError(THRESHOLDS_NOT_SORTED)
     dtype = np.result_type(image.dtype, host.dtype)
     return host.astype(dtype), dtype
 

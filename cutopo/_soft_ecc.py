@@ -8,6 +8,7 @@ thresholds (ecc.md 5.8). NumPy path: cutopo._band_numpy; CuPy arrays go to the k
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -17,14 +18,15 @@ from . import _band_cupy, _band_numpy, _ecc_numpy
 from ._array import array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_scale,
-                      check_thresholds, is_count, same_array_type)
+                      check_threshold_array, check_thresholds, is_count, same_array_type)
+from ._cuda.deferred import reading
 from .vjp import register
 
 __all__ = ["soft_ecc"]
 
 class _Config(NamedTuple):
     image: np.ndarray   # validated input image, (*batch, *spatial)
-    t: np.ndarray       # thresholds, 1-D, computation dtype
+    t: np.ndarray       # thresholds, 1-D, computation dtype (float CuPy thresholds stay on the device)
     scale: np.generic   # positive finite scalar of the computation dtype
     ndim: int
     tconn: bool
@@ -45,21 +47,39 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
     periodic = check_boundary(boundary, image, ndim)
     scale_value, scale64 = check_scale(scale)
     count = is_count(thresholds)
+    on_device = False
     if count:
         t_host, _ = check_thresholds(thresholds, image)  # linear_thresholds(image, n)
         t64 = False  # a count does not choose the precision
     else:
         if not isinstance(thresholds, (float, np.floating)):
             thresholds = as_array(thresholds, "thresholds")
-        t_host, _ = check_thresholds(thresholds, image)
+        on_device = _checked_on_device(image, thresholds)
+        if not on_device:
+            t_host, _ = check_thresholds(thresholds, image)
         t64 = thresholds.dtype == np.float64
     dtype = np.dtype(np.float64 if (image.dtype == np.float64 or t64 or scale64) else np.float32)
     with np.errstate(over="ignore", under="ignore"):
         lam = dtype.type(scale_value)
     if not (np.isfinite(lam) and lam > 0):
         raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
-    t = t_host.astype(dtype)
-    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic, count)
+    if on_device:
+        with image.device:
+            t, pending = _band_cupy.checked_thresholds(thresholds, dtype)
+    else:
+        t, pending = t_host.astype(dtype), None
+    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic, count), pending
+
+
+def _checked_on_device(image, thresholds) -> bool:
+    """Whether the values of ``thresholds`` are checked by a kernel, read once the op's own
+    kernels are queued (no host copy that waits for the stream's earlier work): float CuPy
+    thresholds on the CuPy image's device. Integer ones are checked on the host, since their
+    cast to the computation dtype can merge values that are out of order."""
+    if not (is_cupy_array(image) and is_cupy_array(thresholds)):
+        return False
+    check_threshold_array(thresholds)
+    return thresholds.dtype.kind == "f" and thresholds.device.id == image.device.id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,12 +115,14 @@ def _shape_info(cfg: _Config):
 
 
 def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
-    cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+    cfg, pending = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
     if is_cupy_array(cfg.image):
-        out = _band_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg), cfg.ndim,
-                                          cfg.tconn, cfg.periodic)
+        with (reading(pending, _band_cupy.raise_failed_thresholds) if pending is not None
+              else contextlib.nullcontext()):
+            out = _band_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
+                                              cfg.ndim, cfg.tconn, cfg.periodic)
         return out.reshape(batch + (T,)), cfg
     _, px = _pixels(cfg)
     out = _band_numpy.forward(px, cfg.t, cfg.scale, nimg)

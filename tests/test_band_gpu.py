@@ -152,6 +152,70 @@ def test_soft_ecc_rejects_bad_input_on_gpu(rng):
         cutopo.soft_ecc(cp.asnumpy(img), cp.asarray([0.5]), 1.0)
 
 
+def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
+    """Float CuPy thresholds are checked by a kernel whose flags are read after the op's
+    kernels are queued, never copied to the host: the results equal those of the same
+    thresholds from the host (float16, float32 and float64, exactly: same values, same
+    kernels), and NaN, inf and decreasing thresholds still raise at the call, on the forward
+    and on cutopo.vjp's forward, without disturbing the calls after them."""
+    from cutopo import _band_cupy, _soft_ecc
+    from cutopo._cuda import deferred
+
+    cp = _cp()
+    events = []
+    real_read, real_forward = deferred.DeferredFlags.read, _band_cupy.soft_ecc_forward
+
+    def read(self):
+        events.append("read")
+        return real_read(self)
+
+    def forward(*args, **kwargs):
+        events.append("forward")
+        return real_forward(*args, **kwargs)
+
+    def no_host_check(*args, **kwargs):
+        raise AssertionError("float CuPy thresholds reached the host check")
+
+    img = _image(rng, (3, 29, 31), np.float32, levels=17)
+    for t_dtype in (np.float16, np.float32, np.float64):
+        t = np.sort(rng.uniform(-0.1, 1.1, size=int(rng.integers(2, 700)))).astype(t_dtype)
+        want = cutopo.soft_ecc(cp.asarray(img), t, 25.0, ndim=2)          # host thresholds
+        monkeypatch.setattr(_soft_ecc, "check_thresholds", no_host_check)
+        monkeypatch.setattr(deferred.DeferredFlags, "read", read)
+        monkeypatch.setattr(_band_cupy, "soft_ecc_forward", forward)
+        events.clear()
+        got, pullback = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
+        assert events == ["forward", "read"]
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.get(), want.get())
+        d_img, d_t, _ = pullback(cp.asarray(rng.standard_normal(got.shape).astype(got.dtype)))
+        assert isinstance(d_t, cp.ndarray) and d_t.shape == t.shape
+        for k, value in ((int(rng.integers(t.size)), np.nan), (0, np.inf), (t.size - 1, -np.inf)):
+            bad = t.copy()
+            bad[k] = value
+            with pytest.raises(ValueError, match="thresholds must be finite"):
+                cutopo.soft_ecc(cp.asarray(img), cp.asarray(bad), 25.0, ndim=2)
+        if t.size > 1:
+            k = int(rng.integers(t.size - 1))
+            bad = t.copy()
+            bad[k], bad[k + 1] = t[k + 1] + 1, t[k]
+            for call in (cutopo.soft_ecc, lambda *a, **kw: cutopo.vjp(cutopo.soft_ecc, *a, **kw)):
+                with pytest.raises(ValueError, match="sorted in non-decreasing order"):
+                    call(cp.asarray(img), cp.asarray(bad), 25.0, ndim=2)
+        monkeypatch.undo()
+        again = cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
+        np.testing.assert_array_equal(again.get(), want.get())
+
+
+def test_soft_ecc_integer_device_thresholds_are_checked_on_the_host(rng):
+    """Integer CuPy thresholds take the host check: cast to float32 two unsorted integers can
+    become equal (2^24 + 1 > 2^24 both round to 2^24) and pass a device check of the cast."""
+    cp = _cp()
+    img = cp.asarray(rng.integers(0, 1 << 25, size=(9, 10)).astype(np.int32))
+    with pytest.raises(ValueError, match="sorted"):
+        cutopo.soft_ecc(img, cp.asarray([(1 << 24) + 1, 1 << 24], dtype=cp.int32), 1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # ect and soft_ect
 

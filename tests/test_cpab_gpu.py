@@ -392,9 +392,10 @@ def test_call_checks_flags_and_norm(rng, K, theta_dtype):
         if bad_theta and theta.dtype.kind == "f":
             theta.reshape(-1)[rng.integers(theta.size)] = rng.choice([np.nan, np.inf, -np.inf])
         A = rng.standard_normal((int(rng.integers(0, 5000)), K, K + 1)) * rng.uniform(0.1, 100)
-        flags, largest, extra = _integrate_cupy._call_checks(
+        values = _integrate_cupy._queue_checks(
             cp.asarray(points), cp.asarray(theta), cp.asarray(A), K,
-            (cp.ones(1), cp.zeros(1)))
+            (cp.ones(1), cp.zeros(1))).read()
+        flags, largest, extra = int(values[0]), float(values[1:2].view(np.float64)[0]), values[2:]
         expect_theta_bad = bad_theta and theta.dtype.kind == "f"
         assert flags == (1 if bad_points else 0) | (2 if expect_theta_bad else 0)
         norm = np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0)
@@ -413,6 +414,70 @@ def test_theta_not_finite_is_refused(rng):
             fn(pts, cp.asarray(theta), tess)
         with pytest.raises(ValueError, match="theta must be finite"):
             fn(pts.astype(cp.float32), cp.asarray(theta, dtype=cp.float16), tess)
+
+
+def test_checks_read_after_the_kernels(monkeypatch, rng):
+    """The device checks of a call are read once its kernels are queued (checked_plan): the
+    forward kernel is launched before the flags are read, a failed check still raises at the
+    call, also for values whose kernels ran on them (NaN, inf, a theta whose A overflows), and
+    later calls are unaffected."""
+    from cutopo._cuda import deferred
+    from cutopo.cpab import _warp_cupy, transform_image
+
+    cp = _cp()
+    events = []
+    real_read = deferred.DeferredFlags.read
+
+    def read(self):
+        events.append("read")
+        return real_read(self)
+
+    def logged(launch):
+        def wrapper(sig, *args, **kwargs):
+            events.append(sig.name.split("<")[0].rsplit("::", 1)[-1])
+            return launch(sig, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(deferred.DeferredFlags, "read", read)
+    monkeypatch.setattr(_integrate_cupy, "launch", logged(_integrate_cupy.launch))
+    monkeypatch.setattr(_warp_cupy, "launch", logged(_warp_cupy.launch))
+    tess = Tessellation((3, 2))
+    theta = draw_theta(tess, rng, largest=3.0)
+    pts = rng.random((40, 2))
+    image = rng.random((1, 2, 9, 7))
+    cases = [
+        ("integrate", lambda p, t: integrate(p, t, tess), "integrate_forward"),
+        ("log_jacobian", lambda p, t: log_jacobian(p, t, tess), "integrate_forward"),
+        ("vjp", lambda p, t: cutopo.vjp(integrate, p, t, tess)[0], "integrate_forward"),
+        ("transform_image", lambda p, t: transform_image(cp.asarray(image), t, tess),
+         "warp_forward"),
+    ]
+    for name, fn, kernel in cases:
+        events.clear()
+        got = fn(cp.asarray(pts), cp.asarray(theta))
+        order = [e for e in events if e in ("call_checks", kernel, "read")]
+        assert order == ["call_checks", kernel, "read"], (name, events)
+        want = fn(pts, theta) if name != "transform_image" else transform_image(image, theta, tess)
+        np.testing.assert_allclose(got.get(), want, rtol=1e-10, atol=1e-12)
+        for bad_theta, message in ((np.where(np.arange(theta.size) == 3, np.nan, theta),
+                                    "theta must be finite"),
+                                   (theta * 1e300, "theta is too large"),  # the norm overflows
+                                   (theta * 1e150, "too coarse")):     # ~500 expm squarings
+            events.clear()
+            with pytest.raises(ValueError, match=message):
+                fn(cp.asarray(pts), cp.asarray(bad_theta))
+            assert kernel in events and events[-1] == "read", (name, events)
+        if name != "transform_image":
+            bad = pts.copy()
+            bad[int(rng.integers(len(bad))), 1] = rng.choice([np.nan, np.inf, -np.inf])
+            with pytest.raises(ValueError, match="points must be finite"):
+                fn(cp.asarray(bad), cp.asarray(theta))
+    bad = image.copy()
+    bad[0, 1, 4, 2] = np.inf
+    with pytest.raises(ValueError, match="image must be finite"):
+        transform_image(cp.asarray(bad), cp.asarray(theta), tess)
+    again = integrate(cp.asarray(pts), cp.asarray(theta), tess)
+    np.testing.assert_allclose(again.get(), integrate(pts, theta, tess), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("K", [1, 2, 3])

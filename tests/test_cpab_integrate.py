@@ -618,6 +618,19 @@ def test_step_size_guard(rng):
         cutopo.vjp(integrate, x, np.stack([theta / 10, theta]), tess, n_steps=10)
 
 
+def test_step_size_guard_on_huge_theta(rng):
+    """A finite theta too large for any practical step count: a ValueError saying so (the
+    guard's norm overflowed to inf and raised OverflowError from math.ceil before)."""
+    tess = Tessellation((3, 3))
+    x = rng.random((4, 2))
+    theta = theta_with_norm(tess, rng, 1.0)
+    for fn in (integrate, log_jacobian):
+        with pytest.raises(ValueError, match="theta is too large: .* overflows float64"):
+            fn(x, theta * 1e300, tess)
+        with pytest.raises(ValueError, match=r"too coarse .*needs n_steps >= 2e\+150: scale theta"):
+            fn(x, theta * 1e150, tess)
+
+
 def test_exports():
     import cutopo.cpab as cpab
 

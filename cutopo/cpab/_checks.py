@@ -25,13 +25,25 @@ def check_count(value, name, minimum=1):
     return value
 
 
+# Above this many steps the guard's error says to scale theta down rather than name a count.
+PRACTICAL_STEPS = 10 ** 9
+
+
 def check_step_size(largest, n_steps, name):
-    """Refuse an ``n_steps`` too coarse for fields whose largest ||A_c,lin||_F is ``largest``."""
-    if largest > MAX_STEP_NORM * n_steps:
-        raise ValueError(
-            f"cpab.{name}: n_steps={n_steps} is too coarse for this theta: h * max_c "
-            f"||A_c,lin||_F = {largest / n_steps:.4g} exceeds {MAX_STEP_NORM} (max_c "
-            f"||A_c,lin||_F = {largest:.4g}); use n_steps >= {math.ceil(largest / MAX_STEP_NORM)}")
+    """Refuse an ``n_steps`` too coarse for fields whose largest ||A_c,lin||_F is ``largest``
+    (+inf where the norm overflows float64: a finite theta too large for any step count)."""
+    if not largest > MAX_STEP_NORM * n_steps:
+        return
+    if not math.isfinite(largest):
+        raise ValueError(f"cpab.{name}: theta is too large: max_c ||A_c,lin||_F overflows float64, "
+                         "so no n_steps integrates it; scale theta down")
+    need = math.ceil(largest / MAX_STEP_NORM)
+    advice = (f"use n_steps >= {need}" if need <= PRACTICAL_STEPS
+              else f"that needs n_steps >= {need:.4g}: scale theta down")
+    raise ValueError(
+        f"cpab.{name}: n_steps={n_steps} is too coarse for this theta: h * max_c "
+        f"||A_c,lin||_F = {largest / n_steps:.4g} exceeds {MAX_STEP_NORM} (max_c "
+        f"||A_c,lin||_F = {largest:.4g}); {advice}")
 
 
 def broadcast_batch(a, b, names, op):

@@ -1,20 +1,24 @@
 """CuPy path of the CPA ops: launches of ``cuda_src/cpab.cu`` (its header describes the kernels).
 
-Per call: A = B theta on the device (an ELL product of the memoized sparse basis), the
-finiteness checks and the step-size guard's norm (``call_checks``, one kernel, read on the host
-in one copy: the call's one synchronisation), E_c = expm(h A~_c) per cell (``expm_cells``),
-then one thread per (batch item, point) for the trajectory. The VJP runs
+Per call (:func:`checked_plan`): A = B theta on the device (an ELL product of the memoized
+sparse basis), the finiteness checks and the step-size guard's norm (``call_checks``, one
+kernel, whose flags are copied to the host behind it and read once the call's kernels are
+queued: :mod:`cutopo._cuda.deferred`), E_c = expm(h A~_c) per cell (``expm_cells``), then one
+thread per (batch item, point) for the trajectory. The VJP runs
 ``integrate_backward`` (per-cell moments G_c: float64 atomics from a per-warp queue, see
 MOMENTS), ``frechet_cells`` (dL/dA_c) and B^T (ELL) on the device. The callers in
 :mod:`cutopo.cpab.integrate` and :mod:`cutopo.cpab.velocity` shape the results.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 
 import numpy as np
 
 from .._cuda.compile import register_instances
+from .._cuda.deferred import DeferredFlags, reading
 from .._cuda.launch import Signature, launch
 from ._checks import check_step_size
 from .velocity import raise_not_finite
@@ -226,10 +230,10 @@ def affine_maps(tess, theta2):
 CHECK_BLOCKS = 1024
 
 
-def _call_checks(P, T2, A, K, extra):
+def _queue_checks(P, T2, A, K, extra) -> DeferredFlags:
     """One call_checks launch (finiteness of the points P and theta T2, the guard's norm over
-    A) and the caller's own (1,) float64 flags ``extra``, read on the host in one copy:
-    (flags, largest norm, extra values)."""
+    A) and the caller's own (1,) float64 flags ``extra``, on their way to the host in one copy
+    (read by :func:`_raise_failed`)."""
     import cupy
 
     if T2.dtype.kind == "f":
@@ -243,15 +247,32 @@ def _call_checks(P, T2, A, K, extra):
            THREADS, (P, P.size, theta, theta.size, A, len(A), status))
     if extra:
         status[2:] = cupy.concatenate(list(extra))
-    values = status.get()                                           # the one synchronisation
-    return int(values[0]), float(values[1:2].view(np.float64)[0]), values[2:]
+    return DeferredFlags(status)
 
 
-def setup(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=()) -> Plan:
+def _raise_failed(values, *, n_steps, name, messages):
+    """The ValueError of the first failed check among the values of _queue_checks' flags:
+    (flags, largest norm as double bits, the caller's own flags)."""
+    flags = int(values[0])
+    raise_not_finite((not flags & 1, not flags & 2))
+    for ok, message in zip(values[2:], messages):                   # the caller's own checks
+        if not ok:
+            raise ValueError(message)
+    check_step_size(float(values[1:2].view(np.float64)[0]), n_steps, name)
+
+
+@contextlib.contextmanager
+def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=()):
     """The plan of one integrate/log_jacobian/transform_image call from arguments checked by
-    check_points_theta(defer_finite=True): the finiteness of points and theta, the caller's
-    device flags ``extra`` ((1,) float64, 1 where its check passed, each with its error message
-    in ``messages``) and the step-size guard are read together: one host synchronisation."""
+    check_points_theta(defer_finite=True), for the launches of the ``with`` body.
+
+    The finiteness of points and theta, the caller's device flags ``extra`` ((1,) float64, 1
+    where its check passed, each with its error message in ``messages``) and the step-size
+    guard are computed on the device and read on the host after the body, which has queued the
+    call's kernels by then: the host waits for the checks, not before the work (the kernels
+    are safe on non-finite input: cells and sample coordinates are clamped, every loop is
+    bounded, expm's squarings are at most ~1100). A failed check raises its ValueError at the
+    end of the ``with`` block, so the body's results must not escape it before."""
     import cupy
 
     K, C = tess.ndim, tess.n_cells
@@ -259,18 +280,24 @@ def setup(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=()) -
     T2 = theta if theta.ndim == 2 else theta[None]
     Bp, Bt = len(P), len(T2)
     A = affine_maps(tess, T2)
-    flags, largest, extra_ok = _call_checks(P, T2, A, K, extra)
-    raise_not_finite((not flags & 1, not flags & 2))
-    for ok, message in zip(extra_ok, messages):                     # the caller's own checks
-        if not ok:
-            raise ValueError(message)
-    check_step_size(largest, n_steps, name)
-    h = 1.0 / n_steps
-    E = cupy.empty(A.shape, dtype=dtype)
-    launch(_expm_sig(dtype.name, K), _blocks(len(A), 128), 128, (A, E, len(A), h))
-    return Plan(shape=tess.shape, K=K, C=C, B=Bt if Bp == 1 else Bp, N=P.shape[1], n_points=Bp,
-                n_theta=Bt, n_steps=n_steps, h=h, dtype=dtype,
-                project=tess.zero_boundary in ("noslip", "slip"), points=P, A=A, E=E, tess=tess)
+    flags = _queue_checks(P, T2, A, K, extra)
+    with reading(flags, functools.partial(_raise_failed, n_steps=n_steps, name=name,
+                                          messages=messages)):
+        h = 1.0 / n_steps
+        E = cupy.empty(A.shape, dtype=dtype)
+        launch(_expm_sig(dtype.name, K), _blocks(len(A), 128), 128, (A, E, len(A), h))
+        yield Plan(shape=tess.shape, K=K, C=C, B=Bt if Bp == 1 else Bp, N=P.shape[1],
+                   n_points=Bp, n_theta=Bt, n_steps=n_steps, h=h, dtype=dtype,
+                   project=tess.zero_boundary in ("noslip", "slip"), points=P, A=A, E=E, tess=tess)
+
+
+def setup(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=()) -> Plan:
+    """:func:`checked_plan` with its checks read before it returns (tests and profiles: the
+    ops themselves queue their kernels inside checked_plan)."""
+    with checked_plan(points, theta, tess, n_steps, name, dtype, extra=extra,
+                      messages=messages) as plan:
+        pass
+    return plan
 
 
 def _shared(plan):

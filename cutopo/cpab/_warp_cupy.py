@@ -101,23 +101,26 @@ def _forward(image, theta, tess, n_steps, mode, padding_mode):
     # float32) and costs no pass over a grid of centres.
     probe = cupy.full((1, tess.ndim), 0.5, dtype=np.float32)
     _, theta, dtype = check_points_theta(probe, theta, tess, "transform_image", defer_finite=True)
-    plan = icp.setup(probe, theta, tess, n_steps, "transform_image", dtype,
-                     extra=(_image_finite(image),), messages=(_sampling._IMAGE_NOT_FINITE,))
     N, C = image.shape[:2]
     spatial = tuple(int(s) for s in image.shape[2:])
     if 0 in spatial:
         raise ValueError(f"image: spatial shape {spatial} has a zero-length axis")
     S = int(np.prod(spatial))
-    B = broadcast_batch(N, plan.n_theta, ("image", "theta"), "transform_image")
+    B = broadcast_batch(N, len(theta) if theta.ndim == 2 else 1, ("image", "theta"),
+                        "transform_image")
     ti, r, o = next(c for c in TYPES[dtype.name] if c[0] == image.dtype.name)
     img = cupy.ascontiguousarray(image).reshape(N, C, S)
     out = cupy.empty((B, C, S), dtype=o)
     K = tess.ndim
     padding = PADDING_CODES[padding_mode]
-    launch(_forward_sig(dtype.name, ti, r, o, K, plan.project, mode == "nearest"),
-           icp._blocks(B * S), THREADS,
-           (plan.E, img, out, cupy.empty(0, dtype=dtype), B, plan.C, int(plan.n_theta == 1),
-            int(N == 1), C, n_steps, 1, 0, padding) + icp._grid(plan.shape) + _dims(spatial))
+    # the image's finiteness is read with the plan's own checks, after the warp is queued
+    with icp.checked_plan(probe, theta, tess, n_steps, "transform_image", dtype,
+                          extra=(_image_finite(image),),
+                          messages=(_sampling._IMAGE_NOT_FINITE,)) as plan:
+        launch(_forward_sig(dtype.name, ti, r, o, K, plan.project, mode == "nearest"),
+               icp._blocks(B * S), THREADS,
+               (plan.E, img, out, cupy.empty(0, dtype=dtype), B, plan.C, int(plan.n_theta == 1),
+                int(N == 1), C, n_steps, 1, 0, padding) + icp._grid(plan.shape) + _dims(spatial))
     res = Residuals(plan, img, spatial, np.dtype(r), mode == "nearest", padding, theta.ndim)
     return out.reshape((B, C) + spatial), res
 

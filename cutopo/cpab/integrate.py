@@ -17,6 +17,7 @@ dL/dtheta = B^T vec(dL/dA): O(T N + d C) work, no [d, N] Jacobian.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -129,7 +130,8 @@ def _setup(points, theta, tess, n_steps, name):
     B = Bt if Bp == 1 else Bp
 
     A = tess.affine_maps(T2).reshape(Bt * C, K, K + 1)                  # float64
-    largest = float(np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0))
+    with np.errstate(over="ignore"):                                     # +inf: check_step_size
+        largest = float(np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0))
     check_step_size(largest, n_steps, name)
     h = 1.0 / n_steps
     A_aug = np.zeros((Bt * C, K + 1, K + 1))
@@ -177,15 +179,17 @@ class _DeviceResiduals:
     theta_ndim: int
 
 
+@contextlib.contextmanager
 def _device_plan(points, theta, tess, n_steps, name):
-    """Checked arguments and the CuPy plan: (plan, batched, points.ndim, theta.ndim)."""
+    """Checked arguments and the CuPy plan, (plan, batched, points.ndim, theta.ndim), for the
+    launches of the ``with`` body; the device checks raise at its end (checked_plan)."""
     from . import _integrate_cupy
 
-    # the finiteness checks run in setup's check kernel, read with the guard
+    # the finiteness checks run in checked_plan's check kernel, read with the guard
     points, theta, dtype = check_points_theta(points, theta, tess, name, defer_finite=True)
     n_steps = check_count(n_steps, "n_steps")
-    plan = _integrate_cupy.setup(points, theta, tess, n_steps, name, dtype)
-    return plan, points.ndim == 3 or theta.ndim == 2, points.ndim, theta.ndim
+    with _integrate_cupy.checked_plan(points, theta, tess, n_steps, name, dtype) as plan:
+        yield plan, points.ndim == 3 or theta.ndim == 2, points.ndim, theta.ndim
 
 
 def _points_cotangent(lam, points_ndim, n_points):
@@ -206,12 +210,12 @@ def _integrate_forward(points, theta, tess, *, n_steps=50, checkpoint_every=4):
         if S > _integrate_cupy.MAX_SEGMENT:
             raise ValueError(f"checkpoint_every must be <= {_integrate_cupy.MAX_SEGMENT} for CuPy "
                              f"inputs (the kernel keeps one segment in local memory), got {S}")
-        plan, batched, pn, tn = _device_plan(points, theta, tess, n_steps, "integrate")
-        segment, recompute = _integrate_cupy.checkpoint_segment(plan.n_steps, S)
-        if recompute:                     # the backward recomputes the checkpoints itself
-            x = _integrate_cupy.integrate(plan)[0]
-            return (x if batched else x[0]), _DeviceResiduals(plan, None, segment, pn, tn)
-        x, checkpoints, _ = _integrate_cupy.integrate(plan, checkpoint_every=segment)
+        with _device_plan(points, theta, tess, n_steps, "integrate") as (plan, batched, pn, tn):
+            segment, recompute = _integrate_cupy.checkpoint_segment(plan.n_steps, S)
+            if recompute:                 # the backward recomputes the checkpoints itself
+                x, checkpoints = _integrate_cupy.integrate(plan)[0], None
+            else:
+                x, checkpoints, _ = _integrate_cupy.integrate(plan, checkpoint_every=segment)
         return (x if batched else x[0]), _DeviceResiduals(plan, checkpoints, segment, pn, tn)
     s = _setup(points, theta, tess, n_steps, "integrate")
     checkpoints, x = [], s.x0
@@ -483,8 +487,8 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     if is_cupy_array(points) or is_cupy_array(theta):
         from . import _integrate_cupy
 
-        plan, batched, _, _ = _device_plan(points, theta, tess, n_steps, "integrate")
-        x, _, _ = _integrate_cupy.integrate(plan)
+        with _device_plan(points, theta, tess, n_steps, "integrate") as (plan, batched, _, _):
+            x, _, _ = _integrate_cupy.integrate(plan)
         return x if batched else x[0]
     s = _setup(points, theta, tess, n_steps, "integrate")
     x = s.x0
@@ -550,8 +554,8 @@ def log_jacobian(points, theta, tess, *, n_steps=50):
     if is_cupy_array(points) or is_cupy_array(theta):
         from . import _integrate_cupy
 
-        plan, batched, _, _ = _device_plan(points, theta, tess, n_steps, "log_jacobian")
-        _, _, out = _integrate_cupy.integrate(plan, log_det=True)
+        with _device_plan(points, theta, tess, n_steps, "log_jacobian") as (plan, batched, _, _):
+            _, _, out = _integrate_cupy.integrate(plan, log_det=True)
         return out if batched else out[0]
     s = _setup(points, theta, tess, n_steps, "log_jacobian")
     trace = np.trace(s.A_aug[:, :s.K, :s.K], axis1=1, axis2=2)          # div v on each cell

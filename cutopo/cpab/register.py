@@ -21,7 +21,7 @@ from .._array import array_module, as_array, is_cupy_array, to_numpy
 from .._progress import ProgressBar
 from ..vjp import vjp
 from . import _register_cupy
-from ._checks import check_count
+from ._checks import PRACTICAL_STEPS, check_count
 from .folding import folding_fraction as _folding_fraction
 from .integrate import MAX_STEP_NORM
 from .integrate import log_jacobian as _log_jacobian
@@ -435,7 +435,10 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
         except ValueError as exc:
             if "too coarse" not in str(exc):
                 raise
-        n_steps = _raised_n_steps(theta, t, n_steps)
+            raised = _raised_n_steps(theta, t, n_steps)
+            if raised > PRACTICAL_STEPS:                  # theta diverged: no count will do
+                raise
+        n_steps = raised
         return vjp(transform_image, moving4, theta, t, wrt="theta", n_steps=n_steps, **warp)
 
     start = time.perf_counter()

@@ -24,8 +24,9 @@ def check_points_theta(points, theta, tess, name, *, defer_finite=False):
     sizes equal or one of them 1 (broadcast as NumPy's: 1 with 0 is an empty batch).
 
     On the device the finiteness of both is one reduction read on the host, unless
-    ``defer_finite``: then the caller must hand both to ``_integrate_cupy.setup``, whose one
-    check kernel tests them together with the step-size guard (one read for everything)."""
+    ``defer_finite``: then the caller must hand both to ``_integrate_cupy.checked_plan``,
+    whose one check kernel tests them together with the step-size guard, read once the call's
+    kernels are queued."""
     on_device = is_cupy_array(points) or is_cupy_array(theta)
     if on_device and not (is_cupy_array(points) and is_cupy_array(theta)):
         which = "points" if is_cupy_array(points) else "theta"
@@ -50,7 +51,8 @@ def check_points_theta(points, theta, tess, name, *, defer_finite=False):
     if dtype not in (np.float32, np.float64):
         dtype = np.dtype(np.float64)
     points = points.astype(dtype, copy=False)
-    # the kernels must never see NaN or inf
+    # NaN or inf refused before the NumPy path and velocity's kernel; integrate's kernels are
+    # safe on them and their checks deferred (checked_plan)
     if xp is np:
         raise_not_finite((np.isfinite(points).all(), np.isfinite(theta).all()))
     elif not defer_finite:

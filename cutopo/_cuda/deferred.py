@@ -1,0 +1,67 @@
+"""Argument checks that run on the device and are read once the op's work is queued.
+
+Some checks need the values of device arrays (finiteness, order, a norm). Reading them with
+``.get()`` before launching the op's kernels makes the host wait for everything already queued
+on the stream, then leaves the GPU idle while the host launches the rest. Instead a check
+kernel writes its flags into a small device array, :class:`DeferredFlags` queues their copy
+into page-locked host memory behind it, the op queues its own kernels, and only then waits
+for the copy (an event recorded after it) and raises if a check failed. The op's kernels must
+therefore be safe on the bad input they may run on (bounded loops, clamped indices); their
+output is never returned, since the error is raised before the call returns.
+
+The rule "bad input raises at the call" holds: :meth:`DeferredFlags.read` runs before the op
+returns, on the success path and on the error path alike (:func:`reading`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+
+class DeferredFlags:
+    """A copy of the C-contiguous CuPy array ``values`` on its way to page-locked host memory,
+    queued on the current stream behind the kernels that wrote it."""
+
+    def __init__(self, values):
+        import cupy
+
+        self._shape, self._dtype = values.shape, values.dtype
+        nbytes = max(values.nbytes, 1)
+        self._memory = cupy.cuda.alloc_pinned_memory(nbytes)   # from CuPy's pinned pool
+        stream = cupy.cuda.get_current_stream()
+        if values.nbytes:
+            cupy.cuda.runtime.memcpyAsync(self._memory.ptr, values.data.ptr, values.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._event = cupy.cuda.Event(block=False, disable_timing=True)
+        self._event.record(stream)
+        self._source = values      # alive until the copy is done
+        self._values = None
+
+    def read(self) -> np.ndarray:
+        """The values (a NumPy array), after waiting for the copy (once; later calls return the
+        same array). The page-locked memory goes back to CuPy's pool only after that wait."""
+        if self._values is None:
+            self._event.synchronize()
+            host = np.frombuffer(self._memory, dtype=self._dtype,
+                                 count=int(np.prod(self._shape, dtype=np.int64)))
+            self._values = host.reshape(self._shape).copy()
+            self._memory = self._source = None
+        return self._values
+
+
+@contextlib.contextmanager
+def reading(flags: DeferredFlags, raise_failed):
+    """Run the body (the op's launches), then ``raise_failed(flags.read())``, which raises the
+    checks' error if one failed. If the body itself raises, the flags are read all the same:
+    a failed check is raised in its place (bad input is the likelier cause), else the body's
+    error propagates."""
+    try:
+        yield flags
+    except BaseException as exc:
+        try:
+            raise_failed(flags.read())
+        except ValueError as check_error:
+            raise check_error from exc
+        raise
+    raise_failed(flags.read())
