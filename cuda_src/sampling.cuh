@@ -48,10 +48,12 @@ __device__ __forceinline__ bool finite(half v) { return (v.bits & 0x7c00u) != 0x
 // Coordinates: sampling._coordinates, _clip and _reflect
 
 // Clamp into [0, size - 1]; the derivative is 0 where x was outside or on an end (sampling._clip).
+// NaN (the reflection of a coordinate that overflowed to +-inf) goes to 0 (fmax(NaN, 0) = 0)
+// with derivative 0.
 template <typename R>
 __device__ __forceinline__ R clip_coordinate(R x, R& dx, int size) {
     const R hi = R(size - 1);
-    if (x <= R(0) || x >= hi) dx = R(0);
+    if (!(x > R(0) && x < hi)) dx = R(0);
     return fmin(fmax(x, R(0)), hi);
 }
 

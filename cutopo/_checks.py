@@ -64,12 +64,20 @@ def is_count(thresholds) -> bool:
     return isinstance(thresholds, (int, np.integer)) and not isinstance(thresholds, (bool, np.bool_))
 
 
+# The most thresholds of one call: the kernels index thresholds with 32-bit ints (and the
+# curves of T thresholds take 8 T bytes per image).
+MAX_THRESHOLDS = 2 ** 31 - 1
+
+
 def check_count(n) -> int:
-    """A threshold count: an int (not a bool), at least 1."""
+    """A threshold count: an int (not a bool), at least 1 and at most MAX_THRESHOLDS."""
     if not is_count(n):
         raise TypeError(f"thresholds: a count must be an int, got {n!r}")
     if n < 1:
         raise ValueError(f"thresholds: the count must be at least 1, got {n}")
+    if n > MAX_THRESHOLDS:
+        raise ValueError(f"thresholds: a count of {n} exceeds the limit of {MAX_THRESHOLDS} "
+                         "(2**31 - 1) thresholds")
     return int(n)
 
 
@@ -132,6 +140,9 @@ def check_threshold_array(thresholds):
         raise ValueError(f"thresholds must be 1-D, got shape {t.shape}")
     if t.size == 0:
         raise ValueError("thresholds must not be empty")
+    if t.size > MAX_THRESHOLDS:
+        raise ValueError(f"thresholds: {t.size} values exceed the limit of {MAX_THRESHOLDS} "
+                         "(2**31 - 1)")
     return t
 
 

@@ -365,8 +365,9 @@ def _cells(u, v, H, W, real, sparse4d) -> _Cells:
     kernels do the same). An entry reads something when -1 < x < W and -1 < y < H; with
     ``sparse4d`` also only when 0 < u < 1 and 0 < v < 1. NaN fails both tests.
     """
-    x = u * real.type(W) - real.type(0.5)
-    y = v * real.type(H) - real.type(0.5)
+    with np.errstate(over="ignore"):  # a huge finite location overflows to +-inf: outside
+        x = u * real.type(W) - real.type(0.5)
+        y = v * real.type(H) - real.type(0.5)
     keep = (x > -1) & (x < W) & (y > -1) & (y < H)
     if sparse4d:
         keep &= (u > 0) & (u < 1) & (v > 0) & (v < 1)

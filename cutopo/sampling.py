@@ -138,9 +138,11 @@ def _prepare(image, grid, mode, padding_mode, align_corners, deterministic=False
 def _clip(x, dx, size):
     """Clamp to [0, size - 1]; the derivative is 0 where the input was outside or on an end
     (as torch: on the end the clamp's one-sided derivative 0; keeping dx there made the
-    gradient of x = size - 1 read the missing pixel past the edge)."""
-    dx = np.where((x <= 0) | (x >= size - 1), 0, dx)
-    return np.clip(x, 0, size - 1), dx
+    gradient of x = size - 1 read the missing pixel past the edge). NaN, the reflection of a
+    coordinate that overflowed to +-inf, goes to 0 with derivative 0, as in the CUDA kernels
+    (fmax(NaN, 0) = 0)."""
+    dx = np.where((x > 0) & (x < size - 1), dx, 0)
+    return np.fmin(np.fmax(x, 0), size - 1), dx
 
 
 def _reflect(x, dx, size, align_corners):
@@ -164,15 +166,18 @@ def _coordinates(g, size, cfg: _Config):
     and its derivative with respect to ``g``."""
     t = cfg.real.type
     scale = t((size - 1) / 2) if cfg.align_corners else t(size / 2)
-    x = (g.astype(cfg.real) + t(1)) * scale
-    if not cfg.align_corners:
-        x -= t(0.5)
-    dx = np.full_like(x, scale)
-    if cfg.padding == "border":
-        x, dx = _clip(x, dx, size)
-    elif cfg.padding == "reflection":
-        x, dx = _reflect(x, dx, size, cfg.align_corners)
-    else:
+    # a finite grid value can overflow here (|g| near the dtype's largest): +-inf is clamped
+    # below, or reflected to NaN and clamped to 0 (_clip), never read as a pixel
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = (g.astype(cfg.real) + t(1)) * scale
+        if not cfg.align_corners:
+            x -= t(0.5)
+        dx = np.full_like(x, scale)
+        if cfg.padding == "border":
+            x, dx = _clip(x, dx, size)
+        elif cfg.padding == "reflection":
+            x, dx = _reflect(x, dx, size, cfg.align_corners)
+    if cfg.padding not in ("border", "reflection"):
         # Points further out than one pixel read nothing: clamping them there changes no output
         # and keeps the integer conversion below in range.
         x = np.clip(x, -2, size + 1)

@@ -155,9 +155,9 @@ def test_soft_ecc_rejects_bad_input_on_gpu(rng):
 def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
     """Float CuPy thresholds are checked by a kernel whose flags are read after the op's
     kernels are queued, never copied to the host: the results equal those of the same
-    thresholds from the host (float16, float32 and float64, exactly: same values, same
-    kernels), and NaN, inf and decreasing thresholds still raise at the call, on the forward
-    and on cutopo.vjp's forward, without disturbing the calls after them."""
+    thresholds from the host (float16, float32 and float64; to rounding, as the kernels' float64
+    atomics add in no fixed order), and NaN, inf and decreasing thresholds still raise at the
+    call, on the forward and on cutopo.vjp's forward, without disturbing the calls after them."""
     from cutopo import _band_cupy, _soft_ecc
     from cutopo._cuda import deferred
 
@@ -187,7 +187,8 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
         got, pullback = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
         assert events == ["forward", "read"]
         assert got.dtype == want.dtype
-        np.testing.assert_array_equal(got.get(), want.get())
+        S = _sum_abs_c(img, 2, 1)[..., None]
+        _close(got, want.get(), S, got.dtype, f"{np.dtype(t_dtype).name} thresholds")
         d_img, d_t, _ = pullback(cp.asarray(rng.standard_normal(got.shape).astype(got.dtype)))
         assert isinstance(d_t, cp.ndarray) and d_t.shape == t.shape
         for k, value in ((int(rng.integers(t.size)), np.nan), (0, np.inf), (t.size - 1, -np.inf)):
@@ -204,7 +205,7 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
                     call(cp.asarray(img), cp.asarray(bad), 25.0, ndim=2)
         monkeypatch.undo()
         again = cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
-        np.testing.assert_array_equal(again.get(), want.get())
+        _close(again, want.get(), S, got.dtype, "after the errors")
 
 
 def test_soft_ecc_integer_device_thresholds_are_checked_on_the_host(rng):

@@ -34,6 +34,8 @@ def image(rng):
     (0, ValueError),                                  # counts
     (-3, ValueError),
     (np.int64(0), ValueError),
+    (2 ** 31, ValueError),                            # past the kernels' 32-bit index
+    (2 ** 40, ValueError),                            # 8 TiB of thresholds: not a MemoryError
     (True, ValueError),                               # a bool is not a count
     (np.array([1 + 2j, 3 + 0j]), TypeError),          # not real numbers
     (np.array(["a", "b"]), TypeError),

@@ -199,6 +199,15 @@ def test_n_steps_is_raised_when_theta_outgrows_it(rng):
     assert result.n_steps >= 2 * largest * 1.0 > n_steps
 
 
+@pytest.mark.parametrize("lr", [1e12, 1e200])
+def test_a_diverging_theta_raises_instead_of_raising_n_steps_without_end(rng, lr):
+    """A step size so large that theta outgrows every practical n_steps (1e12: the guard
+    would ask for ~1e13 steps; 1e200: the field's norm overflows): a ValueError naming lr."""
+    fixed, moving, tess, _ = synthetic_pair(rng, (16, 16), (2, 2), 1.0, 10, (1, 3))
+    with pytest.raises(ValueError, match="theta diverged .*lower lr"):
+        register(fixed, moving, tess, steps=3, lr=lr, progress=False)
+
+
 def test_progress_bar(rng, capsys, monkeypatch):
     fixed, moving, tess, _ = synthetic_pair(rng, (12, 12), (2, 2), 1.0, 5, (1, 3))
     register(fixed, moving, tess, steps=4, n_steps=5, progress=True)

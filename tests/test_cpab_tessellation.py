@@ -565,6 +565,8 @@ def test_sample_bad_input():
         tess.sample(1, xp=object())
     with pytest.raises(ValueError, match="sample"):
         Tessellation((5000,)).sample(1)
+    with pytest.raises(ValueError, match="n=1000000000000 draws need .* smaller batches"):
+        tess.sample(10 ** 12)                                       # not a MemoryError
 
 
 # ---------------------------------------------------------------------------------------------

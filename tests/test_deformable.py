@@ -168,6 +168,29 @@ def test_nan_and_inf_locations_contribute_nothing(rng):
         assert np.all(d_loc[0, 1, 2, 0] == 0) and np.all(d_w[0, 1, 2, 0] == 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_locations_whose_pixel_coordinate_overflows_contribute_nothing(rng, dtype):
+    """Finite locations near the dtype's largest value (u W overflows to +-inf): outside the
+    map, as infinite ones, without an overflow warning."""
+    import warnings
+
+    feats, sh, starts, loc, w = make_problem(rng, spread=(0.05, 0.95), dtype=dtype)
+    big = np.finfo(dtype).max
+    bad, cleaned = loc.copy(), loc.copy()
+    for idx, value in [((0, 1, 2, 0, 0), big), ((1, 0, 0, 1, 1), -big), ((1, 2, 1, 0, 1), big / 3)]:
+        bad[idx] = value
+        cleaned[idx[:4]] = (-5.0, -5.0)
+    for boundary in ("sparse4d", "zeros"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, pullback = cutopo.vjp(deformable_aggregation, feats, sh, starts, bad, w,
+                                       boundary=boundary)
+            d_f, _, _, d_loc, d_w = pullback(np.ones_like(out))
+        np.testing.assert_array_equal(out, deformable_aggregation(feats, sh, starts, cleaned, w,
+                                                                  boundary=boundary))
+        assert np.all(np.isfinite(d_loc)) and np.all(d_loc[0, 1, 2, 0] == 0)
+
+
 def test_nan_features_away_from_samples_do_not_leak(rng):
     """Zero padding skips corners instead of multiplying them by 0 (0 * NaN = NaN)."""
     feats, sh, starts, loc, w = make_problem(rng, spread=(0.05, 0.95))

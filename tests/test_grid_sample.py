@@ -6,6 +6,7 @@ finite differences in float64 and the PyTorch adapter (cutopo.torch.grid_sample)
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -127,6 +128,43 @@ def test_huge_grid_values_read_padding():
     np.testing.assert_array_equal(cutopo.grid_sample(image, grid, padding_mode="border"), [[[[1.0, 1.0]]]])
     np.testing.assert_allclose(cutopo.grid_sample(image, grid, padding_mode="reflection"),
                                _torch(image, grid, padding_mode="reflection", align_corners=False))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("padding_mode", PADDINGS)
+def test_grid_values_whose_pixel_coordinate_overflows(rng, dtype, align_corners, padding_mode):
+    """|g| so large that (g + 1) size / 2 overflows the dtype: zeros reads nothing, border the
+    edge pixel, reflection pixel 0 (the reflection of +-inf is undefined; the CUDA kernels'
+    clamp sends its NaN there too), each with a zero grid derivative; no NaN, no warning."""
+    big = np.finfo(dtype).max
+    image = rng.random((1, 2, 4, 5)).astype(dtype)
+    grid = rng.uniform(-1, 1, (1, 3, 2, 2)).astype(dtype)
+    which = rng.random(grid.shape) < 0.5
+    sign = rng.choice([-1, 1], size=grid.shape).astype(dtype)
+    huge = np.where(which, sign * big, grid)
+    # where each huge coordinate lands instead: far outside, on the edge, or on pixel 0
+    sizes = np.array([5, 4], dtype=dtype)                     # x (width) first, then y
+    if padding_mode == "zeros":
+        far = 10 * sign
+    elif padding_mode == "border":
+        far = sign * (1 if align_corners else 1 - 1 / sizes)
+    else:
+        far = np.broadcast_to(-1 if align_corners else -1 + 1 / sizes, grid.shape).astype(dtype)
+    landed = np.where(which, far, grid).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, pullback = cutopo.vjp(cutopo.grid_sample, image, huge, padding_mode=padding_mode,
+                                   align_corners=align_corners)
+        cot = rng.standard_normal(out.shape).astype(dtype)
+        d_image, d_grid = pullback(cot)
+    want, want_pullback = cutopo.vjp(cutopo.grid_sample, image, landed, padding_mode=padding_mode,
+                                     align_corners=align_corners)
+    want_image, _ = want_pullback(cot)
+    tol = 1e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(d_image, want_image, rtol=tol, atol=tol)
+    assert np.all(np.isfinite(d_grid)) and np.all(d_grid[which] == 0)
 
 
 # ---------------------------------------------------------------------------------------------

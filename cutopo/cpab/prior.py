@@ -54,10 +54,16 @@ def sample_vertex_prior(tess, n, *, length_scale, scale, rng):
     K = tess.ndim
     # Only the components that are free somewhere need noise.
     axes_used = np.unique(tess.dof_axis)
-    field = rng.standard_normal((n, len(axes_used)) + points)
-    for k in range(K):
-        root = _axis_square_root(points[k], 1.0 / (den * tess.shape[k]), length_scale)
-        field = np.moveaxis(np.tensordot(root, field, axes=(1, 2 + k)), 0, 2 + k)
+    try:
+        field = rng.standard_normal((n, len(axes_used)) + points)
+        for k in range(K):
+            root = _axis_square_root(points[k], 1.0 / (den * tess.shape[k]), length_scale)
+            field = np.moveaxis(np.tensordot(root, field, axes=(1, 2 + k)), 0, 2 + k)
+    except MemoryError:
+        nbytes = 8 * n * len(axes_used) * math.prod(points)
+        raise ValueError(f"sample: n={n} draws need {nbytes / 2 ** 30:.3g} GiB of noise on the "
+                         "vertex grid, more than can be allocated; draw them in smaller "
+                         "batches") from None
     slot = np.searchsorted(axes_used, tess.dof_axis)
     grid = tess.vertex_grid[tess.dof_vertex]                             # (d, K)
     return scale * field[(slice(None), slot) + tuple(grid.T)]

@@ -433,11 +433,14 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
         try:
             return vjp(transform_image, moving4, theta, t, wrt="theta", n_steps=n_steps, **warp)
         except ValueError as exc:
-            if "too coarse" not in str(exc):
+            message = str(exc)
+            if "too coarse" not in message and "theta is too large" not in message:
                 raise
-            raised = _raised_n_steps(theta, t, n_steps)
+            raised = (_raised_n_steps(theta, t, n_steps) if "too coarse" in message
+                      else PRACTICAL_STEPS + 1)
             if raised > PRACTICAL_STEPS:                  # theta diverged: no count will do
-                raise
+                raise ValueError(f"register: theta diverged (its field grew past what any "
+                                 f"practical n_steps integrates); lower lr (got {lr})") from exc
         n_steps = raised
         return vjp(transform_image, moving4, theta, t, wrt="theta", n_steps=n_steps, **warp)
 
