@@ -604,11 +604,18 @@ __device__ __forceinline__ void backward_item(
     }
 }
 
-// Blocks per SM the backward's registers are sized for: 3 for float32 in 3D, where the queue's
-// bookkeeping would otherwise take 97 registers (2 blocks/SM); float32 2D needs 64 at most (4
-// blocks/SM) anyway, and float64 trajectories would spill at 80.
+// Blocks per SM the backward's registers are sized for, float32 trajectories: 3 in 3D, where
+// the queue's bookkeeping would otherwise take 97 registers (2 blocks/SM); 4 in 2D, which fits
+// 64 registers without spills (ptxas' own choice, 78, leaves 3 blocks/SM; on the H200, b32
+// 256^2 tess 16: points-only backward 0.59 -> 0.56 ms, recomputed checkpoints 1.25 -> 1.22,
+// with moments unchanged at 1.07; 5 blocks spill: 0.89 / 1.32 / 1.21). float64 trajectories
+// keep ptxas' choice (they would spill at 80). -DCUTOPO_BACKWARD_MIN_BLOCKS_2D=N to profile
+// others.
+#ifndef CUTOPO_BACKWARD_MIN_BLOCKS_2D
+#define CUTOPO_BACKWARD_MIN_BLOCKS_2D 4
+#endif
 template <typename T, int K> struct BackwardBlocks {
-    static constexpr int value = (K == 3 && sizeof(T) == 4) ? 3 : 1;
+    static constexpr int value = sizeof(T) != 4 ? 1 : K == 3 ? 3 : K == 2 ? CUTOPO_BACKWARD_MIN_BLOCKS_2D : 1;
 };
 
 template <typename T, int K, bool PROJECT, int MODE>

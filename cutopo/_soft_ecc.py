@@ -272,7 +272,10 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     7 N in 3D), on top of the rounding of the evaluated entries and of the sums. The band
     entries are summed in float64 before the cast to the computation dtype.
 
-    *GPU.* CuPy inputs run the kernels of ``cuda_src/ecc_band.cuh``: the contribution map,
+    *GPU.* Float CuPy thresholds are checked (finite, sorted) by a kernel whose flags are
+    read once the op's kernels are queued, so the call makes no host copy of them that would
+    wait for the stream's earlier work; a failed check still raises before the call returns.
+    CuPy inputs run the kernels of ``cuda_src/ecc_band.cuh``: the contribution map,
     then one pass in which each thread finds its pixel's band edges (the same float64 edges
     as above, by binary search) and the 32 lanes of a warp evaluate the band of one pixel
     at a time over consecutive thresholds, adding into per-block float64 accumulators. The
