@@ -1,7 +1,9 @@
 """Argument validation shared by the Euler-characteristic ops.
 
 Every check raises TypeError (wrong type or dtype) or ValueError (wrong shape or value) with
-the argument's name in the message, before any kernel runs.
+the argument's name in the message, before any kernel runs (soft_ecc's float CuPy thresholds
+are the exception: a kernel checks their values, read before the call returns, see
+cutopo._band_cupy.checked_thresholds).
 """
 from __future__ import annotations
 
