@@ -76,10 +76,11 @@ def _checked_on_device(image, thresholds) -> bool:
     kernels are queued (no host copy that waits for the stream's earlier work): float CuPy
     thresholds on the CuPy image's device. Integer ones are checked on the host, since their
     cast to the computation dtype can merge values that are out of order."""
-    if not (is_cupy_array(image) and is_cupy_array(thresholds)):
+    if not (is_cupy_array(image) and is_cupy_array(thresholds) and thresholds.dtype.kind == "f"
+            and thresholds.device.id == image.device.id):
         return False
-    check_threshold_array(thresholds)
-    return thresholds.dtype.kind == "f" and thresholds.device.id == image.device.id
+    check_threshold_array(thresholds)    # the checks that need no values (check_thresholds' rest)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

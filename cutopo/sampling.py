@@ -177,10 +177,10 @@ def _coordinates(g, size, cfg: _Config):
             x, dx = _clip(x, dx, size)
         elif cfg.padding == "reflection":
             x, dx = _reflect(x, dx, size, cfg.align_corners)
-    if cfg.padding not in ("border", "reflection"):
-        # Points further out than one pixel read nothing: clamping them there changes no output
-        # and keeps the integer conversion below in range.
-        x = np.clip(x, -2, size + 1)
+        else:
+            # Points further out than one pixel read nothing: clamping them there changes no
+            # output and keeps the integer conversion below in range.
+            x = np.clip(x, -2, size + 1)
     return x, dx
 
 

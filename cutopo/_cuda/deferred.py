@@ -26,7 +26,7 @@ class DeferredFlags:
     def __init__(self, values):
         import cupy
 
-        self._shape, self._dtype = values.shape, values.dtype
+        self._shape, self._dtype, self._size = values.shape, values.dtype, values.size
         nbytes = max(values.nbytes, 1)
         self._memory = cupy.cuda.alloc_pinned_memory(nbytes)   # from CuPy's pinned pool
         stream = cupy.cuda.get_current_stream()
@@ -43,8 +43,7 @@ class DeferredFlags:
         same array). The page-locked memory goes back to CuPy's pool only after that wait."""
         if self._values is None:
             self._event.synchronize()
-            host = np.frombuffer(self._memory, dtype=self._dtype,
-                                 count=int(np.prod(self._shape, dtype=np.int64)))
+            host = np.frombuffer(self._memory, dtype=self._dtype, count=self._size)
             self._values = host.reshape(self._shape).copy()
             self._memory = self._source = None
         return self._values

@@ -29,21 +29,30 @@ def check_count(value, name, minimum=1):
 PRACTICAL_STEPS = 10 ** 9
 
 
+class StepSizeError(ValueError):
+    """The step-size guard's error; ``largest`` is the field's max_c ||A_c,lin||_F (+inf where
+    it overflows float64), so that a caller can choose a finer n_steps without recomputing it."""
+
+    def __init__(self, message, largest):
+        super().__init__(message)
+        self.largest = largest
+
+
 def check_step_size(largest, n_steps, name):
     """Refuse an ``n_steps`` too coarse for fields whose largest ||A_c,lin||_F is ``largest``
     (+inf where the norm overflows float64: a finite theta too large for any step count)."""
     if not largest > MAX_STEP_NORM * n_steps:
         return
     if not math.isfinite(largest):
-        raise ValueError(f"cpab.{name}: theta is too large: max_c ||A_c,lin||_F overflows float64, "
-                         "so no n_steps integrates it; scale theta down")
+        raise StepSizeError(f"cpab.{name}: theta is too large: max_c ||A_c,lin||_F overflows "
+                            "float64, so no n_steps integrates it; scale theta down", largest)
     need = math.ceil(largest / MAX_STEP_NORM)
     advice = (f"use n_steps >= {need}" if need <= PRACTICAL_STEPS
               else f"that needs n_steps >= {need:.4g}: scale theta down")
-    raise ValueError(
+    raise StepSizeError(
         f"cpab.{name}: n_steps={n_steps} is too coarse for this theta: h * max_c "
         f"||A_c,lin||_F = {largest / n_steps:.4g} exceeds {MAX_STEP_NORM} (max_c "
-        f"||A_c,lin||_F = {largest:.4g}); {advice}")
+        f"||A_c,lin||_F = {largest:.4g}); {advice}", largest)
 
 
 def broadcast_batch(a, b, names, op):

@@ -21,7 +21,7 @@ from .._array import array_module, as_array, is_cupy_array, to_numpy
 from .._progress import ProgressBar
 from ..vjp import vjp
 from . import _register_cupy
-from ._checks import PRACTICAL_STEPS, check_count
+from ._checks import PRACTICAL_STEPS, StepSizeError, check_count
 from .folding import folding_fraction as _folding_fraction
 from .integrate import MAX_STEP_NORM
 from .integrate import log_jacobian as _log_jacobian
@@ -233,13 +233,15 @@ def _initial_theta(theta0, tess, xp, dtype):
 
 # -- the optimisation -----------------------------------------------------------------------------
 
-def _raised_n_steps(theta, tess, n_steps):
-    """An n_steps that passes integrate's step-size guard for theta, with a quarter to spare
-    (so that a theta still growing does not trip it again at once). Reads theta on the host."""
-    A = tess.affine_maps(to_numpy(theta).astype(np.float64))
-    K = tess.ndim
-    largest = float(np.sqrt((A[..., :K] ** 2).sum(axis=(-2, -1))).max(initial=0.0))
-    return max(n_steps + 1, math.ceil(1.25 * largest / MAX_STEP_NORM))
+def _raised_n_steps(largest, n_steps):
+    """An n_steps that passes integrate's step-size guard for a field whose max_c
+    ||A_c,lin||_F is ``largest`` (the guard's StepSizeError carries it), with a quarter to
+    spare (so that a theta still growing does not trip it again at once); None where no
+    practical count does (theta diverged)."""
+    if not math.isfinite(largest):
+        return None
+    raised = max(n_steps + 1, math.ceil(1.25 * largest / MAX_STEP_NORM))
+    return raised if raised <= PRACTICAL_STEPS else None
 
 
 def _dirichlet(tess, xp, dtype):
@@ -432,13 +434,9 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
         nonlocal n_steps
         try:
             return vjp(transform_image, moving4, theta, t, wrt="theta", n_steps=n_steps, **warp)
-        except ValueError as exc:
-            message = str(exc)
-            if "too coarse" not in message and "theta is too large" not in message:
-                raise
-            raised = (_raised_n_steps(theta, t, n_steps) if "too coarse" in message
-                      else PRACTICAL_STEPS + 1)
-            if raised > PRACTICAL_STEPS:                  # theta diverged: no count will do
+        except StepSizeError as exc:
+            raised = _raised_n_steps(exc.largest, n_steps)
+            if raised is None:
                 raise ValueError(f"register: theta diverged (its field grew past what any "
                                  f"practical n_steps integrates); lower lr (got {lr})") from exc
         n_steps = raised
