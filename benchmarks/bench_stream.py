@@ -6,14 +6,15 @@ the overhead of cutopo.dask against the single-array call on one GPU.
 Copy bandwidth (measured first, same run): a 1 GiB cudaMemcpyAsync host-to-device from pinned
 memory (``cupyx.empty_pinned``) and from pageable memory (a NumPy array), median of --reps; and
 what page-locking that pageable GiB in place costs (cudaHostRegister, then the copy, then
-cudaHostUnregister), which bounds the registered streaming rows.
+cudaHostUnregister), which bounds the registered streaming rows; and the rate of the host copy
+that staging a pageable source needs (into pinned memory, on cutopo's READ_THREADS threads).
 Streaming rows: ``cutopo.ecc(host_volume, thresholds, device="cuda")`` on a uint8 or float32
 volume in host memory (pageable NumPy array, or pinned), default slab size (128 MiB), 256
 thresholds; GB/s = input bytes / wall time of the whole call (median of --reps, first call
 excluded); "of pinned H2D" = that throughput over the pinned copy bandwidth (target >= 80 %).
-A pageable volume is page-locked in place chunk by chunk (cutopo._stream.HOST_REGISTER) and
-its registered slabs are copied directly; the "staged" rows turn that off (every slab through
-the pinned staging buffers, as before); "direct/staged" counts the slabs of the last call.
+A pageable volume is staged through the pinned buffers (the default); the "registered" rows
+page-lock it in place chunk by chunk instead (the opt-in cutopo._stream.HOST_REGISTER) and copy
+its registered slabs directly; "direct/staged" counts the slabs of the last call.
 The "periodic" rows stream the torus (``boundary="periodic"``: halo planes modulo n0, each slab
 padded on the device; pageable sources are staged) and check it against the in-memory CuPy
 torus.
@@ -37,6 +38,7 @@ import time
 import numpy as np
 
 import cutopo
+from cutopo import _stream
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ecc import make_image  # noqa: E402  (the same random volumes as the ECC benchmark)
@@ -72,23 +74,46 @@ def h2d_bandwidth(cp, host, reps):
     return host.nbytes / ms / 1e6
 
 
+def host_copy_bandwidth(pageable, pinned, threads, reps):
+    """GB/s of copying ``pageable`` (1-D uint8) into the pinned buffer ``pinned`` in slabs of its
+    size, each split over ``threads`` host threads: what staging a pageable source can reach on
+    this host (the copy engine then reads the pinned bytes once more)."""
+    import concurrent.futures
+
+    slab = pinned.size
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        def copy():
+            for s0 in range(0, pageable.size, slab):
+                part = pageable[s0:s0 + slab]
+                cuts = np.linspace(0, part.size, threads + 1).astype(np.int64)
+                list(pool.map(lambda c: np.copyto(pinned[c[0]:c[1]], part[c[0]:c[1]]),
+                              zip(cuts[:-1], cuts[1:])))
+
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            copy()
+            times.append(time.perf_counter() - t0)
+    return pageable.nbytes / float(np.median(times)) / 1e9
+
+
 def stream_cases(quick):
     if quick:
         return [("1024^3 uint8", (1024,) * 3, "uint8", "pageable"),
-                ("1024^3 uint8 staged", (1024,) * 3, "uint8", "staged"),
+                ("1024^3 uint8 registered", (1024,) * 3, "uint8", "registered"),
                 ("1024^3 uint8 pinned", (1024,) * 3, "uint8", "pinned"),
                 ("1024^3 uint8 periodic", (1024,) * 3, "uint8", "periodic"),
                 ("1024^3 uint8 pinned periodic", (1024,) * 3, "uint8", "pinned periodic")]
     return [("1024^3 uint8", (1024,) * 3, "uint8", "pageable"),
-            ("1024^3 uint8 staged", (1024,) * 3, "uint8", "staged"),
+            ("1024^3 uint8 registered", (1024,) * 3, "uint8", "registered"),
             ("1024^3 uint8 pinned", (1024,) * 3, "uint8", "pinned"),
             ("1024^3 uint8 periodic", (1024,) * 3, "uint8", "periodic"),
             ("1024^3 uint8 pinned periodic", (1024,) * 3, "uint8", "pinned periodic"),
             ("1024^3 float32", (1024,) * 3, "float32", "pageable"),
-            ("1024^3 float32 staged", (1024,) * 3, "float32", "staged"),
+            ("1024^3 float32 registered", (1024,) * 3, "float32", "registered"),
             ("1024^3 float32 pinned", (1024,) * 3, "float32", "pinned"),
             ("2048^3 uint8", (2048,) * 3, "uint8", "pageable"),
-            ("2048^3 uint8 staged", (2048,) * 3, "uint8", "staged"),
+            ("2048^3 uint8 registered", (2048,) * 3, "uint8", "registered"),
             ("2048^3 uint8 pinned", (2048,) * 3, "uint8", "pinned")]
 
 
@@ -165,6 +190,7 @@ def main(argv=None):
     bw_pinned = h2d_bandwidth(cp, pinned_probe, reps)
     bw_pageable = h2d_bandwidth(cp, pageable_probe, reps)
     reg_ms, reg_copy_ms, unreg_ms = register_cost(cp, pageable_probe, reps)
+    bw_host = host_copy_bandwidth(pageable_probe, pinned_probe[:128 << 20], _stream.READ_THREADS, reps)
     del pinned_probe, pageable_probe
     cp.get_default_memory_pool().free_all_blocks()
     print(f"# GPU: {name}; host-to-device copy bandwidth {bw_pinned:.1f} GB/s pinned, "
@@ -172,17 +198,17 @@ def main(argv=None):
     print(f"# page-locking 1 GiB of pageable memory in place: cudaHostRegister {reg_ms:.1f} ms "
           f"({1.074 / reg_ms * 1e3:.0f} GB/s), copy {reg_copy_ms:.1f} ms "
           f"({1.074 / reg_copy_ms * 1e3:.1f} GB/s), cudaHostUnregister {unreg_ms:.1f} ms")
+    print(f"# host copy of 1 GiB pageable -> pinned on {_stream.READ_THREADS} threads (what staging "
+          f"can reach): {bw_host:.1f} GB/s")
     report = {"device": name, "h2d_pinned_gbs": bw_pinned, "h2d_pageable_gbs": bw_pageable,
               "host_register_ms": reg_ms, "host_registered_copy_ms": reg_copy_ms,
-              "host_unregister_ms": unreg_ms, "stream": [], "dask": []}
+              "host_unregister_ms": unreg_ms, "host_copy_gbs": bw_host, "stream": [], "dask": []}
     targets = []
 
     print("\n# Streaming from host memory (cutopo.ecc(host, t, device='cuda'), default slabs)")
     header = ("case", "GB", "call ms", "GB/s", "of pinned H2D", "direct/staged", "equal")
     print_row(header)
     print("|" + "---|" * len(header))
-    from cutopo import _stream
-
     for case, shape, dtype, kind in stream_cases(args.quick):
         if not only(case):
             continue
@@ -195,13 +221,14 @@ def main(argv=None):
         g.get(out=host)
         del g
         cp.get_default_memory_pool().free_all_blocks()
-        _stream.HOST_REGISTER = kind != "staged"
+        default_register = _stream.HOST_REGISTER
+        _stream.HOST_REGISTER = kind == "registered"
         try:
             got = cutopo.ecc(host, t, device="cuda", boundary=boundary)
             ms = wall_ms(cp, lambda h=host: cutopo.ecc(h, t, device="cuda", boundary=boundary), reps,
                          warmup=0)
         finally:
-            _stream.HOST_REGISTER = True
+            _stream.HOST_REGISTER = default_register
         last = dict(_stream.last_pipeline)
         gbs = host.nbytes / ms / 1e6
         equal = "yes" if np.array_equal(got, want) else "NO"

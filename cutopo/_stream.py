@@ -18,9 +18,9 @@ k + 1 into pinned memory (host threads), copying slab k to the device and the hi
 on slab k - 1 overlap (``ecc_histogram_masked`` of ``cuda_src/ecc.cu`` counts only the owned
 planes and adds into the shared histogram). The slabs ramp up and down in size at both ends of
 a volume (:data:`RAMP`). A source in page-locked memory is copied to the device directly; a
-large pageable NumPy array is page-locked in place, chunk by chunk, by a background thread
-(:class:`HostRegistration`, :data:`HOST_REGISTER`) and its registered slabs are copied directly
-too, the others staged, so the copy engine rather than a host memcpy sets the pace.
+pageable one is staged through the pinned buffers. Page-locking a large pageable NumPy array in
+place, chunk by chunk, by a background thread (:class:`HostRegistration`) is an opt-in
+(:data:`HOST_REGISTER`): it was slower than staging on every measurement.
 
 The streamed ECT on the GPU (:func:`ect`) reads and copies slabs the same way, through two
 pinned and two device buffers (:func:`_device_slabs`), one slab ahead of the kernels.
@@ -67,13 +67,18 @@ READ_THREADS = min(8, os.cpu_count() or 1)
 # counting the last) is short.
 RAMP = (8, 4, 2)
 # Pageable NumPy sources on the GPU (a C-contiguous in-memory array, not a memmap, of at least
-# REGISTER_MIN_BYTES): page-locked in place with cudaHostRegister, in chunks of
-# REGISTER_CHUNK_BYTES, by a background thread that stays at most REGISTER_AHEAD_SLABS slabs
-# ahead of the pipeline; a slab whose chunks are registered is copied to the device directly
-# (as from pinned memory), any other slab through the pinned staging buffers, so the call is
-# never slower than staging alone. Chunks are unregistered once copied (all before the call
-# returns). False: always stage.
-HOST_REGISTER = True
+# REGISTER_MIN_BYTES) with HOST_REGISTER = True: page-locked in place with cudaHostRegister, in
+# chunks of REGISTER_CHUNK_BYTES, by a background thread that stays at most REGISTER_AHEAD_SLABS
+# slabs ahead of the pipeline; a slab whose chunks are registered is copied to the device
+# directly (as from pinned memory), any other slab through the pinned staging buffers. Chunks
+# are unregistered once copied (all before the call returns).
+# Off by default: on the H200 machines it was slower than staging in every run (1024^3 uint8:
+# 65.7 vs 61.3 ms, 58.5 vs 55.5, 65-71 vs 43-53; benchmarks/RESULTS.md). Registering and
+# unregistering cost about as much as the copy they save (37 and 47 GB/s for one thread, no
+# faster on more), and while a register or unregister call runs the driver holds back the
+# other threads' CUDA calls: a memcpyAsync issued meanwhile waited up to 89 ms, so page-locking
+# also stalls the pipeline's own copies and any other CUDA work of the process.
+HOST_REGISTER = False
 REGISTER_CHUNK_BYTES = 32 << 20
 REGISTER_MIN_BYTES = 64 << 20
 REGISTER_AHEAD_SLABS = 4

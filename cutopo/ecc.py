@@ -87,16 +87,14 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     slab's input takes at most S; the call allocates two device slab buffers and two pinned host
     buffers of that size (fewer bytes when the input is smaller), plus the (*batch, T) int64
     histogram; a source that is already pinned (``cupyx.empty_pinned``) is copied to the device
-    directly, without the host buffers. A C-contiguous NumPy array of 64 MiB or more is
-    page-locked in place while the call runs (``cudaHostRegister``, in 32 MiB chunks by a
-    background thread, at most 4 slabs ahead of the copies, each chunk released once copied and
-    all before the call returns), and its registered slabs are copied directly too. While the
-    GPU histograms slab k, slab k + 1 is copied (second CUDA stream) and slab k + 2 registered
-    or read into pinned memory by host threads. A slab needs at least one plane besides its two
+    directly, without the host buffers; a pageable one is read into them by host threads (its
+    throughput is then bounded by the host's memory bandwidth: each byte is read, written to
+    pinned memory and read again by the copy engine). While the GPU histograms slab k, slab
+    k + 1 is copied (second CUDA stream) and slab k + 2 read into pinned memory. A slab needs at least one plane besides its two
     halo planes: a smaller S raises ValueError. A threshold count's minimum/maximum pass reads
     the same slabs, input only (no larger S needed than with explicit thresholds). Periodic
-    slabs read their halo planes modulo the first axis' length (through the GPU they are staged,
-    not page-locked in place) and are padded along the other axes.
+    slabs read their halo planes modulo the first axis' length and are padded along the other
+    axes.
 
     Notes
     -----

@@ -829,9 +829,11 @@ def bisect_lo(reg, ptr):
     return bisect.bisect_right(reg.bounds, ptr) - 1
 
 
-def test_registrable():
-    assert not _stream.registrable(np.zeros(10))  # small arrays are staged
+def test_registrable(monkeypatch):
     big = np.zeros(_stream.REGISTER_MIN_BYTES, dtype=np.uint8)
+    assert not _stream.registrable(big)  # an opt-in: pageable sources are staged by default
+    monkeypatch.setattr(_stream, "HOST_REGISTER", True)
+    assert not _stream.registrable(np.zeros(10))  # small arrays are staged
     assert _stream.registrable(big) and not _stream.registrable(big[::2])
     assert not _stream.registrable(big.view(np.memmap))
 

@@ -104,7 +104,9 @@ class RecordRegistrations:
 
 
 def small_registration(monkeypatch):
-    """Register-in-place thresholds small enough for a few-MiB test volume."""
+    """Register-in-place switched on (the opt-in), with thresholds small enough for a few-MiB
+    test volume."""
+    monkeypatch.setattr(_stream, "HOST_REGISTER", True)
     monkeypatch.setattr(_stream, "REGISTER_MIN_BYTES", 1 << 20)
     monkeypatch.setattr(_stream, "REGISTER_CHUNK_BYTES", 256 << 10)
 
