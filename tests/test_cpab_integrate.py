@@ -586,6 +586,9 @@ def test_errors(rng):
             fn(rng.random(4), theta, tess)
         with pytest.raises(ValueError, match="n_steps must be >= 1"):
             fn(x, theta, tess, n_steps=0)
+        # past the kernels' 32-bit step counter: refused at once (ran without end on NumPy)
+        with pytest.raises(ValueError, match="n_steps must be <= 2147483647"):
+            fn(x, theta, tess, n_steps=2 ** 31)
         with pytest.raises(TypeError, match="n_steps must be an int"):
             fn(x, theta, tess, n_steps=10.0)
         with pytest.raises(TypeError, match="n_steps must be an int"):

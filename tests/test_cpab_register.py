@@ -247,6 +247,7 @@ def test_bad_input(rng):
         (dict(ncc_window=4), ValueError, "ncc_window must be odd"),
         (dict(lr_schedule="step"), ValueError, "lr_schedule must be one of 'cosine', 'constant'"),
         (dict(n_steps=0), ValueError, "n_steps must be >= 1"),
+        (dict(n_steps=2 ** 31), ValueError, "n_steps must be <= 2147483647"),
         (dict(levels=3), ValueError, r"levels=3: every entry of tess.shape \(2, 2\) must be divisible"),
         (dict(levels=[(1, 2)]), ValueError, "levels: coarse .* the factors .* must be equal"),
         (dict(levels=[Tessellation((1, 1), zero_boundary="slip")]), ValueError,

@@ -367,6 +367,8 @@ def test_errors(rng):
         transform_image(image, theta, (2, 2))
     with pytest.raises(ValueError, match="n_steps must be >= 1"):
         transform_image(image, theta, tess, n_steps=0)
+    with pytest.raises(ValueError, match="n_steps must be <= 2147483647"):
+        transform_image(image, theta, tess, n_steps=2 ** 31)
     with pytest.raises(ValueError, match="shape .* has 3 axes"):
         transform_grid(theta, tess, (3, 4, 5))
     with pytest.raises(ValueError, match="shape must be >= 1"):

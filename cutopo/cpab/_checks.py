@@ -25,6 +25,19 @@ def check_count(value, name, minimum=1):
     return value
 
 
+# The kernels count integration steps in 32-bit integers; both paths refuse more.
+MAX_STEPS = 2 ** 31 - 1
+
+
+def check_n_steps(value):
+    """An integration step count: an int in [1, MAX_STEPS]."""
+    value = check_count(value, "n_steps")
+    if value > MAX_STEPS:
+        raise ValueError(f"n_steps must be <= {MAX_STEPS} (steps are counted in 32-bit integers), "
+                         f"got {value}")
+    return value
+
+
 # Above this many steps the guard's error says to scale theta down rather than name a count.
 PRACTICAL_STEPS = 10 ** 9
 

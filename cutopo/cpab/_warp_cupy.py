@@ -19,7 +19,7 @@ from .._cuda.launch import Signature, launch
 from .._sampling_cupy import _CTYPE, PADDING_CODES, _dims, _flag
 from . import _integrate_cupy as icp
 from .velocity import check_points_theta
-from ._checks import broadcast_batch, check_count
+from ._checks import broadcast_batch, check_n_steps
 
 FAMILY = icp.FAMILY
 THREADS = icp.THREADS
@@ -95,7 +95,7 @@ def _forward(image, theta, tess, n_steps, mode, padding_mode):
     _sampling._choice(mode, "mode", _sampling.MODES)
     _sampling._choice(padding_mode, "padding_mode", _sampling.PADDING_MODES)
     image = _sampling._float_array(image, "image")
-    n_steps = check_count(n_steps, "n_steps")
+    n_steps = check_n_steps(n_steps)
     # The kernels make the pixel centres themselves; integrate's checks and plan are given one
     # float32 point, which gives the trajectories transform_grid's dtype (theta's, at least
     # float32) and costs no pass over a grid of centres.

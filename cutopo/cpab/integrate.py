@@ -25,7 +25,7 @@ import numpy as np
 from .._array import is_cupy_array
 from ..vjp import register
 from .tessellation import cell_index
-from ._checks import MAX_STEP_NORM, check_count, check_step_size
+from ._checks import MAX_STEP_NORM, check_count, check_n_steps, check_step_size
 from .velocity import check_points_theta
 
 __all__ = ["integrate", "log_jacobian", "MAX_STEP_NORM"]
@@ -122,7 +122,7 @@ class _Setup:
 
 def _setup(points, theta, tess, n_steps, name):
     points, theta, dtype = check_points_theta(points, theta, tess, name)
-    n_steps = check_count(n_steps, "n_steps")
+    n_steps = check_n_steps(n_steps)
     K, C = tess.ndim, tess.n_cells
     P = points if points.ndim == 3 else points[None]                     # (Bp, N, K)
     T2 = theta if theta.ndim == 2 else theta[None]                       # (Bt, d)
@@ -187,7 +187,7 @@ def _device_plan(points, theta, tess, n_steps, name):
 
     # the finiteness checks run in checked_plan's check kernel, read with the guard
     points, theta, dtype = check_points_theta(points, theta, tess, name, defer_finite=True)
-    n_steps = check_count(n_steps, "n_steps")
+    n_steps = check_n_steps(n_steps)
     with _integrate_cupy.checked_plan(points, theta, tess, n_steps, name, dtype) as plan:
         yield plan, points.ndim == 3 or theta.ndim == 2, points.ndim, theta.ndim
 
@@ -303,7 +303,7 @@ def _integrate_meta(points, theta, tess, *, n_steps=50, checkpoint_every=4):
 
     check_count(checkpoint_every, "checkpoint_every")
     check_points_theta(stand_in(points), stand_in(theta), tess, "integrate")
-    check_count(n_steps, "n_steps")
+    check_n_steps(n_steps)
     Bp = points.shape[0] if points.ndim == 3 else 1
     Bt = theta.shape[0] if theta.ndim == 2 else 1
     shape = tuple(points.shape[-2:])
@@ -333,7 +333,8 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
         T, the number of steps of size h = 1/T (default 50, libcpab's and FG-CPAB's
         ``nstepsolver``). It must pass the step-size guard ``h * max_c ||A_c,lin||_F <=
         MAX_STEP_NORM`` (0.5), the maximum over cells and batch items of the Frobenius norm of
-        the linear part of A_c; otherwise a ValueError says which n_steps would do.
+        the linear part of A_c; otherwise a ValueError says which n_steps would do. At most
+        2**31 - 1 (the kernels' step counter is 32-bit).
     checkpoint_every : int, optional
         S, the segment length of the VJP (:func:`cutopo.vjp`): its forward keeps the trajectory
         every S steps and its backward recomputes one segment at a time, so a point holds

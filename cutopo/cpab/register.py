@@ -21,7 +21,7 @@ from .._array import array_module, as_array, is_cupy_array, to_numpy
 from .._progress import ProgressBar
 from ..vjp import vjp
 from . import _register_cupy
-from ._checks import PRACTICAL_STEPS, StepSizeError, check_count
+from ._checks import PRACTICAL_STEPS, StepSizeError, check_count, check_n_steps
 from .folding import folding_fraction as _folding_fraction
 from .integrate import MAX_STEP_NORM
 from .integrate import log_jacobian as _log_jacobian
@@ -419,7 +419,7 @@ def register(fixed, moving, tess, *, loss="mse", steps=200, lr=0.01, levels=1, n
     window = check_count(ncc_window, "ncc_window")
     if window % 2 == 0:
         raise ValueError(f"ncc_window must be odd, got {window}")
-    n_steps = check_count(n_steps, "n_steps")
+    n_steps = check_n_steps(n_steps)
     chain = _level_tessellations(tess, levels)
     per_level = _level_steps(steps, len(chain))
     xp = array_module(fixed4)

@@ -29,7 +29,7 @@ from .._array import array_module, is_cupy_array
 from ..sampling import grid_sample
 from ..vjp import register
 from . import _warp_cupy
-from ._checks import broadcast_batch, check_count
+from ._checks import broadcast_batch, check_count, check_n_steps
 from .integrate import integrate
 from .tessellation import Tessellation
 
@@ -251,7 +251,7 @@ def empty_warp(image, theta, tess, n_steps, mode, padding_mode, *, name="transfo
     _sampling._choice(mode, "mode", _sampling.MODES)
     _sampling._choice(padding_mode, "padding_mode", _sampling.PADDING_MODES)
     image = _sampling._float_array(image, "image")
-    check_count(n_steps, "n_steps")
+    check_n_steps(n_steps)
     _check_shape(image.shape[2:], tess, name)
     xp = array_module(image)
     theta = xp.asarray(theta)
@@ -327,7 +327,7 @@ def _check_grid_arguments(theta, tess, shape, n_steps, name):
 
     _check_shape(shape, tess, name)
     check_points_theta(np.zeros((1, tess.ndim)), theta, tess, "integrate")
-    check_count(n_steps, "n_steps")
+    check_n_steps(n_steps)
 
 
 def _check_sampling_options(image, mode, padding_mode):
