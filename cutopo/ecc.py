@@ -90,11 +90,11 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     directly, without the host buffers; a pageable one is read into them by host threads (its
     throughput is then bounded by the host's memory bandwidth: each byte is read, written to
     pinned memory and read again by the copy engine). While the GPU histograms slab k, slab
-    k + 1 is copied (second CUDA stream) and slab k + 2 read into pinned memory. A slab needs at least one plane besides its two
-    halo planes: a smaller S raises ValueError. A threshold count's minimum/maximum pass reads
-    the same slabs, input only (no larger S needed than with explicit thresholds). Periodic
-    slabs read their halo planes modulo the first axis' length and are padded along the other
-    axes.
+    k + 1 is copied (second CUDA stream) and slab k + 2 read into pinned memory. A slab needs
+    at least one plane besides its two halo planes: a smaller S raises ValueError. A threshold
+    count's minimum/maximum pass reads the same slabs, input only (no larger S needed than with
+    explicit thresholds). Periodic slabs read their halo planes modulo the first axis' length
+    and are padded along the other axes.
 
     Notes
     -----
