@@ -227,7 +227,10 @@ def test_vjp_batches_sum_over_shared_arguments(rng):
     ref = [cutopo.vjp(transform_image, images[b:b + 1], theta[0], tess, n_steps=T)[1](w[b:b + 1])
            for b in range(3)]
     assert d_theta.shape == theta[0].shape
-    np.testing.assert_allclose(d_theta, sum(r[1] for r in ref), rtol=1e-12, atol=1e-14)
+    want = sum(r[1] for r in ref)
+    # summed in another order: rounding relative to the largest entry (a small entry is a
+    # cancellation of large terms; seed 1437062427029246327 gave 1.8e-14 off -3e-3, entries ~9)
+    np.testing.assert_allclose(d_theta, want, rtol=1e-12, atol=1e-13 * np.abs(want).max())
 
 
 def _no_computation(monkeypatch):
