@@ -45,7 +45,9 @@ for exactly the arguments being differentiated (``symbolic_zeros`` tells which).
   0-d array: it is passed to cutopo as a Python float, so it does not widen the result dtype
   (JAX's own weak-type rule). The backward calls the op's forward again before its VJP (the
   residuals of a cutopo forward are Python objects), so ``jax.grad`` costs two forwards and
-  one backward. The non-differentiable ops (integer outputs) have zero gradients.
+  one backward. The non-differentiable ops (integer outputs) have zero gradients. Reverse
+  mode, first order only: forward mode (``jax.jvp``, ``jax.jacfwd``) and second derivatives
+  (``jax.hessian``, a grad of a grad) raise JAX's errors for custom VJPs and callbacks.
 * dtypes: the result dtype is the cutopo op's. float64 needs x64 mode
   (``jax.config.update("jax_enable_x64", True)``): without it a float64 result (float64 inputs,
   a NumPy float64 scale) raises a ValueError that says so, instead of being silently rounded to

@@ -50,6 +50,9 @@ a table and passed as its integer key. Differentiable ops get a second custom op
   forwards and one backward.
 * Non-differentiable ops return integer tensors; asking for a gradient through them is an error
   of autograd's (no grad_fn).
+* First order only: differentiating a backward (``create_graph=True`` and then a gradient of
+  the gradient, as gradient penalties and Hessian-vector products do) raises
+  NotImplementedError naming the op. A ``create_graph=True`` backward alone works.
 
 ``torch.compile``: every op is one opaque node; ``torch.compile(fn, fullgraph=True)`` of a
 function that calls these ops and differentiates through them compiles without graph breaks
@@ -424,6 +427,18 @@ def _define_vjp(op, forward):
             return [t.new_empty(tuple(t.shape)) for t, need in zip(tensors, needs) if need]
 
         vjp_op.register_fake(vjp_fake)
+
+    # The VJPs are first-order: say so when autograd differentiates a backward (create_graph),
+    # rather than torch's "no autograd formula was registered" for an internal op.
+    def vjp_setup_context(ctx, inputs, output):
+        pass
+
+    def vjp_backward(ctx, *grads):
+        raise NotImplementedError(
+            f"cutopo.torch: {op.name} has no second derivative (its VJP is first-order): "
+            "double backward and Hessian-vector products through cutopo ops are not supported")
+
+    vjp_op.register_autograd(vjp_backward, setup_context=vjp_setup_context)
 
     def setup_context(ctx, inputs, output):
         tensors, static = inputs

@@ -84,6 +84,23 @@ def test_gradients_equal_cutopo_vjp(case, rng):
         np.testing.assert_array_equal(g.numpy(), expected[i])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.differentiable], ids=lambda c: c.id)
+def test_second_derivatives_are_refused_by_name(case, rng):
+    """create_graph=True gives the first-order gradients unchanged; differentiating them again
+    raises NotImplementedError naming the op (was torch's message about an internal op)."""
+    positions = case.grad_positions()
+    args = [to_torch(a, requires_grad=i in positions) for i, a in enumerate(case.args)]
+    out = resolve(ct, case.path)(*args, **case.kwargs)
+    cotangent = np.asarray(rng.standard_normal(out.shape)).astype(out.detach().numpy().dtype)
+    grads = torch.autograd.grad(out, [args[i] for i in positions], torch.from_numpy(cotangent),
+                                create_graph=True)
+    expected = case.vjp_reference(cotangent)
+    for i, g in zip(positions, grads):
+        np.testing.assert_array_equal(g.detach().numpy(), expected[i])
+    with pytest.raises(NotImplementedError, match="has no second derivative"):
+        torch.autograd.grad(sum(g.float().sum() for g in grads), [args[i] for i in positions])
+
+
 def test_only_the_needed_gradients_are_computed(monkeypatch):
     """The backward asks cutopo.vjp only for the tensors that require grad (ctx.needs_input_grad)."""
     seen = record_wrt(monkeypatch, ct)
