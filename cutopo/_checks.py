@@ -98,6 +98,14 @@ def linear_thresholds(image, n):
     Returns
     -------
     thresholds : 1-D ndarray of the image's array type
+
+    Examples
+    --------
+    >>> import numpy as np, cutopo
+    >>> cutopo.linear_thresholds(np.array([[0.5, np.nan], [2.5, 1.0]], dtype=np.float32), 3)
+    array([0.5, 1.5, 2.5], dtype=float32)
+    >>> cutopo.linear_thresholds(np.array([[3, 7]], dtype=np.uint8), 2)
+    array([3., 7.])
     """
     image = as_array(image, "image")
     n = check_count(n)

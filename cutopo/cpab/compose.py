@@ -251,6 +251,11 @@ def compose_grid(thetas, tess, shape, *, n_steps=50):
     ``shape`` has its centre at ``((i_0 + 1/2) / shape[0], ...)``, ``phi[..., k]`` is along
     array axis k.
 
+    References
+    ----------
+    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
+       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
+
     Examples
     --------
     >>> import numpy as np
@@ -368,6 +373,13 @@ def compose_image(image, thetas, tess, *, n_steps=50, mode="bilinear", padding_m
     ----------
     As :func:`~cutopo.cpab.transform_image`: pixel ``(i, j)`` of an H x W image sits at
     ``((i + 1/2) / H, (j + 1/2) / W)`` in the unit box, coordinate 0 along the rows.
+
+    References
+    ----------
+    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
+       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
+    .. [2] M. Jaderberg, K. Simonyan, A. Zisserman, K. Kavukcuoglu, "Spatial Transformer
+       Networks", NeurIPS 2015 (sampling an image at the transformed grid).
 
     Examples
     --------

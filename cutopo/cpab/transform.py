@@ -188,6 +188,11 @@ def transform_grid(theta, tess, shape, *, n_steps=50):
     the box, and ``phi[..., k]`` is the moved point's coordinate along array axis k (row
     first in 2D: the reverse of grid_sample's x-first order).
 
+    References
+    ----------
+    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
+       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
+
     Examples
     --------
     >>> import numpy as np
@@ -434,6 +439,13 @@ def transform_image(image, theta, tess, *, n_steps=50, mode="bilinear", padding_
     axis order (grid_sample's grid is x, i.e. the last axis, first). Backward warp: the output
     pixel at x reads the input at phi_theta(x); ``-theta`` warps (approximately) the other
     way.
+
+    References
+    ----------
+    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
+       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
+    .. [2] M. Jaderberg, K. Simonyan, A. Zisserman, K. Kavukcuoglu, "Spatial Transformer
+       Networks", NeurIPS 2015 (sampling an image at the transformed grid).
 
     Examples
     --------
