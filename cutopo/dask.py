@@ -614,6 +614,14 @@ def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     chunk of the result (more levels beyond :data:`SPLIT_EVERY` parts). No task synchronises
     with the device.
 
+    Convention: as for :func:`cutopo.ecc` (the last ``ndim`` axes are spatial, in C order);
+    the chunking never changes the result.
+
+    References
+    ----------
+    .. [1] Dask Development Team, "Dask: library for dynamic task scheduling", 2016,
+       https://dask.org (the task graph and schedulers this builds on).
+
     Examples
     --------
     >>> import numpy as np, dask.array as da, cutopo, cutopo.dask
@@ -711,6 +719,14 @@ def ect(dmask, directions, thresholds, *, connectivity=1, boundary="box"):
     -------
     transform : dask.array.Array of int64, shape (*batch, D, T)
         Lazy; chunks of the input's type.
+
+    Convention: as for :func:`cutopo.ect` (heights from the centred, isotropic positions of the
+    whole array, not of a chunk; directions in array-axis order).
+
+    References
+    ----------
+    .. [1] Dask Development Team, "Dask: library for dynamic task scheduling", 2016,
+       https://dask.org.
 
     Examples
     --------
