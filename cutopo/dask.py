@@ -5,8 +5,8 @@ return lazy Dask arrays equal to :func:`cutopo.ecc` / :func:`cutopo.ect` of the 
 They run under any Dask scheduler: the threaded default, ``dask.distributed`` and
 ``dask_cuda.LocalCUDACluster`` (one worker per GPU, CuPy chunks on each worker's device).
 With CuPy chunks on a single GPU, prefer ``.compute(scheduler="sync")``: the tasks only queue
-kernels on the one stream, so the threaded scheduler adds its overhead (0.7-1.4 ms per call on
-the H200's host, see benchmarks/RESULTS.md) and no parallelism. Install with
+kernels on the one stream, so the threaded scheduler adds its overhead (up to 1.4 ms per call
+on the H200's host, see benchmarks/RESULTS.md) and no parallelism. Install with
 ``pip install 'cutopo[dask]'``; ``import cutopo`` does not import Dask.
 
 How the chunks split the work without counting a cell twice. Each pixel p contributes c(p),
