@@ -376,10 +376,7 @@ def compose_image(image, thetas, tess, *, n_steps=50, mode="bilinear", padding_m
 
     References
     ----------
-    .. [1] O. Freifeld, S. Hauberg, K. Batmanghelich, J. W. Fisher III, "Transformations based on
-       continuous piecewise-affine velocity fields", IEEE TPAMI 39(12), 2017.
-    .. [2] M. Jaderberg, K. Simonyan, A. Zisserman, K. Kavukcuoglu, "Spatial Transformer
-       Networks", NeurIPS 2015 (sampling an image at the transformed grid).
+    As for :func:`~cutopo.cpab.transform_image` (CPAB fields; sampling at the moved grid).
 
     Examples
     --------
