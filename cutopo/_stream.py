@@ -74,8 +74,8 @@ RAMP = (8, 4, 2)
 # are unregistered once copied (all before the call returns).
 # Off by default: on the H200 machines it was slower than staging in every run (1024^3 uint8:
 # 65.7 vs 61.3 ms, 58.5 vs 55.5, 65-71 vs 43-53; benchmarks/RESULTS.md). Registering and
-# unregistering cost about as much as the copy they save (37 and 47 GB/s for one thread, no
-# faster on more), and while a register or unregister call runs the driver holds back the
+# unregistering cost about as much as the copy they save (37 and 47 GB/s for one thread, at
+# most 41 and 57 on more), and while a register or unregister call runs the driver holds back the
 # other threads' CUDA calls: a memcpyAsync issued meanwhile waited up to 89 ms, so page-locking
 # also stalls the pipeline's own copies and any other CUDA work of the process.
 HOST_REGISTER = False
