@@ -5,8 +5,8 @@ return lazy Dask arrays equal to :func:`cutopo.ecc` / :func:`cutopo.ect` of the 
 They run under any Dask scheduler: the threaded default, ``dask.distributed`` and
 ``dask_cuda.LocalCUDACluster`` (one worker per GPU, CuPy chunks on each worker's device).
 With CuPy chunks on a single GPU, prefer ``.compute(scheduler="sync")``: the tasks only queue
-kernels on the one stream, so the threaded scheduler adds its overhead (up to 1.4 ms per call
-on the H200's host, see benchmarks/RESULTS.md) and no parallelism. Install with
+kernels, so the threaded scheduler adds its overhead (up to 1.4 ms per call on the H200's host,
+see benchmarks/RESULTS.md) and no parallelism. Install with
 ``pip install 'cutopo[dask]'``; ``import cutopo`` does not import Dask.
 
 How the chunks split the work without counting a cell twice. Each pixel p contributes c(p),
@@ -37,7 +37,16 @@ The task graph is built directly (no map_blocks/rechunk/reduction layers), one t
   crosses from one "edges" task per chunk (a tuple of views: the planes that faces need of it);
 * the per-task histograms stay where they were computed (device arrays for CuPy chunks, no
   host synchronisation in any task) and are added by a tree sum of fan-in :data:`SPLIT_EVERY`,
-  whose last task also cumulates: one task per batch chunk of the result.
+  whose last task also cumulates: one task per batch chunk of the result;
+* with CuPy chunks, a chunk or face task queues its kernels on the next of
+  :data:`SIDE_STREAMS` side streams of its device, after the work queued on the task's own
+  stream (an event), so that consecutive chunks' kernels overlap; the sum makes its stream
+  wait for the side streams' events before it reads the histograms. Memory the side kernels
+  use comes from the pool of the stream that frees it: the histograms are allocated on the
+  task's stream, temporaries on the side stream, and the chunk's inputs are kept until the
+  task's stream has waited for the kernels that read them (one task's inputs per side stream
+  at most). The tasks of one compute are assumed to share a stream, as CuPy's default stream
+  is shared by Dask's threads.
 
 On the GPU a chunk's interior is counted either by the masked kernel over the chunk
 (``ecc_histogram_masked``, a per-pixel mask test) or, by default for large chunks (see
@@ -52,6 +61,7 @@ import contextlib
 import itertools
 import math
 import operator
+import threading
 import weakref
 
 import numpy as np
@@ -60,6 +70,7 @@ try:
     import dask.array as da
     from dask.base import tokenize
     from dask.highlevelgraph import HighLevelGraph
+    from dask.sizeof import sizeof
 except ImportError as exc:  # pragma: no cover - exercised in a process without dask
     raise ImportError("cutopo.dask needs Dask: install it with pip install 'cutopo[dask]' (or "
                       "pip install 'dask[array]'; add 'distributed' for clusters)") from exc
@@ -79,6 +90,11 @@ SPLIT_EVERY = 32
 INTERIOR = {"numpy": "masked", "cupy": "plain"}
 # "plain" is used only when every axis with seams in the chunk is at least this long (and 2).
 PLAIN_MIN_LENGTH = 16
+# Side streams per device on which the CuPy chunk and face tasks queue their kernels, in turn:
+# one chunk's seam launches and its histogram's tail then overlap the next chunk's histogram
+# (on the H200, 1024^3 in four chunks, 0.4-0.7 ms of a 6-7 ms compute; benchmarks/RESULTS.md).
+# 0 or 1: every task on the stream current in its thread.
+SIDE_STREAMS = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,14 +363,15 @@ def _chunk_task(block, counter, spec, before, after):
         hist = counter.zeros(xp, _nimg(block, counter.ndim))
         if hist.shape[0] == 0:
             return hist
-        _add_interior(counter, xp, hist, block, spec.seam, spec.origin)
-        if spec.face is not None:
-            a, lo, hi, masks, origin = spec.face
-            axis = block.ndim - counter.ndim + a
-            own = block[(slice(None),) * axis + (slice(lo, hi),)]
-            slab = xp.concatenate(list(before) + [own] + list(after), axis=axis)
-            counter.add(hist, slab, masks, origin)
-    return hist
+        with _side_stream(xp, hist, (block, before, after)) as side:
+            _add_interior(counter, xp, hist, block, spec.seam, spec.origin)
+            if spec.face is not None:
+                a, lo, hi, masks, origin = spec.face
+                axis = block.ndim - counter.ndim + a
+                own = block[(slice(None),) * axis + (slice(lo, hi),)]
+                slab = xp.concatenate(list(before) + [own] + list(after), axis=axis)
+                counter.add(hist, slab, masks, origin)
+    return side.result
 
 
 def _edges(block, indices):
@@ -373,13 +390,18 @@ def _face_task(pieces, counter, spec):
             return parts[0]
         return _xp(parts[0]).concatenate(parts, axis=parts[0].ndim - counter.ndim + level)
 
-    slab = concat(pieces, 0)
-    xp = _xp(slab)
-    with _device_of(slab):
-        hist = counter.zeros(xp, _nimg(slab, counter.ndim))
-        if hist.shape[0]:
+    first = pieces
+    while isinstance(first, list):
+        first = first[0]
+    xp = _xp(first)
+    with _device_of(first):
+        hist = counter.zeros(xp, _nimg(first, counter.ndim))
+        if hist.shape[0] == 0:
+            return hist
+        with _side_stream(xp, hist, pieces) as side:
+            slab = concat(pieces, 0)
             counter.add(hist, slab, spec.masks, spec.origin)
-    return hist
+    return side.result
 
 
 def _add_interior(counter, xp, hist, block, seam, origin):
@@ -424,6 +446,7 @@ def _add_interior(counter, xp, hist, block, seam, origin):
 
 def _sum_parts(parts):
     """The sum of the histograms (never written into: a new array, or the only one)."""
+    parts = [p.result() if isinstance(p, _Pending) else p for p in parts]
     if len(parts) == 1:
         return parts[0]
     total = parts[0] + parts[1]
@@ -433,8 +456,122 @@ def _sum_parts(parts):
 
 
 def _finish(parts, counter, shape):
-    with _device_of(parts[0]):
+    first = parts[0].hist if isinstance(parts[0], _Pending) else parts[0]
+    with _device_of(first):
         return counter.finish(_sum_parts(parts)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Side streams
+
+
+class _Side:
+    """One side stream of a device, and what its newest task's kernels still read: the inputs
+    (``keep``, allocated on the task's own stream) and the event that ends those kernels."""
+
+    def __init__(self, stream):
+        self.stream, self.event, self.keep = stream, None, None
+        self.lock = threading.Lock()
+
+    def release(self, stream):
+        """Order ``stream`` after this side's last task and let go of its inputs: their memory
+        returns to ``stream``'s pool only once nothing queued there can overtake the kernels
+        reading it."""
+        if self.keep is not None:
+            stream.wait_event(self.event)
+            self.keep = None
+
+
+_SIDES: dict = {}
+_SIDE_TURN = itertools.count()
+_SIDES_LOCK = threading.Lock()
+
+
+def _side_of_device(cupy):
+    """The next side stream of the current device, in turn (SIDE_STREAMS of them)."""
+    key = (cupy.cuda.runtime.getDevice(), SIDE_STREAMS)
+    sides = _SIDES.get(key)
+    if sides is None:
+        with _SIDES_LOCK:
+            sides = _SIDES.get(key)
+            if sides is None:
+                sides = [_Side(cupy.cuda.Stream(non_blocking=True)) for _ in range(key[1])]
+                _SIDES[key] = sides
+    return sides[next(_SIDE_TURN) % len(sides)]
+
+
+class _Pending:
+    """A task's device histogram ``hist`` whose kernels were queued on a side stream, finished
+    at ``event``. Its consumer (the sum) takes it through :meth:`result`. ``hist`` itself was
+    allocated on the consumer's stream, so its memory is reused there only after that wait."""
+
+    __slots__ = ("hist", "event", "side", "taken")
+
+    def __init__(self, hist, event, side):
+        self.hist, self.event, self.side, self.taken = hist, event, side, False
+
+    def result(self):
+        """``hist``, with the current stream ordered after the kernels that wrote it."""
+        stream = _cupy().cuda.get_current_stream()
+        stream.wait_event(self.event)
+        with self.side.lock:
+            if self.side.event is self.event:
+                self.side.release(stream)
+        self.taken = True
+        return self.hist
+
+    def __reduce__(self):
+        # Sent to another process (a distributed worker): the finished histogram alone.
+        self.event.synchronize()
+        return (_identity, (self.hist,))
+
+    def __del__(self):
+        # Dropped untaken (a failed compute): hist's memory must not be reused while the side
+        # stream may still write it.
+        if not self.taken:
+            with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone)
+                self.event.synchronize()
+
+
+def _identity(x):
+    return x
+
+
+@sizeof.register(_Pending)
+def _sizeof_pending(p):
+    return sizeof(p.hist)  # what a distributed worker counts against its memory limit
+
+
+class _SideTask:
+    """What ``with _side_stream(...)`` yields; ``result``: the task's result once it is left."""
+
+    result = None
+
+
+@contextlib.contextmanager
+def _side_stream(xp, hist, keep):
+    """Queue the block's kernels on a side stream (CuPy, SIDE_STREAMS > 1), after the current
+    stream's work; ``hist`` (allocated on the current stream) is the task's result and ``keep``
+    the inputs its kernels read. Else on the current stream, as they come."""
+    task = _SideTask()
+    if xp is np or SIDE_STREAMS <= 1:
+        yield task
+        task.result = hist
+        return
+    cupy = _cupy()
+    here = cupy.cuda.get_current_stream()
+    side = _side_of_device(cupy)
+    with side.lock:
+        side.release(here)              # at most one task's inputs held per side stream
+        side.stream.wait_event(here.record())
+        try:
+            with side.stream:
+                yield task
+        except BaseException:
+            side.stream.synchronize()   # hist is dropped: nothing queued may still write it
+            raise
+        side.event, side.keep = side.stream.record(), keep
+        task.result = _Pending(hist, side.event, side)
 
 
 # ---------------------------------------------------------------------------------------------

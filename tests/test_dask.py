@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -248,11 +249,22 @@ def fake_cupy(monkeypatch, launches):
             if own is not None:
                 assert [m.size for m in own] == list(view.shape[1:])
             launches.append(self.masked)
+            assert cuda.get_current_stream().name == "side"  # chunk kernels go to side streams
             hist += _ecc_numpy_owned(np.asarray(view), self.t, self.ndim, self.tconn, own)
 
-    stream = types.SimpleNamespace(synchronize=lambda: None)
+    local = threading.local()  # as CuPy's current stream: one per thread
+
+    def current():
+        if not hasattr(local, "stack"):
+            local.stack = [FakeStream("task", local)]
+        return local.stack
+
+    def side_stream(non_blocking):
+        assert non_blocking  # never implicitly synchronised with the legacy default stream
+        return FakeStream("side", local)
+
     cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                 get_current_stream=lambda: stream)
+                                 get_current_stream=lambda: current()[-1], Stream=side_stream)
     cupy = types.SimpleNamespace(
         cuda=cuda, ndarray=FakeDeviceArray,
         zeros=lambda *a, **k: dev(np.zeros(*a, **k)), empty=lambda *a, **k: dev(np.empty(*a, **k)),
@@ -261,12 +273,40 @@ def fake_cupy(monkeypatch, launches):
     monkeypatch.setattr(cd, "_cupy", lambda: cupy)
     monkeypatch.setattr(cd, "is_cupy_array", lambda a: isinstance(a, FakeDeviceArray))
     monkeypatch.setattr(cd, "_DEVICE_MASKS", {})
+    monkeypatch.setattr(cd, "_SIDES", {})  # the fake device's side streams stay in this test
     monkeypatch.setattr(_ecc_cupy, "histogram_plan", Plan)
     monkeypatch.setattr(_band_cupy, "ect_forward",
                         lambda mask_b, dirs, coords, t, tconn, soft, own, general=False:
                         (dev(_ect.curves(np.asarray(mask_b), dirs, coords, t, tconn, own,
                                          general=general)), None))
     return dev
+
+
+class FakeStream:
+    """A stream that checks the side streams' ordering: a side stream's work must come after
+    the task stream's (wait_event on an event of it) before it runs, and the task stream must
+    wait for a side event before it reads the result."""
+
+    def __init__(self, name, local):
+        self.name, self.local, self.waited, self.synchronized = name, local, [], False
+
+    def record(self):
+        return ("event", self.name, id(self))
+
+    def wait_event(self, event):
+        assert event[0] == "event" and event[2] != id(self)
+        self.waited.append(event)
+
+    def synchronize(self):
+        self.synchronized = True
+
+    def __enter__(self):
+        assert self.waited, "a side stream ran before waiting for the task stream"
+        self.local.stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        assert self.local.stack.pop() is self
 
 
 def _ecc_numpy_owned(*args):
@@ -298,6 +338,21 @@ def test_cupy_branch_on_a_fake_device(monkeypatch, rng, interior, ndim, shape, c
     dirs = rng.normal(size=(3, ndim))
     got = cd.ect(d > 1, dirs, 7, connectivity=ndim).compute()
     np.testing.assert_array_equal(got, cutopo.ect(img > 1, dirs, 7, connectivity=ndim))
+    # every side stream's inputs were let go once the sum had waited for its kernels
+    assert cd._SIDES and all(side.keep is None for sides in cd._SIDES.values() for side in sides)
+
+
+def test_a_failing_task_waits_for_its_side_stream(monkeypatch):
+    """A task that raises on its side stream synchronises it before its histogram (memory of
+    the task's stream) is dropped, and keeps none of its inputs."""
+    dev = fake_cupy(monkeypatch, [])
+    hist = dev(np.zeros(3, dtype=np.int64))
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        with cd._side_stream(cd._cupy(), hist, ("the chunk",)):
+            raise RuntimeError("a kernel failed")
+    sides = [side for group in cd._SIDES.values() for side in group]
+    assert [side.stream.synchronized for side in sides].count(True) == 1
+    assert all(side.keep is None for side in sides)
 
 
 PERIODIC_CASES = [

@@ -368,6 +368,61 @@ def test_dask_cupy_periodic(monkeypatch, rng, conn, interior):
                                                        boundary="periodic"))
 
 
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+@pytest.mark.parametrize("side_streams", [0, 4])
+def test_dask_side_streams_with_chunks_made_in_the_graph(monkeypatch, rng, scheduler,
+                                                          side_streams):
+    """Chunks made by CuPy inside the graph (freed, and their memory reused, while the side
+    streams may still read them), three times as many chunks as side streams, ties across the
+    faces: equal to the single array, with side streams and without."""
+    cp = cupy_module()
+    da = pytest.importorskip("dask.array")
+    import cutopo.dask as cd
+
+    monkeypatch.setattr(cd, "SIDE_STREAMS", side_streams)
+    monkeypatch.setattr(cd, "_SIDES", {})
+    img = image_of(rng, (96, 64, 80), "float32", levels=5)
+    img[8::8] = img[7:-1:8]
+    g = cp.asarray(img)
+    d = da.from_array(g, chunks=(8, 64, 80), asarray=False).map_blocks(
+        lambda b: cp.negative(cp.negative(b)), dtype=g.dtype)
+    for connectivity in (1, 3):
+        want = cutopo.ecc(img, 11, connectivity=connectivity)
+        for _ in range(3):
+            got = cd.ecc(d, 11, connectivity=connectivity).compute(scheduler=scheduler)
+            np.testing.assert_array_equal(got.get(), want)
+    dirs = rng.normal(size=(5, 3))
+    got = cd.ect(d > 2, dirs, 7).compute(scheduler=scheduler)
+    np.testing.assert_array_equal(got.get(), cutopo.ect(img > 2, dirs, 7))
+    assert all(side.keep is None for sides in cd._SIDES.values() for side in sides)
+
+
+def test_dask_side_streams_on_a_user_stream(rng):
+    """Computed on a non-default stream, the result is ready for that stream's next kernel
+    (the sum waits for every side stream), and a pending histogram pickles to its values."""
+    import pickle
+
+    cp = cupy_module()
+    da = pytest.importorskip("dask.array")
+    import cutopo.dask as cd
+
+    img = image_of(rng, (80, 70, 60), "uint8", levels=7)
+    want = cutopo.ecc(img, np.arange(7))
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        d = da.from_array(cp.asarray(img), chunks=(10, 70, 60), asarray=False)
+        got = cd.ecc(d, np.arange(7)).compute(scheduler="sync")
+        copy = got * 1                                # queued on the user stream
+        stream.synchronize()
+    np.testing.assert_array_equal(copy.get(), want)
+    hist = cp.zeros(4, dtype=np.int64)
+    with cd._side_stream(cp, hist, None) as task:
+        hist += cp.arange(4)
+    pending = task.result
+    assert isinstance(pending, cd._Pending)
+    np.testing.assert_array_equal(cp.asnumpy(pickle.loads(pickle.dumps(pending))), np.arange(4))
+    np.testing.assert_array_equal(pending.result().get(), np.arange(4))
+
+
 def test_dask_cuda_cluster(rng):
     """One worker per GPU (dask_cuda.LocalCUDACluster), CuPy chunks made on the workers."""
     cp = cupy_module()
