@@ -5,8 +5,8 @@ return lazy Dask arrays equal to :func:`cutopo.ecc` / :func:`cutopo.ect` of the 
 They run under any Dask scheduler: the threaded default, ``dask.distributed`` and
 ``dask_cuda.LocalCUDACluster`` (one worker per GPU, CuPy chunks on each worker's device).
 With CuPy chunks on a single GPU, prefer ``.compute(scheduler="sync")``: the tasks only queue
-kernels, so the threaded scheduler adds its overhead (up to 1.4 ms per call on the H200's host,
-see benchmarks/RESULTS.md) and no parallelism. Install with
+kernels, so the threaded scheduler adds its overhead (0.9-1.8 ms per 1024^3 call on the H200's
+host, see benchmarks/RESULTS.md) and no parallelism. Install with
 ``pip install 'cutopo[dask]'``; ``import cutopo`` does not import Dask.
 
 How the chunks split the work without counting a cell twice. Each pixel p contributes c(p),
@@ -92,7 +92,7 @@ INTERIOR = {"numpy": "masked", "cupy": "plain"}
 PLAIN_MIN_LENGTH = 16
 # Side streams per device on which the CuPy chunk and face tasks queue their kernels, in turn:
 # one chunk's seam launches and its histogram's tail then overlap the next chunk's histogram
-# (on the H200, 1024^3 in four chunks, 0.4-0.7 ms of a 6-7 ms compute; benchmarks/RESULTS.md).
+# (on the H200, 1024^3 in four chunks, 0.5-0.8 ms of a 7-10 ms compute; benchmarks/RESULTS.md).
 # 0 or 1: every task on the stream current in its thread.
 SIDE_STREAMS = 4
 
