@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _ecc_cupy
 from ._checks import THRESHOLDS_NOT_FINITE, THRESHOLDS_NOT_SORTED
+from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.deferred import DeferredFlags
 from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
@@ -152,13 +153,6 @@ def _blocks_per_row(sig, rows, work, T, smem, min_work):
     return int(max(1, min(math.ceil(target / max(rows, 1)), most)))
 
 
-@functools.lru_cache(maxsize=64)
-def _device_table_cached(device_id, data: bytes, dtype, shape):
-    import cupy
-
-    return cupy.asarray(np.frombuffer(data, dtype=dtype).reshape(shape))
-
-
 # Blocks of check_thresholds: a grid-stride pass over at most a few thousand thresholds.
 CHECK_BLOCKS = 64
 
@@ -195,12 +189,9 @@ def _thresholds_on_device(t):
 
 def device_table(host):
     """A device copy of a small host array, memoized: a repeated call (a training loop, a CUDA
-    graph capture) then makes no host-to-device copy. Read-only by convention: never write
-    into the result."""
-    import cupy
-
-    host = np.ascontiguousarray(host)
-    return _device_table_cached(cupy.cuda.Device().id, host.tobytes(), host.dtype, host.shape)
+    graph capture) then makes no host-to-device copy. Ready for kernels on any stream
+    (:mod:`cutopo._cuda.tables`). Read-only by convention: never write into the result."""
+    return tables.memoized(host)
 
 
 def _finalize(sat, acc, real_dtype):

@@ -19,6 +19,7 @@ import functools
 import numpy as np
 
 from ._array import _cupy
+from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.launch import PreparedLaunch, Signature, device_attribute
 
@@ -134,33 +135,26 @@ def _prepared(device_id, sig, n_warps, scalars):
     return PreparedLaunch(sig, -(-n_warps // WARPS), THREADS, (None,) * n_ptr + (n_warps,) + scalars)
 
 
-@functools.lru_cache(maxsize=64)
-def _table_cached(device_id, data: bytes, shape):
-    import cupy
-
-    return cupy.asarray(np.frombuffer(data, dtype=np.int64).reshape(shape))
-
-
 def _table(host):
-    """A device copy of a small int64 host table, memoized (read-only by convention): repeated
-    calls with the same maps make no host-to-device copy."""
-    import cupy
-
-    host = np.ascontiguousarray(host, dtype=np.int64)
-    return _table_cached(cupy.cuda.Device().id, host.tobytes(), host.shape)
+    """A device copy of a small int64 host table, memoized and ready for kernels on any stream
+    (read-only by convention): repeated calls with the same maps make no host-to-device copy."""
+    return tables.memoized(np.ascontiguousarray(host, dtype=np.int64))
 
 
 @functools.lru_cache(maxsize=64)
-def _flat_table(device_id, shapes_bytes, starts_bytes, K, S, num_feat, C):
-    """The device descriptor table of the flattened form, memoized: per map (k, s) the element
-    offset start * C, the batch stride num_feat * C, H, W."""
-    import cupy
-
+def _flat_host_table(shapes_bytes, starts_bytes, K, S, num_feat, C):
     table = np.empty((K, S, 4), dtype=np.int64)
     table[..., 2:] = np.frombuffer(shapes_bytes, dtype=np.int64).reshape(K, S, 2)
     table[..., 0] = np.frombuffer(starts_bytes, dtype=np.int64).reshape(K, S) * C
     table[..., 1] = num_feat * C
-    return cupy.asarray(table.reshape(K * S, 4))
+    return table.reshape(K * S, 4)
+
+
+def _flat_table(shapes_bytes, starts_bytes, K, S, num_feat, C):
+    """The device descriptor table of the flattened form on the current device, memoized and
+    ready for kernels on any stream: per map (k, s) the element offset start * C, the batch
+    stride num_feat * C, H, W."""
+    return tables.memoized(_flat_host_table(shapes_bytes, starts_bytes, K, S, num_feat, C))
 
 
 def _kernel_view(x):
@@ -200,7 +194,7 @@ class _Inputs:
         self.loc = cupy.ascontiguousarray(cfg.loc.astype(r, copy=False))
         self.r = r
         if cfg.flat:  # the usual case: one memoized lookup, no table rebuilt per call
-            self.maps = _flat_table(cupy.cuda.Device().id, cfg.shapes.tobytes(), cfg.starts.tobytes(),
+            self.maps = _flat_table(cfg.shapes.tobytes(), cfg.starts.tobytes(),
                                     cfg.K, cfg.S, cfg.num_feat, cfg.C)
         else:
             self.maps = _table(self._maps_host(cfg))
@@ -324,9 +318,7 @@ def forward(cfg):
 def _flat_maps(cfg):
     """The descriptor table of the flattened (bs, num_feat, C) channels-last layout of the maps
     (``cfg.starts``): the layout of the feature cotangent, whatever the features' form."""
-    import cupy
-
-    return _flat_table(cupy.cuda.Device().id, cfg.shapes.tobytes(), cfg.starts.tobytes(),
+    return _flat_table(cfg.shapes.tobytes(), cfg.starts.tobytes(),
                        cfg.K, cfg.S, cfg.num_feat, cfg.C)
 
 

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.launch import PreparedLaunch, Signature, resident_blocks
 
@@ -142,15 +143,13 @@ class HistogramPlan:
     """
 
     def __init__(self, spatial, nimg, dtype, thresholds, ndim, tconn, masked=False):
-        import cupy
-
         self.nimg, self.T = nimg, int(thresholds.size)
         T = self.T
         in_ctype = _INPUT_CTYPE[dtype]
         view = _INPUT_VIEW.get(dtype, dtype)
         cmp_ctype, cmp_dtype = _compare_type(thresholds.dtype)
         key_ctype = "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
-        self.table = cupy.asarray(_threshold_table(thresholds, cmp_dtype))
+        self.table = tables.upload(_threshold_table(thresholds, cmp_dtype))  # any stream reads it
         estimate = _uniform_estimate(thresholds)
         table_bytes = T * self.table.dtype.itemsize
         table_in_smem = table_bytes <= TABLE_SMEM_MAX
@@ -174,7 +173,8 @@ class HistogramPlan:
              inv_dt, int(table_in_smem), int(hist_in_smem)) + (None,) * len(tail),
             shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
         # add() passes no counters (the kernel does not touch them without cumulate)
-        self._no_counters = None if masked else cupy.zeros(1, dtype=np.uint32)
+        self._no_counters = None if masked else tables.upload(np.zeros(1, dtype=np.uint32))
+        tables.retire_with(self, self.table, self._no_counters)  # its kernels may outlive it
 
     def __call__(self, x):
         """The ECC curves (nimg, T) int64 of the contiguous (nimg, *spatial) input ``x``: one

@@ -38,7 +38,7 @@ The task graph is built directly (no map_blocks/rechunk/reduction layers), one t
 * the per-task histograms stay where they were computed (device arrays for CuPy chunks, no
   host synchronisation in any task) and are added by a tree sum of fan-in :data:`SPLIT_EVERY`,
   whose last task also cumulates: one task per batch chunk of the result;
-* with CuPy chunks, a chunk or face task queues its kernels on the next of
+* with CuPy chunks, an ECC chunk or face task queues its kernels on the next of
   :data:`SIDE_STREAMS` side streams of its device, after the work queued on the task's own
   stream (an event), so that consecutive chunks' kernels overlap; the sum makes its stream
   wait for the side streams' events before it reads the histograms. Memory the side kernels
@@ -62,7 +62,6 @@ import itertools
 import math
 import operator
 import threading
-import weakref
 
 import numpy as np
 
@@ -363,7 +362,7 @@ def _chunk_task(block, counter, spec, before, after):
         hist = counter.zeros(xp, _nimg(block, counter.ndim))
         if hist.shape[0] == 0:
             return hist
-        with _side_stream(xp, hist, (block, before, after)) as side:
+        with _side_stream(xp, hist, (block, before, after), counter) as side:
             _add_interior(counter, xp, hist, block, spec.seam, spec.origin)
             if spec.face is not None:
                 a, lo, hi, masks, origin = spec.face
@@ -398,7 +397,7 @@ def _face_task(pieces, counter, spec):
         hist = counter.zeros(xp, _nimg(first, counter.ndim))
         if hist.shape[0] == 0:
             return hist
-        with _side_stream(xp, hist, pieces) as side:
+        with _side_stream(xp, hist, pieces, counter) as side:
             slab = concat(pieces, 0)
             counter.add(hist, slab, spec.masks, spec.origin)
     return side.result
@@ -549,12 +548,13 @@ class _SideTask:
 
 
 @contextlib.contextmanager
-def _side_stream(xp, hist, keep):
-    """Queue the block's kernels on a side stream (CuPy, SIDE_STREAMS > 1), after the current
-    stream's work; ``hist`` (allocated on the current stream) is the task's result and ``keep``
-    the inputs its kernels read. Else on the current stream, as they come."""
+def _side_stream(xp, hist, keep, counter):
+    """Queue the block's kernels on a side stream (CuPy, SIDE_STREAMS > 1, a counter whose
+    kernels may run there), after the current stream's work; ``hist`` (allocated on the current
+    stream) is the task's result and ``keep`` the inputs its kernels read. Else on the current
+    stream, as they come."""
     task = _SideTask()
-    if xp is np or SIDE_STREAMS <= 1:
+    if xp is np or SIDE_STREAMS <= 1 or not counter.side_streams:
         yield task
         task.result = hist
         return
@@ -580,38 +580,32 @@ def _side_stream(xp, hist, keep):
 
 _DEVICE_MASKS: dict = {}
 _MAX_DEVICE_MASKS = 1024
-_READY_PLANS: "weakref.WeakSet" = weakref.WeakSet()
 _UNIT = np.ones(1, dtype=bool)
 
 
 def _device_mask(m):
     """The uint8 device copy of the host bool mask ``m`` on the current device, uploaded once
-    (and synchronised once, so that any stream of any thread may read it)."""
+    per process and ready for any stream of any thread (cutopo._cuda.tables)."""
+    from ._cuda import tables
+
     cupy = _cupy()
     key = (cupy.cuda.runtime.getDevice(), m.size, m.tobytes())
     d = _DEVICE_MASKS.get(key)
     if d is None:
         if len(_DEVICE_MASKS) >= _MAX_DEVICE_MASKS:
+            tables.retire(*_DEVICE_MASKS.values())  # kernels on side streams may still read them
             _DEVICE_MASKS.clear()
-        d = cupy.asarray(m.astype(np.uint8))
-        cupy.cuda.get_current_stream().synchronize()
-        _DEVICE_MASKS[key] = d
+        d = _DEVICE_MASKS.setdefault(key, tables.upload(m.astype(np.uint8)))
     return d
-
-
-def _ready(plan):
-    """``plan`` once its threshold table has reached the device (one synchronisation per plan
-    and process: the table was uploaded on the stream current when the plan was built)."""
-    if plan not in _READY_PLANS:
-        _cupy().cuda.get_current_stream().synchronize()
-        _READY_PLANS.add(plan)
-    return plan
 
 
 class _EccCounter:
     """Histograms of owned pixels for the ECC: (nimg, T) int64, cumulated at the end."""
 
     plain_ok = True
+    # (what its kernels read beyond the chunk, the plans' tables and the masks, is ready for
+    # every stream: cutopo._cuda.tables)
+    side_streams = True
 
     def __init__(self, t, ndim, tconn):
         self.t, self.ndim, self.tconn = t, ndim, tconn
@@ -660,8 +654,8 @@ class _EccCounter:
         key = (_cupy().cuda.runtime.getDevice(), slab.shape, slab.dtype, masked)
         plan = self._plans.get(key)
         if plan is None:
-            plan = _ready(_ecc_cupy.histogram_plan(slab, self.t, self.ndim, self.tconn,
-                                                   masked=masked))
+            # (its tables are ready for every stream: cutopo._cuda.tables)
+            plan = _ecc_cupy.histogram_plan(slab, self.t, self.ndim, self.tconn, masked=masked)
             self._plans[key] = plan
         return plan
 
@@ -673,6 +667,9 @@ class _EctCounter:
     """ECT curves of owned pixels: (nimg, D, T) int64, already cumulated per block (linear)."""
 
     plain_ok = False
+    # Not on side streams: each ECT task reads a count back to the host (the compaction of its
+    # critical pixels), which leaves its kernels little to overlap (not measured).
+    side_streams = False
 
     def __init__(self, dirs64, coords, t, tconn, wrapped=False):
         self.dirs64, self.coords, self.t, self.tconn = dirs64, coords, t, tconn

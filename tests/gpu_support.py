@@ -16,3 +16,13 @@ def poison_pool(nbytes=64 << 20):
     cp = cupy_module()
     junk = cp.full(nbytes // 8, np.nan)
     del junk
+
+
+def busy(cp, stream, ms=50.0):
+    """Queue about ``ms`` of one spinning thread on ``stream``: a backlog that later work on
+    that stream waits for."""
+    spin = cp.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+        const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }''', "spin")
+    rate = cp.cuda.Device().attributes["ClockRate"]  # kHz
+    with stream:
+        spin((1,), (1,), (np.int64(rate * ms),))

@@ -273,12 +273,17 @@ def fake_cupy(monkeypatch, launches):
     monkeypatch.setattr(cd, "_cupy", lambda: cupy)
     monkeypatch.setattr(cd, "is_cupy_array", lambda a: isinstance(a, FakeDeviceArray))
     monkeypatch.setattr(cd, "_DEVICE_MASKS", {})
+    from cutopo._cuda import tables
+
+    monkeypatch.setattr(tables, "upload", lambda host: dev(np.ascontiguousarray(host)))
     monkeypatch.setattr(cd, "_SIDES", {})  # the fake device's side streams stay in this test
     monkeypatch.setattr(_ecc_cupy, "histogram_plan", Plan)
-    monkeypatch.setattr(_band_cupy, "ect_forward",
-                        lambda mask_b, dirs, coords, t, tconn, soft, own, general=False:
-                        (dev(_ect.curves(np.asarray(mask_b), dirs, coords, t, tconn, own,
-                                         general=general)), None))
+    def ect_forward(mask_b, dirs, coords, t, tconn, soft, own, general=False):
+        assert cuda.get_current_stream().name == "task"  # the ECT stays off the side streams
+        return dev(_ect.curves(np.asarray(mask_b), dirs, coords, t, tconn, own,
+                               general=general)), None
+
+    monkeypatch.setattr(_band_cupy, "ect_forward", ect_forward)
     return dev
 
 
@@ -348,7 +353,8 @@ def test_a_failing_task_waits_for_its_side_stream(monkeypatch):
     dev = fake_cupy(monkeypatch, [])
     hist = dev(np.zeros(3, dtype=np.int64))
     with pytest.raises(RuntimeError, match="a kernel failed"):
-        with cd._side_stream(cd._cupy(), hist, ("the chunk",)):
+        with cd._side_stream(cd._cupy(), hist, ("the chunk",), cd._EccCounter(np.arange(3.0), 3,
+                                                                              False)):
             raise RuntimeError("a kernel failed")
     sides = [side for group in cd._SIDES.values() for side in group]
     assert [side.stream.synchronized for side in sides].count(True) == 1

@@ -192,3 +192,38 @@ def test_last_block_makes_each_curve_cumulative(rng):
         dev = cp.asarray(img)
         for _ in range(10):
             np.testing.assert_array_equal(cutopo.ecc(dev, t, ndim=ndim).get(), want, err_msg=str(shape))
+
+
+
+def test_memoized_tables_are_ready_for_every_stream(rng):
+    """Thresholds, plans and direction tables first made on a stream with a backlog, then used
+    at once on another stream: that stream must not read a table before it is there (before
+    cutopo._cuda.tables, soft_ecc's host thresholds were read early: its plan depends on T
+    only, so new values of the same length made only a new table)."""
+    from gpu_support import busy
+
+    cp = _cp()
+    img = random_image(rng, (2, 300, 280), "float32", levels=9)
+    mask = img > 4
+    dev, dmask = cp.asarray(img), cp.asarray(mask)
+    dirs = rng.normal(size=(6, 2))
+    slow, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    cutopo.soft_ecc(dev, np.linspace(0, 9, 40, dtype=np.float32), 8.0, ndim=2)  # the plan
+    for trial in range(4):
+        t = np.sort(rng.uniform(0, 9, 40))  # values never seen before: new tables
+        t32 = t.astype(np.float32)
+        busy(cp, slow)
+        with slow:
+            cutopo.soft_ecc(dev, t32, 8.0, ndim=2)
+            cutopo.ecc(dev, t, ndim=2)
+            cutopo.ect(dmask, dirs, t / 9 - 0.5)
+        with other:
+            soft = cutopo.soft_ecc(dev, t32, 8.0, ndim=2)
+            got = cutopo.ecc(dev, t, ndim=2)
+            ect = cutopo.ect(dmask, dirs, t / 9 - 0.5)
+            other.synchronize()
+        slow.synchronize()
+        np.testing.assert_allclose(soft.get(), cutopo.soft_ecc(img, t32, 8.0, ndim=2),
+                                   rtol=1e-5, atol=1e-3)
+        np.testing.assert_array_equal(got.get(), cutopo.ecc(img, t, ndim=2))
+        np.testing.assert_array_equal(ect.get(), cutopo.ect(mask, dirs, t / 9 - 0.5))

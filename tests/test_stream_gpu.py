@@ -415,7 +415,7 @@ def test_dask_side_streams_on_a_user_stream(rng):
         stream.synchronize()
     np.testing.assert_array_equal(copy.get(), want)
     hist = cp.zeros(4, dtype=np.int64)
-    with cd._side_stream(cp, hist, None) as task:
+    with cd._side_stream(cp, hist, None, cd._EccCounter(np.arange(4.0), 3, False)) as task:
         hist += cp.arange(4)
     pending = task.result
     assert isinstance(pending, cd._Pending)

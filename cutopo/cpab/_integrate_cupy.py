@@ -17,6 +17,7 @@ import functools
 
 import numpy as np
 
+from .._cuda import tables
 from .._cuda.compile import register_instances
 from .._cuda.deferred import DeferredFlags, reading
 from .._cuda.launch import Signature, launch
@@ -161,11 +162,10 @@ class Plan:
     tess: object
 
 
-def _ell(csr):
+def _ell(csr, owner):
     """A scipy CSR matrix as device ELL tables: (indices (rows, R) int32, values (rows, R)
-    float64, R), rows padded with zeros (pointing at column 0)."""
-    import cupy
-
+    float64, R), rows padded with zeros (pointing at column 0); ready for kernels on any
+    stream, and retired when ``owner`` (the tessellation that memoizes them) is collected."""
     csr = csr.tocsr()
     csr.sort_indices()
     counts = np.diff(csr.indptr)
@@ -176,7 +176,9 @@ def _ell(csr):
     val = np.zeros((csr.shape[0], R))
     idx[rows, slot] = csr.indices
     val[rows, slot] = csr.data
-    return cupy.asarray(idx), cupy.asarray(val), R
+    idx, val = tables.upload(idx), tables.upload(val)
+    tables.retire_with(owner, idx, val)
+    return idx, val, R
 
 
 def _basis_tables(tess):
@@ -186,7 +188,7 @@ def _basis_tables(tess):
 
     key = ("ell", cupy.cuda.Device().id)
     if key not in tess._device_bases:
-        tess._device_bases[key] = (_ell(tess.basis), _ell(tess.basis.T))
+        tess._device_bases[key] = (_ell(tess.basis, tess), _ell(tess.basis.T, tess))
     return tess._device_bases[key]
 
 
@@ -199,7 +201,7 @@ def _dirichlet_table(tess):
 
     key = ("dirichlet ell", cupy.cuda.Device().id)
     if key not in tess._device_bases:
-        tess._device_bases[key] = _ell(dirichlet_matrix(tess))
+        tess._device_bases[key] = _ell(dirichlet_matrix(tess), tess)
     return tess._device_bases[key]
 
 

@@ -68,16 +68,29 @@ def pixel_centres(shape, dtype=np.float64, xp=np):
     return xp.stack([m.ravel() for m in mesh], axis=-1).astype(dtype)
 
 
+class _Shared:
+    """A memoized array; on the device, retired (cutopo._cuda.tables) when the memo drops it."""
+
+    __slots__ = ("array", "__weakref__")
+
+    def __init__(self, array):
+        self.array = array
+
+
 @functools.lru_cache(maxsize=4)
 def _shared_centres(shape, dtype, device_id):
     if device_id is None:
         centres = pixel_centres(shape, dtype)
         centres.setflags(write=False)
-        return centres
+        return _Shared(centres)
     import cupy
 
-    with cupy.cuda.Device(device_id):
-        return pixel_centres(shape, dtype, cupy)
+    from .._cuda import tables
+
+    with cupy.cuda.Device(device_id):  # ready for every stream: callers on any stream share it
+        shared = _Shared(tables.made_ready(lambda: pixel_centres(shape, dtype, cupy)))
+    tables.retire_with(shared, shared.array)
+    return shared
 
 
 def centres_like(like, shape, dtype):
@@ -86,7 +99,7 @@ def centres_like(like, shape, dtype):
     otherwise build and upload the grid's coordinates every time, which cost more than the
     step's kernels. Shared arrays are never written (NumPy's are read-only)."""
     device_id = like.device.id if is_cupy_array(like) else None
-    return _shared_centres(tuple(int(s) for s in shape), np.dtype(dtype), device_id)
+    return _shared_centres(tuple(int(s) for s in shape), np.dtype(dtype), device_id).array
 
 
 def _to_normalised(phi):
