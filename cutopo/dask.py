@@ -89,10 +89,10 @@ SPLIT_EVERY = 32
 INTERIOR = {"numpy": "masked", "cupy": "plain"}
 # "plain" is used only when every axis with seams in the chunk is at least this long (and 2).
 PLAIN_MIN_LENGTH = 16
-# Side streams per device on which the CuPy chunk and face tasks queue their kernels, in turn:
-# one chunk's seam launches and its histogram's tail then overlap the next chunk's histogram
-# (on the H200, 1024^3 in four chunks, 0.5-0.8 ms of a 7-10 ms compute; benchmarks/RESULTS.md).
-# 0 or 1: every task on the stream current in its thread.
+# Side streams per device on which the CuPy ECC chunk and face tasks queue their kernels, in
+# turn: one chunk's seam launches and its histogram's tail then overlap the next chunk's
+# histogram (on the H200, 1024^3 in four chunks, 0.5-0.8 ms of a 7-10 ms compute;
+# benchmarks/RESULTS.md). 0 or 1: every task on the stream current in its thread.
 SIDE_STREAMS = 4
 
 

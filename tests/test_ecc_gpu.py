@@ -196,10 +196,13 @@ def test_last_block_makes_each_curve_cumulative(rng):
 
 
 def test_memoized_tables_are_ready_for_every_stream(rng):
-    """Thresholds, plans and direction tables first made on a stream with a backlog, then used
-    at once on another stream: that stream must not read a table before it is there (before
-    cutopo._cuda.tables, soft_ecc's host thresholds were read early: its plan depends on T
-    only, so new values of the same length made only a new table)."""
+    """Each op's tables first made on a stream with a backlog, then used at once on another
+    stream: that stream must not read a table before it is there. soft_ecc's plan depends on
+    T only, so NumPy thresholds of a known length but new values make only a new threshold
+    table; the ECC plan and the ECT tables are new with every new threshold array. (The
+    tables themselves read wrong from a second stream before cutopo._cuda.tables,
+    test_tables_gpu; through these ops the old code gave right answers all the same, for a
+    reason not found: this guards the property, it did not reproduce the failure.)"""
     from gpu_support import busy
 
     cp = _cp()
@@ -208,22 +211,19 @@ def test_memoized_tables_are_ready_for_every_stream(rng):
     dev, dmask = cp.asarray(img), cp.asarray(mask)
     dirs = rng.normal(size=(6, 2))
     slow, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    cutopo.soft_ecc(dev, np.linspace(0, 9, 40, dtype=np.float32), 8.0, ndim=2)  # the plan
-    for trial in range(4):
-        t = np.sort(rng.uniform(0, 9, 40))  # values never seen before: new tables
-        t32 = t.astype(np.float32)
-        busy(cp, slow)
-        with slow:
-            cutopo.soft_ecc(dev, t32, 8.0, ndim=2)
-            cutopo.ecc(dev, t, ndim=2)
-            cutopo.ect(dmask, dirs, t / 9 - 0.5)
-        with other:
-            soft = cutopo.soft_ecc(dev, t32, 8.0, ndim=2)
-            got = cutopo.ecc(dev, t, ndim=2)
-            ect = cutopo.ect(dmask, dirs, t / 9 - 0.5)
-            other.synchronize()
-        slow.synchronize()
-        np.testing.assert_allclose(soft.get(), cutopo.soft_ecc(img, t32, 8.0, ndim=2),
-                                   rtol=1e-5, atol=1e-3)
-        np.testing.assert_array_equal(got.get(), cutopo.ecc(img, t, ndim=2))
-        np.testing.assert_array_equal(ect.get(), cutopo.ect(mask, dirs, t / 9 - 0.5))
+    ops = {"soft_ecc": (lambda x, m, t: cutopo.soft_ecc(x, t.astype(np.float32), 8.0, ndim=2),
+                        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-3)),
+           "ecc": (lambda x, m, t: cutopo.ecc(x, t, ndim=2), np.testing.assert_array_equal),
+           "ect": (lambda x, m, t: cutopo.ect(m, dirs, t / 9 - 0.5), np.testing.assert_array_equal)}
+    for name, (op, check) in ops.items():
+        op(dev, dmask, np.linspace(0, 9, 40))  # kernels loaded, plans of this length made
+        for _ in range(4):
+            t = np.sort(rng.uniform(0, 9, 40))  # values never seen before: new tables
+            busy(cp, slow)
+            with slow:
+                op(dev, dmask, t)
+            with other:
+                got = op(dev, dmask, t)
+                other.synchronize()
+            slow.synchronize()
+            check(got.get(), op(img, mask, t))

@@ -25,8 +25,11 @@ import weakref
 import numpy as np
 
 MAX_MEMOIZED = 64              # host tables kept on each device
-RETIRE_COUNT = 64              # retired arrays freed together, after one device synchronisation,
-RETIRE_BYTES = 64 << 20        # ... or once they hold this many bytes
+# Retired arrays are freed together after one device synchronisation, once this many have
+# gathered or they hold this many bytes. The synchronisation drains every stream (a streamed
+# ECT retires a coordinate table or two per slab), so batches are large and the arrays small.
+RETIRE_COUNT = 256
+RETIRE_BYTES = 64 << 20
 
 _lock = threading.Lock()
 _streams: dict = {}
