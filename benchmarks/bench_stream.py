@@ -24,7 +24,9 @@ Dask rows: ``cutopo.dask.ecc(darr, t).compute(scheduler=...)`` on a CuPy-chunked
 already in GPU memory, against ``cutopo.ecc(cupy_volume, t)`` (both: wall time, device
 synchronised, median of --reps, graph construction included); ratio = Dask / single (target
 <= 1.3x at 1024^3, judged on the synchronous scheduler with side streams, which the README
-recommends for CuPy chunks on one GPU); "side streams": cutopo.dask.SIDE_STREAMS (0: every task
+recommends for CuPy chunks on one GPU); "of copy BW": the volume's bytes over the compute's
+time, against the device-to-device copy bandwidth measured in the same run (bytes read plus
+written); "side streams": cutopo.dask.SIDE_STREAMS (0: every task
 on the current stream); "prebuilt ms": computing a lazy result built once; "build ms":
 constructing the lazy graph alone. The "masked" rows count the chunk interiors with the masked
 kernel instead of the plain one (cutopo.dask.INTERIOR), and the kernel rows time one masked
@@ -46,7 +48,7 @@ import cutopo
 from cutopo import _stream
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ecc import make_image  # noqa: E402  (the same random volumes as the ECC benchmark)
+from bench_ecc import copy_bandwidth, make_image  # noqa: E402  (the ECC benchmark's volumes)
 from probe_host_copy import copy_rate  # noqa: E402
 
 T = 256
@@ -239,9 +241,13 @@ def main(argv=None):
         print("\n# dask is not installed: Dask rows skipped (pip install 'cutopo[dask]')")
         da = None
     if da is not None:
-        print("\n# Dask overhead on one GPU (CuPy chunks)")
+        bw_copy = copy_bandwidth(cp)  # device-to-device, bytes read plus written
+        cp.get_default_memory_pool().free_all_blocks()
+        report["d2d_copy_gbs"] = bw_copy
+        print(f"\n# Dask overhead on one GPU (CuPy chunks); device-to-device copy bandwidth "
+              f"{bw_copy:.0f} GB/s")
         header = ("case", "interiors", "scheduler", "side streams", "single ms", "dask ms", "ratio",
-                  "prebuilt ms", "build ms", "tasks", "equal")
+                  "of copy BW", "prebuilt ms", "build ms", "tasks", "equal")
         print_row(header)
         print("|" + "---|" * len(header))
         kernel_rows = []
@@ -270,13 +276,15 @@ def main(argv=None):
                     cd.INTERIOR["cupy"], cd.SIDE_STREAMS = "plain", streams
                 equal = "yes" if bool(cp.all(got == want)) else "NO"
                 ntasks = len(lazy.__dask_graph__())
+                of_bw = g.nbytes / (dms * 1e6) / bw_copy  # the volume read once per compute
                 print_row((case, interior, scheduler, str(side), f"{single:.2f}", f"{dms:.2f}",
-                           f"{dms / single:.2f}x", f"{prebuilt:.2f}", f"{build:.2f}", str(ntasks),
-                           equal))
+                           f"{dms / single:.2f}x", f"{of_bw:.1%}", f"{prebuilt:.2f}",
+                           f"{build:.2f}", str(ntasks), equal))
                 report["dask"].append(dict(case=case, interiors=interior, scheduler=scheduler,
                                            side_streams=side, single_ms=single, dask_ms=dms,
-                                           ratio=dms / single, prebuilt_ms=prebuilt,
-                                           build_ms=build, tasks=ntasks, equal=equal))
+                                           ratio=dms / single, of_copy_bw=of_bw,
+                                           prebuilt_ms=prebuilt, build_ms=build, tasks=ntasks,
+                                           equal=equal))
                 if (shape[0] == 1024 and "256x1024" in case and interior == "plain"
                         and scheduler == "sync" and side == streams):
                     targets.append((f"Dask <= 1.3x single call ({case}, sync, side streams)",
