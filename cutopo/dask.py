@@ -575,28 +575,18 @@ def _side_stream(xp, hist, keep, counter):
 
 
 # ---------------------------------------------------------------------------------------------
-# Device state kept per process: masks and plans, each made ready once
+# Device masks
 
 
-_DEVICE_MASKS: dict = {}
-_MAX_DEVICE_MASKS = 1024
 _UNIT = np.ones(1, dtype=bool)
 
 
 def _device_mask(m):
-    """The uint8 device copy of the host bool mask ``m`` on the current device, uploaded once
-    per process and ready for any stream of any thread (cutopo._cuda.tables)."""
+    """The uint8 device copy of the host bool mask ``m`` on the current device, memoized and
+    ready for any stream of any thread (cutopo._cuda.tables)."""
     from ._cuda import tables
 
-    cupy = _cupy()
-    key = (cupy.cuda.runtime.getDevice(), m.size, m.tobytes())
-    d = _DEVICE_MASKS.get(key)
-    if d is None:
-        if len(_DEVICE_MASKS) >= _MAX_DEVICE_MASKS:
-            tables.retire(*_DEVICE_MASKS.values())  # kernels on side streams may still read them
-            _DEVICE_MASKS.clear()
-        d = _DEVICE_MASKS.setdefault(key, tables.upload(m.astype(np.uint8)))
-    return d
+    return tables.memoized(m.astype(np.uint8))
 
 
 class _EccCounter:

@@ -272,10 +272,9 @@ def fake_cupy(monkeypatch, launches):
         concatenate=lambda arrays, axis: dev(np.concatenate([np.asarray(a) for a in arrays], axis)))
     monkeypatch.setattr(cd, "_cupy", lambda: cupy)
     monkeypatch.setattr(cd, "is_cupy_array", lambda a: isinstance(a, FakeDeviceArray))
-    monkeypatch.setattr(cd, "_DEVICE_MASKS", {})
     from cutopo._cuda import tables
 
-    monkeypatch.setattr(tables, "upload", lambda host: dev(np.ascontiguousarray(host)))
+    monkeypatch.setattr(tables, "memoized", lambda host: dev(np.ascontiguousarray(host)))
     monkeypatch.setattr(cd, "_SIDES", {})  # the fake device's side streams stay in this test
     monkeypatch.setattr(_ecc_cupy, "histogram_plan", Plan)
     def ect_forward(mask_b, dirs, coords, t, tconn, soft, own, general=False):

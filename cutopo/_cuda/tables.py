@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-MAX_MEMOIZED = 64              # host tables kept on each device
+MAX_MEMOIZED = 1024            # host tables kept per device (small: at most tens of KiB)
 # Retired arrays are freed together after one device synchronisation, once this many have
 # gathered or they hold this many bytes. The synchronisation drains every stream (a streamed
 # ECT retires a coordinate table or two per slab), so batches are large and the arrays small.
