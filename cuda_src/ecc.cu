@@ -668,7 +668,7 @@ __device__ __forceinline__ void
 histogram_tiles(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
                 long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
                 int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
-                const Region& counts, unsigned* __restrict__ done) {
+                const Region& counts, unsigned* __restrict__ done, bool block_prefix = false) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
     typedef typename Ordered<Cmp>::type Tab;
@@ -708,6 +708,41 @@ histogram_tiles(const In* __restrict__ image, const typename Ordered<Cmp>::type*
     }
 
     long long* row = hist + img * T;
+    if (hist_in_smem && block_prefix) {
+        // Every block adds its own cumulative histogram: the sum over blocks is the curve, so
+        // no block waits for the others and no last block cumulates the row afterwards (the
+        // tail of a one-wave launch). Costs one atomic per bin from the block's first non-zero
+        // partial sum on, so the host takes it only where blocks fill most of their bins
+        // (_ecc_cupy.BLOCK_PREFIX_MIN_PIXELS).
+        // |partial sums| <= 7 x the block's pixels < 2^31 (MAX_PIXELS_PER_BLOCK).
+        __shared__ int warp_sums[WARPS];
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        int carry = 0;
+        __syncthreads();
+        for (int base = 0; base < T; base += THREADS) {
+            const int k = base + threadIdx.x;
+            int v = k < T ? hist_s[k] : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int n = __shfl_up_sync(0xffffffffu, v, d);
+                if (lane >= d) v += n;
+            }
+            if (lane == 31) warp_sums[warp] = v;
+            __syncthreads();
+            int before = carry, total = 0;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const int sw = warp_sums[w];
+                if (w < warp) before += sw;
+                total += sw;
+            }
+            v += before;
+            if (k < T && v != 0) atomicAdd(reinterpret_cast<u64*>(row + k), (u64)(i64)v);
+            carry += total;
+            __syncthreads();  // warp_sums is rewritten by the next round
+        }
+        return;
+    }
     if (hist_in_smem) {
         __syncthreads();
         for (int k = threadIdx.x; k < T; k += THREADS) {
@@ -736,9 +771,10 @@ histogram_tiles(const In* __restrict__ image, const typename Ordered<Cmp>::type*
 }
 
 // The ECC histograms: each block adds the contributions of its tiles of one image to hist
-// (rows, T). With cumulate, hist and done (one counter per row) start zeroed and the last
-// block of each image to finish makes its row cumulative (the ECC curve); without, hist
-// accumulates (blocks of one volume added by several launches) and done is not touched.
+// (rows, T). cumulate 1: hist and done (one counter per row) start zeroed and the last block
+// of each image to finish makes its row cumulative (the ECC curve); 2: hist starts zeroed and
+// every block adds its own cumulative histogram (the same curve; done is not touched); 0:
+// hist accumulates (blocks of one volume added by several launches), done is not touched.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
 ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
@@ -748,7 +784,7 @@ ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* _
     histogram_tiles<In, Cmp, K, NDIM, TCONN>(image, thresholds, hist, nz, ny, nx, zchunk,
                                              blocks_per_image, T, estimate, t0, inv_dt,
                                              table_in_smem, hist_in_smem, AllPixels(),
-                                             cumulate ? done : nullptr);
+                                             cumulate == 1 ? done : nullptr, cumulate == 2);
 }
 
 // The same histogram, adding only the pixels whose coordinates are marked in the per-axis masks

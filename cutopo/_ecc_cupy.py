@@ -18,6 +18,14 @@ PACKED_MAX_BINS = 0x7FFE     # 15-bit keys for bins 0..T below packed::OUTSIDE =
 TABLE_SMEM_MAX = 16 * 1024   # threshold table in shared memory up to this many bytes
 HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
 MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from overflowing
+# How a call makes its histogram rows cumulative. By default every block adds its own prefix
+# sums (one atomic per bin from the block's first non-zero bin on): no block waits for another,
+# and the launch has no tail, 0.7-1.6 us less per call on the H200 from 128^2 to 4096^2 and in
+# 3D (benchmarks/RESULTS.md, fourteenth session). Else the last block of each image cumulates
+# its row (one atomic per non-zero bin and block): bool images, whose blocks have at most two
+# non-zero bins (dense prefix sums cost 1.3 us more at 1024^2, all at the end of the wave), and
+# launches with more than 1 / BLOCK_PREFIX_MIN_PIXELS bins per pixel of a block.
+BLOCK_PREFIX_MIN_PIXELS = 4
 PROFILE_OPTIONS: tuple[str, ...] = ()  # extra -D flags for profiling variants (benchmarks only)
 
 # Storage dtype -> C type of the kernel's input (bool is one byte, read as unsigned char).
@@ -166,6 +174,9 @@ class HistogramPlan:
                              + tail)
         (nz, ny, nx), zchunk, per_image = _plan(self.sig, nimg, spatial, ndim, self.shared_mem,
                                                 TILE_X[key_ctype])
+        block_pixels = nz * ny * nx / per_image
+        self.cumulate = 2 if (hist_in_smem and dtype != np.bool_
+                              and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels) else 1
         t0, inv_dt = estimate if estimate else (0.0, 0.0)
         self.histogram = PreparedLaunch(
             self.sig, nimg * per_image, THREADS,
@@ -178,14 +189,15 @@ class HistogramPlan:
 
     def __call__(self, x):
         """The ECC curves (nimg, T) int64 of the contiguous (nimg, *spatial) input ``x``: one
-        launch, whose last block per image makes that image's row cumulative."""
+        launch, whose blocks add their prefix sums, or whose last block per image makes that
+        image's row cumulative (``self.cumulate`` 2 or 1, see BLOCK_PREFIX_MIN_PIXELS)."""
         import cupy
 
         n, T = self.nimg, self.T
         # one zeroed buffer: the curves, then one uint32 counter per image
         buf = cupy.zeros(n * T + (n + 1) // 2, dtype=np.int64)
         out = buf[:n * T].reshape(n, T)
-        self.histogram(x, out, buf[n * T:].view(np.uint32), 1)
+        self.histogram(x, out, buf[n * T:].view(np.uint32), self.cumulate)
         return out
 
     def add(self, x, hist):

@@ -195,6 +195,48 @@ def test_last_block_makes_each_curve_cumulative(rng):
 
 
 
+@pytest.mark.parametrize("mode", ["block prefix", "last block"])
+def test_both_ways_of_cumulating(rng, monkeypatch, mode):
+    """The plan cumulates the curve either by every block's prefix sums (small launches) or
+    by the last block of each image; both must give the NumPy curve exactly, on random data,
+    heavy ties (few non-zero bins per block, whose prefix sums then span many bins), NaN, 2D
+    batches and 3D, V and T constructions, T from 1 to 4096 shared bins."""
+    from cutopo import _ecc_cupy
+
+    cp = _cp()
+    _ecc_cupy._histogram_plan.cache_clear()  # plans decide the mode when they are made
+    monkeypatch.setattr(_ecc_cupy, "BLOCK_PREFIX_MIN_PIXELS", 0 if mode == "block prefix" else 1 << 40)
+    cases = [((1024, 1024), 2, np.linspace(-3, 3, 256), None), ((5, 301, 257), 2, np.linspace(-2, 2, 1), None),
+             ((3, 200, 130), 2, np.linspace(0, 6, 300), 7), ((70, 50, 66), 3, np.linspace(-3, 3, 97), None),
+             ((2, 333, 129), 2, np.sort(rng.normal(size=4096)), None), ((40, 41, 42), 3, np.arange(4.0), 5)]
+    try:
+        for shape, ndim, t, levels in cases:
+            img = random_image(rng, shape, "float32", levels=levels, nan_fraction=0.02)
+            dev = cp.asarray(img)
+            for conn in (1, ndim):
+                plan = _ecc_cupy.histogram_plan(dev, t, ndim, conn == ndim)
+                assert plan.cumulate == (2 if mode == "block prefix" else 1)
+                want = cutopo.ecc(img, t, ndim=ndim, connectivity=conn)
+                for _ in range(3):
+                    got = cutopo.ecc(dev, t, ndim=ndim, connectivity=conn)
+                    np.testing.assert_array_equal(got.get(), want, err_msg=f"{shape} {conn}")
+    finally:
+        _ecc_cupy._histogram_plan.cache_clear()
+
+
+def test_default_way_of_cumulating():
+    """Block prefix sums where blocks fill their bins; the last block for bool images (at most
+    two non-zero bins per block) and for more bins than a quarter of a block's pixels."""
+    from cutopo import _ecc_cupy
+
+    cp = _cp()
+    for shape, dtype, T, want in [((1024, 1024), np.float32, 256, 2), ((1024, 1024), np.bool_, 256, 1),
+                                  ((64, 64, 64), np.uint8, 256, 2), ((1024, 1024), np.float32, 4096, 1)]:
+        image = cp.zeros(shape, dtype=dtype)
+        t = np.linspace(0, 1, T)
+        assert _ecc_cupy.histogram_plan(image, t, len(shape), False).cumulate == want, (shape, dtype, T)
+
+
 def test_memoized_tables_are_ready_for_every_stream(rng):
     """Each op's tables first made on a stream with a backlog, then used at once on another
     stream: that stream must not read a table before it is there. soft_ecc's plan depends on
