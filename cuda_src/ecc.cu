@@ -522,40 +522,66 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
 }
 }  // namespace packed
 
+// One entry of the threshold table: bin k's bounds lo = t_{k-1} and hi = t_k (entry 0 repeats
+// t_0), in the comparison domain (Ordered<Cmp>). Checking an estimate of the bin then reads one
+// 8- or 16-byte entry instead of two dependent thresholds.
+template <typename Tab>
+struct alignas(2 * sizeof(Tab)) Bounds {
+    Tab lo, hi;
+};
+
 // Threshold bin of a value: the first k with v <= t_k (T when there is none, NaN included).
-// ``tab`` holds the thresholds in the comparison domain (Ordered<Cmp>).
+// t_0 and t_{T-1} are held in registers: most values need one table read (with an estimate),
+// those outside [t_0, t_{T-1}] none.
 template <typename Cmp>
-__device__ __forceinline__ int threshold_bin(Cmp v, const typename Ordered<Cmp>::type* tab, int T,
-                                             int estimate, double t0, double inv_dt) {
-    const typename Ordered<Cmp>::type w = Ordered<Cmp>::of(v);
-    if (!(w <= tab[T - 1])) return T;
-    if (w <= tab[0]) return 0;
-    // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
-    int k;
-    if (estimate) {
-        // Evenly spaced thresholds: an O(1) guess, made exact by the comparisons below (the host
-        // allows this only when the guess is within a bin or so of the answer).
-        if constexpr (sizeof(typename Ordered<Cmp>::type) == 4) {  // float32: guess in float
-            k = __float2int_ru(((float)v - (float)t0) * (float)inv_dt);
-        } else {
-            k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
+struct ThresholdBins {
+    typedef typename Ordered<Cmp>::type Tab;
+    const Bounds<Tab>* bounds;  // T entries, shared or global memory
+    Tab first, last;            // t_0, t_{T-1}
+    int T, estimate;
+    double t0, inv_dt;          // the estimate (k - 1 < (v - t0) inv_dt <= k) in double
+    float offset, inv_dt_f;     // and in float: 0.5 - t0 inv_dt, inv_dt
+
+    __device__ __forceinline__ ThresholdBins(const Bounds<Tab>* b, int T_, int estimate_, double t0_,
+                                             double inv_dt_)
+        : bounds(b), first(b[0].hi), last(b[T_ - 1].hi), T(T_), estimate(estimate_), t0(t0_),
+          inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_) {}
+
+    __device__ __forceinline__ int operator()(Cmp v) const {
+        const Tab w = Ordered<Cmp>::of(v);
+        if (!(w <= last)) return T;
+        if (w <= first) return 0;
+        // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
+        int k;
+        if (estimate) {
+            // Evenly spaced thresholds: an O(1) guess, made exact by the comparisons below (the
+            // host allows this only when the guess is within a bin or so of the answer).
+            if constexpr (sizeof(Tab) == 4) {
+                // float32: round((v - t0) / dt + 1/2), i.e. about ceil, by adding 1.5 * 2^23
+                // (0 <= the sum's fraction part < 2^22 here): no float-to-int conversion.
+                const float y = __fadd_rn(__fmaf_rn((float)v, inv_dt_f, offset), 12582912.0f);
+                k = __float_as_int(y) - 0x4B400000;
+            } else {
+                k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
+            }
+            k = min(max(k, 1), T - 1);
+            const Bounds<Tab> b = bounds[k];
+            if (w <= b.lo) {
+                do --k; while (w <= bounds[k].lo);
+            } else if (!(w <= b.hi)) {
+                do ++k; while (!(w <= bounds[k].hi));
+            }
+        } else {  // binary search keeping v <= t_hi and not v <= t_lo
+            int lo = 0, hi = T - 1;
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (w <= bounds[mid].hi) hi = mid; else lo = mid;
+            }
+            k = hi;
         }
-        k = min(max(k, 1), T - 1);
-        if (w <= tab[k - 1]) {
-            do --k; while (w <= tab[k - 1]);
-        } else if (!(w <= tab[k])) {
-            do ++k; while (!(w <= tab[k]));
-        }
-    } else {  // binary search keeping v <= t_hi and not v <= t_lo
-        int lo = 0, hi = T - 1;
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (w <= tab[mid]) hi = mid; else lo = mid;
-        }
-        k = hi;
+        return k;
     }
-    return k;
-}
+};
 
 // Key of a pixel for the histogram: its threshold bin. One-byte inputs look it up in a
 // 256-entry table built once per block.
@@ -564,15 +590,13 @@ struct BinKey {
     typedef In_ In;
     static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
     const In* image;
-    const typename Ordered<Cmp>::type* tab;
+    ThresholdBins<Cmp> bins;
     const K* byte_bins;  // one-byte inputs only
-    int T, estimate;
-    double t0, inv_dt;
     __device__ __forceinline__ K of_value(In v) const {
         if constexpr (sizeof(In) == 1) {
             return byte_bins[(unsigned char)v];
         } else {
-            return (K)threshold_bin<Cmp>(convert<Cmp>(v), tab, T, estimate, t0, inv_dt);
+            return (K)bins(convert<Cmp>(v));
         }
     }
     __device__ __forceinline__ K operator()(i64 i) const { return of_value(image[i]); }
@@ -665,37 +689,37 @@ struct HistSink {
 // The body of the histogram kernels: the pixels for which counts(z, y, x) holds are counted.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, class Region>
 __device__ __forceinline__ void
-histogram_tiles(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
+histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
                 long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
                 int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
                 const Region& counts, unsigned* __restrict__ done, bool block_prefix = false) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
     typedef typename Ordered<Cmp>::type Tab;
-    const Tab* tab = thresholds;
+    const Bounds<Tab>* tab = thresholds;
     int* hist_s = nullptr;
     size_t offset = 0;
     if (table_in_smem) {
-        Tab* t = reinterpret_cast<Tab*>(dynamic_smem);
+        Bounds<Tab>* t = reinterpret_cast<Bounds<Tab>*>(dynamic_smem);
         for (int i = threadIdx.x; i < T; i += THREADS) t[i] = thresholds[i];
         tab = t;
-        offset = ((size_t)T * sizeof(Tab) + 15) & ~(size_t)15;
+        offset = ((size_t)T * sizeof(Bounds<Tab>) + 15) & ~(size_t)15;
     }
     if (hist_in_smem) {
         hist_s = reinterpret_cast<int*>(dynamic_smem + offset);
         for (int i = threadIdx.x; i < T; i += THREADS) hist_s[i] = 0;
     }
     __shared__ K byte_bins[sizeof(In) == 1 ? 256 : 1];
+    __syncthreads();  // the table must be complete
+    const ThresholdBins<Cmp> bins(tab, T, estimate, t0, inv_dt);
     if constexpr (sizeof(In) == 1) {
-        __syncthreads();  // the table must be complete
-        for (int i = threadIdx.x; i < 256; i += THREADS)
-            byte_bins[i] = (K)threshold_bin<Cmp>(convert<Cmp>((In)i), tab, T, estimate, t0, inv_dt);
+        for (int i = threadIdx.x; i < 256; i += THREADS) byte_bins[i] = (K)bins(convert<Cmp>((In)i));
+        __syncthreads();
     }
-    __syncthreads();
 
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
-    BinKey<In, Cmp, K> key_of{image, tab, byte_bins, T, estimate, t0, inv_dt};
+    BinKey<In, Cmp, K> key_of{image, bins, byte_bins};
     HistSink sink{hist_s, hist + img * T, T};
     if constexpr (sizeof(K) == 2) {
         __shared__ unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
@@ -777,7 +801,7 @@ histogram_tiles(const In* __restrict__ image, const typename Ordered<Cmp>::type*
 // hist accumulates (blocks of one volume added by several launches), done is not touched.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
-ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* __restrict__ thresholds,
+ecc_histogram(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
               int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
               unsigned* __restrict__ done, int cumulate) {
@@ -794,7 +818,7 @@ ecc_histogram(const In* __restrict__ image, const typename Ordered<Cmp>::type* _
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS)
 ecc_histogram_masked(const In* __restrict__ image,
-                     const typename Ordered<Cmp>::type* __restrict__ thresholds,
+                     const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
                      long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk,
                      int blocks_per_image, int T, int estimate, double t0, double inv_dt,
                      int table_in_smem, int hist_in_smem, const unsigned char* __restrict__ own_z,

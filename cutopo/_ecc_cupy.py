@@ -56,10 +56,10 @@ def _float32_order_keys(t: np.ndarray) -> np.ndarray:
 
 
 def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
-    """Thresholds as the kernel compares them: float32 through order keys, the rest as values."""
-    if cmp_dtype == np.float32:
-        return _float32_order_keys(t)
-    return t.astype(cmp_dtype)
+    """(T, 2) bounds of the bins, as the kernel compares them (float32 through order keys, the
+    rest as values): row k is (t_{k-1}, t_k), row 0 (t_0, t_0) (ecc.cu's Bounds)."""
+    keys = _float32_order_keys(t) if cmp_dtype == np.float32 else t.astype(cmp_dtype)
+    return np.stack([np.concatenate([keys[:1], keys[:-1]]), keys], axis=1)
 
 
 def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
@@ -159,7 +159,7 @@ class HistogramPlan:
         key_ctype = "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
         self.table = tables.upload(_threshold_table(thresholds, cmp_dtype))  # any stream reads it
         estimate = _uniform_estimate(thresholds)
-        table_bytes = T * self.table.dtype.itemsize
+        table_bytes = self.table.nbytes
         table_in_smem = table_bytes <= TABLE_SMEM_MAX
         hist_in_smem = T <= HIST_SMEM_MAX_BINS
         self.shared_mem = (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)

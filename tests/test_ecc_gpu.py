@@ -116,6 +116,33 @@ def test_comparison_dtype_is_result_type(rng):
     assert_same_ecc(ints.astype(np.uint16), np.arange(0, 6, dtype=np.uint64))
 
 
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_float32_bin_estimate_at_bin_edges(rng, ndim):
+    """float32 images against float32 thresholds take the estimated bin (round((v - t0) / dt +
+    1/2) in float, one table read, corrected by comparisons): pixels on every threshold, one
+    ulp either side, between, outside the range, +-inf, NaN and -0.0, for evenly spaced
+    thresholds and ones jittered by up to a quarter bin (the estimate is then off by one)."""
+    from cutopo._ecc_cupy import _uniform_estimate
+
+    shape = (3, 70, 90) if ndim == 2 else (40, 30, 70)
+    for T, jitter in [(256, 0.0), (200, 0.12), (3, 0.0), (2, 0.0), (2000, 0.12)]:
+        dt = 0.01
+        t = (np.float32(-1.0) + dt * np.arange(T) + jitter * dt * rng.uniform(-1, 1, T)).astype(np.float32)
+        t = np.sort(t)
+        assert (_uniform_estimate(t) is not None) == (T >= 3)  # the estimate's path, not a search
+        on = rng.choice(t, size=shape)
+        step = rng.choice(np.array([-1, 0, 1]), size=shape)
+        vals = np.where(step < 0, np.nextafter(on, np.float32(-np.inf)),
+                        np.where(step > 0, np.nextafter(on, np.float32(np.inf)), on)).astype(np.float32)
+        between = rng.uniform(t[0] - 0.5, t[-1] + 0.5, size=shape).astype(np.float32)
+        img = np.where(rng.random(shape) < 0.5, vals, between).astype(np.float32)
+        special = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0], dtype=np.float32)
+        pick = rng.random(shape) < 0.05
+        img[pick] = rng.choice(special, size=int(pick.sum()))
+        for connectivity in (1, ndim):
+            assert_same_ecc(img, t, ndim=ndim, connectivity=connectivity)
+
+
 def test_denormals_compare_exactly(rng):
     """CuPy compiles with -ftz=true; float32 denormals must still order as NumPy orders them."""
     tiny = np.finfo(np.float32).smallest_subnormal
