@@ -36,14 +36,32 @@ def array_module(x):
     return _cupy() if is_cupy_array(x) else np
 
 
+def native_byte_order(x):
+    """``x``, or a copy in the machine's byte order of a NumPy array stored in the other one
+    (big-endian data from FITS, HDF5 or Zarr files): the dtype rules (``dtype == float64``),
+    CuPy and the kernels all work in native byte order."""
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        return x.astype(x.dtype.newbyteorder("="))
+    return x
+
+
+def native_dtype(dtype) -> np.dtype:
+    """``dtype`` in the machine's byte order."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
 def as_array(x, name: str):
-    """A NumPy or CuPy array from ``x``; other array-likes become NumPy arrays."""
-    if isinstance(x, np.ndarray) or is_cupy_array(x):
+    """A NumPy or CuPy array from ``x``, in native byte order; other array-likes become NumPy
+    arrays."""
+    if is_cupy_array(x):
         return x
-    try:
-        return np.asarray(x)
-    except Exception as exc:
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from exc
+    if not isinstance(x, np.ndarray):
+        try:
+            x = np.asarray(x)
+        except Exception as exc:
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}") from exc
+    return native_byte_order(x)
 
 
 def to_device(x, device: str):

@@ -20,9 +20,7 @@ IMAGE_DTYPES = tuple(np.dtype(d) for d in
 
 def check_image(image, ndim):
     """Validate ``image`` of shape (*batch, *spatial); return (image, ndim)."""
-    image = as_array(image, "image")
-    if not image.dtype.isnative and image.dtype.newbyteorder("=") in IMAGE_DTYPES:
-        image = image.astype(image.dtype.newbyteorder("="))  # e.g. big-endian data from a file
+    image = as_array(image, "image")  # native byte order (big-endian data from a file)
     if image.dtype not in IMAGE_DTYPES:
         names = ", ".join(d.name for d in IMAGE_DTYPES)
         raise TypeError(f"image: dtype {image.dtype} is not supported (use one of {names})")
@@ -197,6 +195,7 @@ def check_scale(scale):
         strong64 = isinstance(scale, np.float64)  # a plain Python float is weakly typed
         value = float(scale)
     elif isinstance(scale, np.ndarray) or is_cupy_array(scale):
+        scale = as_array(scale, "scale")  # native byte order: '>f8' is float64 too
         if scale.dtype.kind not in "iuf":
             raise TypeError(f"scale: dtype {scale.dtype} is not a real number type")
         if scale.ndim != 0:

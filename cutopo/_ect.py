@@ -168,14 +168,8 @@ def _check_directions(directions):
     if is_cupy_array(directions):
         d = directions
         host = to_numpy(directions)
-    elif isinstance(directions, np.ndarray):
-        d = host = directions
     else:
-        try:
-            d = host = np.asarray(directions)
-        except Exception as exc:
-            raise TypeError("directions must be an array, got "
-                            f"{type(directions).__name__}") from exc
+        d = host = as_array(directions, "directions")  # NumPy, native byte order
     if d.dtype.kind not in "iuf":
         raise TypeError(f"directions: dtype {d.dtype} is not a real number type")
     if d.ndim != 2 or d.shape[1] not in (2, 3):

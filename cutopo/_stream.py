@@ -45,7 +45,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _ecc_numpy
-from ._array import is_cupy_array
+from ._array import is_cupy_array, native_dtype
 from ._checks import IMAGE_DTYPES, check_count, check_spatial_ndim, evenly_spaced
 
 # Default slab bounds. On the GPU several slabs keep the pipeline busy: the first slab's read
@@ -165,11 +165,17 @@ def ecc_slab_bytes(max_slab_bytes, backend, src):
 
 
 class Source(NamedTuple):
-    """A validated host source of shape (*batch, *spatial)."""
+    """A validated host source of shape (*batch, *spatial). ``dtype`` is in native byte order;
+    blocks read from a source stored in the other one are converted (read_piece)."""
     data: object
     shape: tuple
     dtype: np.dtype
     ndim: int
+
+    @property
+    def native(self) -> bool:
+        """Whether the stored data are in native byte order (raw bytes can go to the GPU)."""
+        return np.dtype(self.data.dtype).isnative
 
     @property
     def batch(self):
@@ -184,7 +190,7 @@ def check_source(image, ndim, *, name="image", dtypes=IMAGE_DTYPES, mask=False) 
     """Validate a host source without reading its data (as check_image does for arrays)."""
     try:
         shape = tuple(operator.index(s) for s in image.shape)
-        dtype = np.dtype(image.dtype)
+        dtype = native_dtype(image.dtype)  # a big-endian FITS or Zarr volume reads as native
     except Exception as exc:
         raise TypeError(f"{name}: an out-of-core input needs integer shape and a NumPy dtype, got "
                         f"{type(image).__name__}") from exc
@@ -311,7 +317,7 @@ def read_piece(src: Source, piece: Piece, out=None, pool=None):
         a, b = piece.ranges[0]
         block = src.data[_index(src, piece, a, b)]
         block = block if isinstance(block, np.ndarray) else np.asarray(block)
-        return block.reshape(shape)
+        return block.astype(src.dtype, copy=False).reshape(shape)  # native byte order
     if out is None:
         out = np.empty(shape, dtype=src.dtype)
     else:
@@ -627,11 +633,13 @@ def _gpu_histogram(src: Source, t, tconn, max_slab_bytes, periodic=False):
                          ramp=RAMP)
     cap = max(math.prod(piece_shape(src, p)) for p in pieces)
     view_dtype = _ecc_cupy._INPUT_VIEW.get(src.dtype, src.dtype)
-    contiguous = isinstance(src.data, np.ndarray) and src.data.flags.c_contiguous
+    # raw bytes of the source may go to the GPU only in native byte order; else staged (read_piece
+    # converts into the pinned buffers)
+    contiguous = isinstance(src.data, np.ndarray) and src.data.flags.c_contiguous and src.native
     direct = contiguous and pinned_pointer(src.data)
     # Page-locking in place starts first, so that it gets ahead while plans are built.
     reg = None
-    if not direct and not periodic and len(pieces) > 2 and registrable(src.data):
+    if not direct and not periodic and len(pieces) > 2 and src.native and registrable(src.data):
         reg = _cuda_registration(src.data, REGISTER_AHEAD_SLABS * cap * itemsize)
         if reg is not None:
             reg.advance(src.data.ctypes.data + _piece_offset(src, pieces[1]))  # 1st is staged

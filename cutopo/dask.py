@@ -75,7 +75,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
                       "pip install 'dask[array]'; add 'distributed' for clusters)") from exc
 
 from . import _ecc_numpy
-from ._array import is_cupy_array, to_numpy
+from ._array import is_cupy_array, native_dtype, to_numpy
 from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds, evenly_spaced
 
 __all__ = ["ecc", "ect"]
@@ -101,12 +101,16 @@ SIDE_STREAMS = 4
 
 
 def _check_dask(x, name):
+    """``x`` checked, with chunks in native byte order (a big-endian FITS or Zarr source is
+    converted chunk by chunk, lazily)."""
     if not isinstance(x, da.Array):
         raise TypeError(f"{name} must be a dask.array.Array, got {type(x).__name__} (use cutopo.ecc "
                         "for NumPy and CuPy arrays)")
     if any(math.isnan(c) for chunks in x.chunks for c in chunks):
         raise ValueError(f"{name} has unknown (NaN) chunk sizes, shape {x.shape} (as after boolean "
                          f"indexing): call {name}.compute_chunk_sizes() first")
+    if not np.dtype(x.dtype).isnative:
+        x = x.astype(native_dtype(x.dtype))
     return x
 
 

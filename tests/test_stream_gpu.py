@@ -76,6 +76,40 @@ def test_memmap_zarr_and_pinned_sources(tmp_path, rng):
                                   cutopo.ecc(img, 64))
 
 
+@pytest.mark.parametrize("dtype", ["uint16", "float32", "float64"])
+def test_big_endian_sources_stream_through_the_gpu(monkeypatch, tmp_path, rng, dtype):
+    """A volume stored big-endian (a FITS cube, a '>f4' Zarr array) is staged and converted on
+    the host: its raw bytes never reach the GPU, even from pinned memory or with register-in-
+    place switched on, and the curve is the native one's."""
+    cp = cupy_module()
+    import cupyx
+
+    small_registration(monkeypatch)
+    img = image_of(rng, (40, 96, 80), dtype, levels=50)
+    t = np.linspace(0, 49, 64)
+    want = cutopo.ecc(img, t)
+    big = np.dtype(dtype).newbyteorder(">")
+    mm = np.memmap(tmp_path / "v.be", dtype=big, mode="w+", shape=img.shape)
+    mm[:] = img
+    slab = plane_bytes(img.shape, 3, img.itemsize) * 6
+    record = RecordRegistrations(monkeypatch)
+    pinned = cupyx.empty_pinned(img.shape, dtype=big)
+    pinned[:] = img
+    assert _stream.pinned_pointer(pinned)
+    for source in (mm, np.array(mm), pinned):
+        _stream.last_pipeline.clear()
+        got = cutopo.ecc(source, t, device="cuda", max_slab_bytes=slab)
+        np.testing.assert_array_equal(got, want)
+        assert _stream.last_pipeline["direct"] == 0 and not record.made
+    np.testing.assert_array_equal(cutopo.ecc(mm, 33, device="cuda", max_slab_bytes=slab),
+                                  cutopo.ecc(img, 33))
+    dirs = np.array([[1.0, 0.0, 0.0], [0.0, 0.6, 0.8]])
+    np.testing.assert_array_equal(
+        cutopo.ect((img > 20).astype(">u2"), dirs, np.linspace(-1, 1, 7), device="cuda",
+                   max_slab_bytes=48 * 96 * 80 * 6),
+        cutopo.ect(img > 20, dirs, np.linspace(-1, 1, 7)))
+
+
 class RecordRegistrations:
     """Wraps _stream._cuda_registration: keeps every HostRegistration a call makes, and counts
     the slabs that were ready for a direct copy."""

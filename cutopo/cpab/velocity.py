@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._array import array_module, is_cupy_array
+from .._array import array_module, as_array, is_cupy_array
 from ._checks import broadcast_batch
 from .tessellation import Tessellation, cell_index
 
@@ -11,7 +11,7 @@ __all__ = ["velocity"]
 
 
 def _real_array(x, name, xp):
-    x = x if xp is not np else np.asarray(x)
+    x = x if xp is not np else as_array(x, name)  # NumPy arrays in native byte order
     if x.dtype.kind not in "fiu":
         raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
     return x
