@@ -123,11 +123,45 @@ def linear_thresholds(image, n):
 def evenly_spaced(lo: float, hi: float, n: int) -> np.ndarray:
     """``numpy.linspace(lo, hi, n)`` in float64, also where ``hi - lo`` overflows (a range
     wider than the largest float64, e.g. -1e308 to 1e308): then as lo (1 - s) + hi s."""
+    # the values, their cast to the comparison dtype and the checks' temporaries
+    check_host_memory(24 * n, "thresholds", f"a count of {n} thresholds")
     with np.errstate(over="ignore"):
         if math.isfinite(hi - lo):
             return np.linspace(lo, hi, n)
     s = np.linspace(0.0, 1.0, n)
     return lo * (1 - s) + hi * s
+
+
+def available_host_bytes():
+    """The host memory available to new allocations (MemAvailable of /proc/meminfo), or None
+    where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(nbytes, name, what):
+    """A ValueError naming ``name`` when ``what`` (host arrays of ``nbytes`` in all) cannot fit
+    in the host memory available now. NumPy allocates lazily, so an oversized result (a typo
+    in a threshold count, a huge batch) would otherwise be killed by the OS part-way through
+    instead of raising."""
+    avail = available_host_bytes()
+    if avail is not None and nbytes > avail:
+        raise ValueError(f"{name}: {what} need {nbytes / 2**30:.1f} GiB of host memory, more than "
+                         f"the {avail / 2**30:.1f} GiB available")
+
+
+def check_result_memory(batch, tail, itemsize_total, name="thresholds"):
+    """check_host_memory for a NumPy path's result of shape (*batch, *tail), counting
+    ``itemsize_total`` bytes per entry (the result and its temporaries)."""
+    entries = math.prod(batch) * math.prod(tail)
+    check_host_memory(entries * itemsize_total, name,
+                      f"the result of shape {tuple(batch) + tuple(tail)} and its temporaries")
 
 
 # The errors of the checks of threshold values (also raised by the device-side check of

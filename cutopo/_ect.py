@@ -27,8 +27,8 @@ from . import _band_cupy, _band_numpy, _stream
 from ._array import as_array, is_cupy_array, to_numpy
 from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
-from ._checks import (check_boundary, check_connectivity, check_count, check_scale,
-                      check_thresholds, evenly_spaced, is_count, same_array_type)
+from ._checks import (check_boundary, check_connectivity, check_count, check_result_memory,
+                      check_scale, check_thresholds, evenly_spaced, is_count, same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -420,6 +420,7 @@ def curves(mask_b, dirs64, coords, t, tconn, own=None, periodic=False, wrap0=Non
     its halo, owning disjoint pixels, at the volume's positions) add up to the volume's.
     """
     B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
+    check_result_memory((B, D), (T,), 16)  # histograms, curves
     hist = np.zeros((B, D, T + 1), dtype=np.int64)
     for ch in _entries(mask_b, dirs64, coords, tconn, own, periodic, wrap0, general,
                        pass_elements):
@@ -602,6 +603,7 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
             out, entries = _band_cupy.ect_forward(mask_b, dirs64, coords, t, tconn, soft=True,
                                                   lam=lam, w=band_halfwidth(dtype, lam), keep=True)
         return out.reshape(batch + (D, T)), res._replace(entries=entries)
+    check_result_memory(batch + (D,), (T,), 24)  # float64 sums, saturated counts, result
     out = np.zeros((B, D, T), dtype=np.float64)
     # Band-limited, as soft_ecc (cutopo._band_numpy) and the CUDA kernels: per direction the
     # pixels with c != 0 at their heights, the thresholds outside each band saturated exactly.

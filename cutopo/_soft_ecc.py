@@ -17,8 +17,9 @@ import numpy as np
 from . import _band_cupy, _band_numpy, _ecc_numpy
 from ._array import array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
-from ._checks import (check_boundary, check_connectivity, check_image, check_scale,
-                      check_threshold_array, check_thresholds, is_count, same_array_type)
+from ._checks import (check_boundary, check_connectivity, check_image, check_result_memory,
+                      check_scale, check_threshold_array, check_thresholds, is_count,
+                      same_array_type)
 from ._cuda.deferred import reading
 from .vjp import register
 
@@ -125,6 +126,7 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
             out = _band_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
                                               cfg.ndim, cfg.tconn, cfg.periodic)
         return out.reshape(batch + (T,)), cfg
+    check_result_memory(batch, (T,), 24)  # float64 sums, the saturated counts, the result
     _, px = _pixels(cfg)
     out = _band_numpy.forward(px, cfg.t, cfg.scale, nimg)
     return out.astype(cfg.dtype).reshape(batch + (T,)), cfg

@@ -7,8 +7,8 @@ import numpy as np
 
 from . import _ecc_cupy, _ecc_numpy, _stream
 from ._array import is_cupy_array
-from ._checks import (check_boundary, check_connectivity, check_image, check_thresholds, is_count,
-                      linear_thresholds, same_array_type)
+from ._checks import (check_boundary, check_connectivity, check_image, check_result_memory,
+                      check_thresholds, is_count, linear_thresholds, same_array_type)
 
 __all__ = ["ecc", "euler_contributions", "linear_thresholds", "soft_ecc", "expected_euler", "ect",
            "soft_ect"]
@@ -157,6 +157,7 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     t, _ = check_thresholds(thresholds, image)
     if is_cupy_array(image):
         return _ecc_cupy.ecc(image, t, ndim, tconn, periodic)
+    check_result_memory(image.shape[:image.ndim - ndim], (t.size,), 16)  # histogram, curve
     return _ecc_numpy.ecc(image, t, ndim, tconn, periodic)
 
 

@@ -202,3 +202,35 @@ def test_non_native_byte_order_is_accepted(rng, dtype):
     np.testing.assert_array_equal(cutopo.ecc(image, t, ndim=2), cutopo.ecc(native, t, ndim=2))
     np.testing.assert_array_equal(cutopo.euler_contributions(image, ndim=2),
                                   cutopo.euler_contributions(native, ndim=2))
+
+
+def test_host_memory_guard(monkeypatch, rng):
+    """A threshold count or a batch whose host arrays cannot fit in the memory available
+    raises a ValueError naming thresholds before anything is allocated (NumPy allocates
+    lazily: the OS would kill the process part-way instead)."""
+    from cutopo import _checks
+
+    image = rng.random((3, 20, 20)).astype(np.float32)
+    mask = image > 0.5
+    dirs = np.array([[1.0, 0.0], [0.0, 1.0]])
+    monkeypatch.setattr(_checks, "available_host_bytes", lambda: 1 << 20)  # 1 MiB left
+    calls = [lambda: cutopo.ecc(image, 10**6, ndim=2),                    # the count's values
+             lambda: cutopo.linear_thresholds(image, 10**6),
+             lambda: cutopo.ecc(image, np.linspace(0, 1, 30000), ndim=2),  # the (3, T) curves
+             lambda: cutopo.soft_ecc(image, np.linspace(0, 1, 20000), 5.0, ndim=2),
+             lambda: cutopo.ect(mask, dirs, np.linspace(-1, 1, 20000)),
+             lambda: cutopo.soft_ect(mask, dirs, np.linspace(-1, 1, 10000), 5.0),
+             lambda: cutopo.ect(mask, dirs, 10**6)]
+    for call in calls:
+        with pytest.raises(ValueError, match="thresholds: .* GiB of host memory"):
+            call()
+    assert cutopo.ecc(image, 64, ndim=2).shape == (3, 64)  # what fits still runs
+    monkeypatch.setattr(_checks, "available_host_bytes", lambda: None)  # unknown: no guard
+    assert cutopo.ecc(image, 30000, ndim=2).shape == (3, 30000)
+
+
+def test_available_host_bytes_reads_meminfo():
+    from cutopo import _checks
+
+    avail = _checks.available_host_bytes()
+    assert avail is None or 1 << 20 < avail < 1 << 50
