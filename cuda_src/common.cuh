@@ -87,10 +87,17 @@ struct Ordered {
     typedef Cmp type;
     static __device__ __forceinline__ Cmp of(Cmp v) { return v; }
 };
+// For bins, -0.0 need not become +0.0: its key (0x7fffffff) lies just below +0.0's and no
+// threshold key equals it (the host maps -0.0 thresholds to +0.0), so it compares with every
+// threshold as +0.0 does. NaN still becomes +inf (above every threshold).
 template <>
 struct Ordered<float> {
     typedef unsigned int type;
-    static __device__ __forceinline__ unsigned int of(float v) { return order_key(v); }
+    static __device__ __forceinline__ unsigned int of(float v) {
+        unsigned int u = __float_as_uint(v);
+        if ((u & 0x7fffffffu) > 0x7f800000u) u = 0x7f800000u;
+        return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    }
 };
 
 template <typename K>

@@ -522,9 +522,10 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
 }
 }  // namespace packed
 
-// One entry of the threshold table: bin k's bounds lo = t_{k-1} and hi = t_k (entry 0 repeats
-// t_0), in the comparison domain (Ordered<Cmp>). Checking an estimate of the bin then reads one
-// 8- or 16-byte entry instead of two dependent thresholds.
+// One entry of the threshold table: bin k's bounds lo = t_{k-1} and hi = t_k, in the comparison
+// domain (Ordered<Cmp>); entry 0 is (t_0, t_0) and entry T (t_{T-1}, t_{T-1}), so that an
+// estimate of 0 or T walks into [1, T-1]. Checking an estimate of the bin then reads one 8- or
+// 16-byte entry instead of two dependent thresholds.
 template <typename Tab>
 struct alignas(2 * sizeof(Tab)) Bounds {
     Tab lo, hi;
@@ -536,7 +537,7 @@ struct alignas(2 * sizeof(Tab)) Bounds {
 template <typename Cmp>
 struct ThresholdBins {
     typedef typename Ordered<Cmp>::type Tab;
-    const Bounds<Tab>* bounds;  // T entries, shared or global memory
+    const Bounds<Tab>* bounds;  // T + 1 entries, shared or global memory
     Tab first, last;            // t_0, t_{T-1}
     int T, estimate;
     double t0, inv_dt;          // the estimate (k - 1 < (v - t0) inv_dt <= k) in double
@@ -557,14 +558,16 @@ struct ThresholdBins {
             // Evenly spaced thresholds: an O(1) guess, made exact by the comparisons below (the
             // host allows this only when the guess is within a bin or so of the answer).
             if constexpr (sizeof(Tab) == 4) {
-                // float32: round((v - t0) / dt + 1/2), i.e. about ceil, by adding 1.5 * 2^23
-                // (0 <= the sum's fraction part < 2^22 here): no float-to-int conversion.
+                // float32: round((v - t0) / dt + 1/2), i.e. about ceil, by adding 1.5 * 2^23:
+                // no float-to-int conversion, and no clamp: the host takes the estimate only
+                // where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so the float errors stay below
+                // 1/4 bin and k lies in [0, T] (_ecc_cupy._uniform_estimate).
                 const float y = __fadd_rn(__fmaf_rn((float)v, inv_dt_f, offset), 12582912.0f);
                 k = __float_as_int(y) - 0x4B400000;
             } else {
                 k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
+                k = min(max(k, 1), T - 1);
             }
-            k = min(max(k, 1), T - 1);
             const Bounds<Tab> b = bounds[k];
             if (w <= b.lo) {
                 do --k; while (w <= bounds[k].lo);
@@ -701,9 +704,9 @@ histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>
     size_t offset = 0;
     if (table_in_smem) {
         Bounds<Tab>* t = reinterpret_cast<Bounds<Tab>*>(dynamic_smem);
-        for (int i = threadIdx.x; i < T; i += THREADS) t[i] = thresholds[i];
+        for (int i = threadIdx.x; i <= T; i += THREADS) t[i] = thresholds[i];
         tab = t;
-        offset = ((size_t)T * sizeof(Bounds<Tab>) + 15) & ~(size_t)15;
+        offset = ((size_t)(T + 1) * sizeof(Bounds<Tab>) + 15) & ~(size_t)15;
     }
     if (hist_in_smem) {
         hist_s = reinterpret_cast<int*>(dynamic_smem + offset);

@@ -56,10 +56,11 @@ def _float32_order_keys(t: np.ndarray) -> np.ndarray:
 
 
 def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
-    """(T, 2) bounds of the bins, as the kernel compares them (float32 through order keys, the
-    rest as values): row k is (t_{k-1}, t_k), row 0 (t_0, t_0) (ecc.cu's Bounds)."""
+    """(T + 1, 2) bounds of the bins, as the kernel compares them (float32 through order keys,
+    the rest as values): row k is (t_{k-1}, t_k), row 0 (t_0, t_0) and row T (t_{T-1},
+    t_{T-1}) (ecc.cu's Bounds)."""
     keys = _float32_order_keys(t) if cmp_dtype == np.float32 else t.astype(cmp_dtype)
-    return np.stack([np.concatenate([keys[:1], keys[:-1]]), keys], axis=1)
+    return np.stack([np.concatenate([keys[:1], keys]), np.concatenate([keys, keys[-1:]])], axis=1)
 
 
 def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
@@ -129,7 +130,11 @@ def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x):
 
 
 def _uniform_estimate(t: np.ndarray):
-    """(t0, 1/dt) when thresholds are close enough to evenly spaced for the O(1) bin guess."""
+    """(t0, 1/dt) when thresholds are close enough to evenly spaced for the O(1) bin guess.
+
+    float32 thresholds are guessed in float arithmetic without a clamp, so they also need
+    (|t_0| + |t_{T-1}|) / dt + T <= 2^21: the guess's rounding errors (about 2^-24 times those
+    magnitudes each) then stay below 1/4 bin, and the guess within the table's rows 0..T."""
     T = t.size
     if T < 3:
         return None
@@ -139,6 +144,9 @@ def _uniform_estimate(t: np.ndarray):
         if not (dt > 0 and math.isfinite(dt)):  # a span beyond float64: no estimate
             return None
         if not np.max(np.abs(tt - (tt[0] + dt * np.arange(T)))) <= 0.25 * dt:
+            return None
+        # float16 and float32 thresholds compare (and are guessed) in float32
+        if t.dtype.kind == "f" and t.dtype.itemsize <= 4 and (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** 21:
             return None
     return float(tt[0]), float(1.0 / dt)
 

@@ -125,11 +125,16 @@ def test_float32_bin_estimate_at_bin_edges(rng, ndim):
     from cutopo._ecc_cupy import _uniform_estimate
 
     shape = (3, 70, 90) if ndim == 2 else (40, 30, 70)
-    for T, jitter in [(256, 0.0), (200, 0.12), (3, 0.0), (2, 0.0), (2000, 0.12)]:
+    # (T, jitter, first threshold, estimated): far from 0 the float guess errs more; the host
+    # guesses only while (|t_0| + |t_{T-1}|) / dt + T <= 2^21 (then within 1/4 bin)
+    for T, jitter, t0, guessed in [(256, 0.0, -1.0, True), (200, 0.12, -1.0, True), (3, 0.0, -1.0, True),
+                                   (2, 0.0, -1.0, False), (2000, 0.12, -1.0, True),
+                                   (256, 0.0, 1.0e4, True), (256, 0.05, -1.04e4, True),
+                                   (256, 0.0, 1.1e4, False)]:
         dt = 0.01
-        t = (np.float32(-1.0) + dt * np.arange(T) + jitter * dt * rng.uniform(-1, 1, T)).astype(np.float32)
+        t = (np.float32(t0) + dt * np.arange(T) + jitter * dt * rng.uniform(-1, 1, T)).astype(np.float32)
         t = np.sort(t)
-        assert (_uniform_estimate(t) is not None) == (T >= 3)  # the estimate's path, not a search
+        assert (_uniform_estimate(t) is not None) == guessed, (T, t0)
         on = rng.choice(t, size=shape)
         step = rng.choice(np.array([-1, 0, 1]), size=shape)
         vals = np.where(step < 0, np.nextafter(on, np.float32(-np.inf)),
