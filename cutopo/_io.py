@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ._array import native_byte_order
 from ._checks import IMAGE_DTYPES
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -130,12 +131,18 @@ def _to_grey(data, channels, name, note):
 
 def _supported_dtype(data, name, note):
     """``data`` in a dtype :func:`cutopo.ecc` accepts, converting without changing any value's order."""
+    # Big-endian data (a TIFF in Motorola byte order, a .npy written on such a machine) first
+    # take the machine's byte order: '>u2' is then uint16, not a 2-byte integer to widen.
+    data = native_byte_order(np.asarray(data))
     if data.dtype in IMAGE_DTYPES:
         return data
     kind = data.dtype.kind
     if kind == "f":
         target = np.dtype(np.float64)
-    elif kind in "iu" and data.dtype.itemsize <= 2:  # int8
+        if data.dtype.itemsize > 8:  # long double: the only float that float64 cannot hold
+            note(f"{name}: {data.dtype} data rounded to float64 (close values may merge)")
+            return data.astype(target)
+    elif kind == "i" and data.dtype.itemsize == 1:  # int8
         target = np.dtype(np.int16)
     elif kind in "iu":
         lo, hi = int(data.min()), int(data.max())

@@ -165,6 +165,19 @@ def test_read_image_tiff_stack_and_int64(tmp_path):
     got = read_image(tmp_path / "w.npy", note=notes.append)
     assert got.dtype == np.int32 and notes
     np.testing.assert_array_equal(got, wide)
+    # big-endian files (a Motorola-order TIFF, a .npy from such a machine): the same dtype in
+    # native order, values above 32767 intact (uint16 was widened to int16 and wrapped)
+    bright = _rng().integers(30000, 65536, size=(9, 11)).astype(">u2")
+    tifffile.imwrite(tmp_path / "be.tif", bright, byteorder=">", photometric="minisblack")
+    np.save(tmp_path / "be.npy", bright)
+    np.save(tmp_path / "bef.npy", bright.astype(">f4") / 7)
+    for name, want in (("be.tif", bright), ("be.npy", bright), ("bef.npy", bright.astype(np.float32) / 7)):
+        notes = []
+        got = read_image(tmp_path / name, note=notes.append)
+        assert got.dtype == want.dtype.newbyteorder("=") and got.dtype.isnative and not notes, name
+        np.testing.assert_array_equal(got, want)
+    assert (cutopo.ecc(read_image(tmp_path / "be.tif"), [40000, 60000])
+            == cutopo.ecc(bright.astype(np.uint16), [40000, 60000])).all()
     np.save(tmp_path / "v.npy", np.ones((2, 3, 4, 5), np.float32))
     with pytest.raises(ValueError, match="v.npy"):
         read_image(tmp_path / "v.npy")
