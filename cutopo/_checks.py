@@ -145,11 +145,18 @@ def available_host_bytes():
     return None
 
 
+# Host arrays smaller than this are not checked against the memory available (reading
+# /proc/meminfo costs ~20 us, as much as a small call).
+MEMORY_CHECK_MIN_BYTES = 256 << 20
+
+
 def check_host_memory(nbytes, name, what):
-    """A ValueError naming ``name`` when ``what`` (host arrays of ``nbytes`` in all) cannot fit
-    in the host memory available now. NumPy allocates lazily, so an oversized result (a typo
-    in a threshold count, a huge batch) would otherwise be killed by the OS part-way through
-    instead of raising."""
+    """A ValueError naming ``name`` when ``what`` (host arrays of ``nbytes`` in all, at least
+    MEMORY_CHECK_MIN_BYTES) cannot fit in the host memory available now. NumPy allocates
+    lazily, so an oversized result (a typo in a threshold count, a huge batch) would otherwise
+    be killed by the OS part-way through instead of raising."""
+    if nbytes < MEMORY_CHECK_MIN_BYTES:
+        return
     avail = available_host_bytes()
     if avail is not None and nbytes > avail:
         raise ValueError(f"{name}: {what} need {nbytes / 2**30:.1f} GiB of host memory, more than "

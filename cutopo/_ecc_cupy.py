@@ -146,7 +146,8 @@ def _uniform_estimate(t: np.ndarray):
         if not np.max(np.abs(tt - (tt[0] + dt * np.arange(T)))) <= 0.25 * dt:
             return None
         # float16 and float32 thresholds compare (and are guessed) in float32
-        if t.dtype.kind == "f" and t.dtype.itemsize <= 4 and (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** 21:
+        in_float32 = t.dtype.kind == "f" and t.dtype.itemsize <= 4
+        if in_float32 and (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** 21:
             return None
     return float(tt[0]), float(1.0 / dt)
 

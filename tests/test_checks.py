@@ -214,6 +214,7 @@ def test_host_memory_guard(monkeypatch, rng):
     mask = image > 0.5
     dirs = np.array([[1.0, 0.0], [0.0, 1.0]])
     monkeypatch.setattr(_checks, "available_host_bytes", lambda: 1 << 20)  # 1 MiB left
+    monkeypatch.setattr(_checks, "MEMORY_CHECK_MIN_BYTES", 0)
     calls = [lambda: cutopo.ecc(image, 10**6, ndim=2),                    # the count's values
              lambda: cutopo.linear_thresholds(image, 10**6),
              lambda: cutopo.ecc(image, np.linspace(0, 1, 30000), ndim=2),  # the (3, T) curves
@@ -226,6 +227,9 @@ def test_host_memory_guard(monkeypatch, rng):
             call()
     assert cutopo.ecc(image, 64, ndim=2).shape == (3, 64)  # what fits still runs
     monkeypatch.setattr(_checks, "available_host_bytes", lambda: None)  # unknown: no guard
+    assert cutopo.ecc(image, 30000, ndim=2).shape == (3, 30000)
+    monkeypatch.setattr(_checks, "available_host_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(_checks, "MEMORY_CHECK_MIN_BYTES", 256 << 20)  # small arrays: no check
     assert cutopo.ecc(image, 30000, ndim=2).shape == (3, 30000)
 
 
