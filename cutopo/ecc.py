@@ -25,8 +25,9 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     ----------
     image : ndarray, shape (*batch, *spatial)
         NumPy or CuPy array of dtype bool, uint8, uint16, int16, int32, float16, float32 or
-        float64. The last ``ndim`` axes are spatial; leading axes are a batch. NaN pixels never
-        enter a sublevel set (they act as +inf).
+        float64 (NumPy arrays in either byte order: big-endian data are converted). The last
+        ``ndim`` axes are spatial; leading axes are a batch. NaN pixels never enter a sublevel
+        set (they act as +inf).
     thresholds : int or 1-D array
         Sorted (non-decreasing), finite threshold values, or a count ``n`` meaning ``n`` evenly
         spaced thresholds from the image's finite minimum to its finite maximum, inclusive
