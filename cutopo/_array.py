@@ -41,7 +41,7 @@ def native_byte_order(x):
     (big-endian data from FITS, HDF5 or Zarr files): the dtype rules (``dtype == float64``),
     CuPy and the kernels all work in native byte order."""
     if isinstance(x, np.ndarray) and not x.dtype.isnative:
-        return x.astype(x.dtype.newbyteorder("="))
+        return x.astype(native_dtype(x.dtype))
     return x
 
 

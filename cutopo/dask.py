@@ -77,6 +77,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
 from . import _ecc_numpy
 from ._array import is_cupy_array, native_dtype, to_numpy
 from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds, evenly_spaced
+from ._cuda import tables
 
 __all__ = ["ecc", "ect"]
 
@@ -588,8 +589,6 @@ _UNIT = np.ones(1, dtype=bool)
 def _device_mask(m):
     """The uint8 device copy of the host bool mask ``m`` on the current device, memoized and
     ready for any stream of any thread (cutopo._cuda.tables)."""
-    from ._cuda import tables
-
     return tables.memoized(m.astype(np.uint8))
 
 
