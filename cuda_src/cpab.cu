@@ -568,20 +568,21 @@ __device__ __forceinline__ void adjoint_sweep(
     }
 }
 
-// The backward: `cotangent` (B, N, K) float64 in, `grad_points` (B, N, K) float64 out
+// The backward: `cotangent` (B, N, K) in the points' dtype (read as float64 here: no float64
+// copy of it, 2x its size, exists), `grad_points` (B, N, K) float64 out
 // (m_0 lambda_0, not yet summed over a shared batch), `G` (Bt C, K (K+1)) float64 moments
 // accumulated when `need_theta`. Checkpoints as integrate_forward keeps them, or none with
 // `recompute` (ceil(n_steps / S) <= MAX_LOCAL_CHECKPOINTS, the host's promise).
 template <typename T, int K, bool PROJECT, int MODE>
 __device__ __forceinline__ void backward_item(
         const Item& it, const T* __restrict__ points, const T* __restrict__ E,
-        const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
+        const T* __restrict__ checkpoints, const T* __restrict__ cotangent,
         double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
         int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch,
         unsigned live) {
     double lam[K];
     #pragma unroll
-    for (int k = 0; k < K; ++k) lam[k] = cotangent[it.idx * K + k];
+    for (int k = 0; k < K; ++k) lam[k] = convert<double>(cotangent[it.idx * K + k]);
     T own[MAX_LOCAL_CHECKPOINTS][K];
     if (recompute) {
         T x[K];
@@ -621,7 +622,7 @@ template <typename T, int K> struct BackwardBlocks {
 template <typename T, int K, bool PROJECT, int MODE>
 __global__ void __launch_bounds__(THREADS, (BackwardBlocks<T, K>::value))
 integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
-                   const T* __restrict__ checkpoints, const double* __restrict__ cotangent,
+                   const T* __restrict__ checkpoints, const T* __restrict__ cotangent,
                    double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, i64 C,
                    int points_shared, int theta_shared, int n_steps, int S, int need_points,
                    int need_theta, int recompute, int n0, int n1, int n2) {

@@ -200,18 +200,19 @@ def vjp(op, *args, wrt=None, **kwargs):
     needs = tuple(i in chosen and name in spec.differentiable and _is_float_argument(a)
                   for i, (name, a) in enumerate(zip(spec.arg_names, args)))
     out, residuals = spec.forward(*args, **kwargs)
+    # The pullback keeps what it needs of the output, not the output: a caller that drops it
+    # gets its memory back (a 2.2e9-trajectory integrate's is 17.7 GB).
     out_is_cupy = is_cupy_array(out)
-    out_dtype = out.dtype
+    out_dtype, out_shape, xp = out.dtype, out.shape, array_module(out)
 
     def pullback(cotangent):
-        xp = array_module(out)
         if is_cupy_array(cotangent) != out_is_cupy:
             raise TypeError(f"cotangent must be a {'CuPy' if out_is_cupy else 'NumPy'} array like "
                             f"the output of {spec.name}")
         cotangent = xp.asarray(cotangent)
-        if cotangent.shape != out.shape:
+        if cotangent.shape != out_shape:
             raise ValueError(f"cotangent has shape {cotangent.shape}, the output of {spec.name} "
-                             f"has shape {out.shape}")
+                             f"has shape {out_shape}")
         if cotangent.dtype.kind not in "iub" and not is_float_dtype(cotangent.dtype):
             raise TypeError(f"cotangent: dtype {cotangent.dtype} is not real")
         cotangent = cotangent.astype(out_dtype, copy=False)

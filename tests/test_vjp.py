@@ -51,6 +51,22 @@ def test_pullback_values_types_and_needs(rng):
     assert CALLS[-1] == (True, False, True)
 
 
+def test_pullback_does_not_keep_the_output_alive(rng):
+    """The output can be freed while its pullback lives (the toy's residuals do not hold it):
+    a large op's output is memory the caller may want back before the backward runs."""
+    import gc
+    import weakref
+
+    x = rng.standard_normal((3, 4))
+    out, pullback = cutopo.vjp(toy, x, 0, 2.0)
+    ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is None
+    dx, _, _ = pullback(np.ones(3))
+    np.testing.assert_allclose(dx, 2.0 * 2 * x)
+
+
 def test_wrt_restricts_what_is_computed(rng):
     x = rng.standard_normal((2, 5)).astype(np.float32)
     out, pullback = cutopo.vjp(toy, x, 0, 2.0, wrt="x")
