@@ -1,6 +1,6 @@
 """Device arrays past 2^31 and 2^32 elements: the kernels' 64-bit indexing, op by op.
 
-    pytest -m "gpu and slow" tests/test_large_gpu.py      # ~60 GiB of device memory at most
+    pytest -m "gpu and slow" tests/test_large_gpu.py      # ~110 GB of device memory at most
 
 Each input is a large constant background with a few small random blocks, some of them at the
 far end of the array (linear indices past 2^31 or 2^32), some across tile and plane boundaries.
@@ -343,3 +343,94 @@ def test_cpab_integrate_and_pullback_past_2_31_points():
     for r in (0, reps - 1):
         np.testing.assert_allclose(d_points[r * M:(r + 1) * M].get(), d_unique.get(), rtol=1e-5, atol=1e-6)
     assert math.prod(d_points.shape) == N * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# grid_sample and the fused CPAB warp: images that are linear in the pixel coordinates, which
+# bilinear interpolation reproduces exactly, so every sample has a closed form
+
+
+def _linear_volume(cp, shape, slopes):
+    """float32 image sum_a slopes[a] * (index along axis a): small integers, exact in float32."""
+    out = cp.zeros(shape, dtype=np.float32)
+    for a, s in enumerate(slopes):
+        idx = cp.arange(shape[a], dtype=np.float32).reshape((-1,) + (1,) * (len(shape) - 1 - a))
+        out += np.float32(s) * idx
+    return out
+
+
+def test_grid_sample_of_an_image_past_2_31_pixels():
+    """A (1, 1, 1025, 1024, 2048) float32 volume (plane 1024 starts at 2^31) equal to
+    3 z + 2 y + x, sampled at random interior points and at points of the last planes: the
+    trilinear value is the linear function at the points' pixel coordinates."""
+    cp = cupy_module()
+    rng = np.random.default_rng(17)
+    D, H, W = 1025, 1024, 2048
+    image = _linear_volume(cp, (D, H, W), (3, 2, 1)).reshape(1, 1, D, H, W)
+    pix = np.stack([rng.uniform(0, n - 1, 4000) for n in (D, H, W)], axis=-1)
+    pix[:1000, 0] = rng.uniform(D - 2, D - 1, 1000)                      # past 2^31
+    pix[:10] = [D - 1, H - 1, W - 1]                                     # the last pixel
+    g = (pix + 0.5) / np.array([D, H, W]) * 2 - 1                        # align_corners=False
+    grid = cp.asarray(g[:, ::-1].astype(np.float32).reshape(1, 1, 1, -1, 3))
+    # border padding: a point on the last pixel centre may round a hair past it
+    got = cutopo.grid_sample(image, grid, padding_mode="border").get().reshape(-1)
+    gf = g.astype(np.float32).astype(np.float64)                         # the points as sampled
+    at = np.clip((gf + 1) * np.array([D, H, W]) / 2 - 0.5, 0, np.array([D, H, W]) - 1)
+    np.testing.assert_allclose(got, at @ np.array([3.0, 2.0, 1.0]), rtol=0, atol=2e-2)
+
+
+def test_grid_sample_and_grid_cotangent_past_2_31_points():
+    """A small linear image sampled at a (1, 32769, 65536, 2) grid (2.15e9 points, row 32768
+    starts at 2^31): every output is the linear function of its point, and with a cotangent of
+    ones every grid cotangent is the function's slope in normalised coordinates."""
+    cp = cupy_module()
+    H, W = 5, 6
+    image = _linear_volume(cp, (H, W), (2, 1)).reshape(1, 1, H, W)
+    shape = (1, 32769, 65536)
+    g = cp.random.default_rng(19).uniform(-1 + 1.01 / W, 1 - 1.01 / W, shape + (2,), dtype=cp.float32)
+    g[..., 1] *= np.float32((1 - 1.01 / H) / (1 - 1.01 / W))            # y inside as well
+    out, pullback = cutopo.vjp(cutopo.grid_sample, image, g, wrt="grid")
+    assert out.shape == (1, 1) + shape[1:]
+    rows = 4096  # the checks in slabs of rows: float32 temporaries of 1 GiB, not 8.6 GB
+    for r in range(0, shape[1], rows):
+        gr = g[0, r:r + rows]
+        want = ((gr[..., 1] + 1) * np.float32(H / 2) - np.float32(0.5)) * 2 + (
+            (gr[..., 0] + 1) * np.float32(W / 2) - np.float32(0.5))
+        assert float(cp.abs(out[0, 0, r:r + rows] - want).max()) < 1e-4, r
+    del want, out
+    _, d_grid = pullback(cp.ones((1, 1) + shape[1:], dtype=np.float32))
+    assert d_grid.shape == g.shape
+    for r in range(0, shape[1], rows):
+        dr = d_grid[0, r:r + rows]
+        assert float(cp.abs(dr[..., 0] - W / 2).max()) < 1e-4, r          # d out / d g_x = W / 2
+        assert float(cp.abs(dr[..., 1] - 2 * H / 2).max()) < 1e-4, r      # d out / d g_y = 2 H / 2
+
+
+def test_cpab_transform_image_past_2_31_voxels():
+    """The fused warp of a (1, 1, 1025, 1024, 2048) float32 volume 3 i + 2 j + k: at sampled
+    voxels (some past 2^31) the output is that function at the pixel coordinates of phi(x) (an
+    integrate call on those centres; border padding clamps); the image cotangent of a cotangent
+    of ones spreads weight 1 per output voxel (its sum is the voxel count)."""
+    cp = cupy_module()
+    from cutopo.cpab import Tessellation, integrate, transform_image
+
+    rng = np.random.default_rng(23)
+    D, H, W = 1025, 1024, 2048
+    n = np.array([D, H, W])
+    tess = Tessellation((3, 3, 3))
+    theta = cp.asarray(tess.sample(1, length_scale=0.5, rng=rng)[0].astype(np.float32))
+    image = _linear_volume(cp, (D, H, W), (3, 2, 1)).reshape(1, 1, D, H, W)
+    out, pullback = cutopo.vjp(transform_image, image, theta, tess, n_steps=20)
+    vox = np.stack([rng.integers(0, m, 3000) for m in n], axis=-1)
+    vox[:1000, 0] = rng.integers(1024, D, 1000)                         # past 2^31
+    vox[0] = n - 1
+    got = out[0, 0][tuple(cp.asarray(vox.T))].get()
+    centres = cp.asarray(((vox + 0.5) / n).astype(np.float32))
+    phi = integrate(centres, theta, tess, n_steps=20).get().astype(np.float64)
+    at = np.clip(phi * n - 0.5, 0, n - 1)
+    np.testing.assert_allclose(got, at @ np.array([3.0, 2.0, 1.0]), rtol=0, atol=2e-2)
+    del out
+    d_image, d_theta, _ = pullback(cp.ones((1, 1, D, H, W), dtype=np.float32))
+    assert d_image.shape == image.shape
+    assert float(d_image.sum(dtype=np.float64)) == pytest.approx(D * H * W, rel=1e-6)
+    assert bool(cp.isfinite(d_theta).all())
