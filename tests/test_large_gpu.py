@@ -82,9 +82,8 @@ CORNERS_3D = [(0, 0, 0), (509, 0, 60), (700, 1500, 300), (1019, 1000, 1000), (10
 SIZE_3D = (6, 7, 9)
 
 
-@pytest.fixture(scope="module")
-def uint8_volume_blocks():
-    rng = np.random.default_rng(20261201)
+@pytest.fixture
+def uint8_volume_blocks(rng):
     blocks = _uint8_blocks(rng, CORNERS_3D, SIZE_3D)
     assert _past(SHAPE_3D, CORNERS_3D[-1], SIZE_3D, 2**32)
     assert _past(SHAPE_3D, CORNERS_3D[-2], SIZE_3D, 2**32)
@@ -126,11 +125,10 @@ def test_euler_contributions_of_a_volume_past_2_32_voxels(uint8_volume_blocks, c
 
 
 @pytest.mark.parametrize("conn", ["V", "T"])
-def test_ecc_of_float32_past_2_31_elements(conn):
+def test_ecc_of_float32_past_2_31_elements(rng, conn):
     """float32 (1025, 1024, 2048) (8.6 GB; plane 1024 starts at 2^31), background 2 above every
     threshold, blocks in [0, 1) with NaN pixels; float32 thresholds (the bin estimate)."""
     cp = cupy_module()
-    rng = np.random.default_rng(7)
     shape, size = (1025, 1024, 2048), (6, 7, 9)
     corners = [(0, 31, 62), (512, 0, 2039), (300, 500, 1000), (1019, 1017, 2039)]
     blocks = [(c, rng.random(size).astype(np.float32)) for c in corners]
@@ -145,11 +143,10 @@ def test_ecc_of_float32_past_2_31_elements(conn):
 
 
 @pytest.mark.parametrize("conn", ["V", "T"])
-def test_ecc_of_2d_images_past_2_31_pixels(conn):
+def test_ecc_of_2d_images_past_2_31_pixels(rng, conn):
     """One (32769, 65536) uint8 image (row 32768 starts at 2^31) and a batch (2049, 1024, 1024)
     (image 2048 starts at 2^31): per image, the sum of its blocks' curves below 255, 1 at 255."""
     cp = cupy_module()
-    rng = np.random.default_rng(11)
     connectivity = _conn(conn, 2)
     t = np.arange(256)
 
@@ -186,12 +183,11 @@ def _band_sigmoid(u, band=17.0):
     return np.where(u >= band, 1.0, np.where(u <= -band, 0.0, s)), np.where(np.abs(u) >= band, 0.0, s * (1 - s))
 
 
-def test_soft_ecc_and_pullback_past_2_31_pixels():
+def test_soft_ecc_and_pullback_past_2_31_pixels(rng):
     """float32 (32769, 65536) image, background 1e4 (saturated at 0 for every threshold), blocks
     in [0, 1): the curve and the cotangents of image, thresholds and scale against their closed
     forms over the blocks' pixels (contributions from the NumPy map of each padded block)."""
     cp = cupy_module()
-    rng = np.random.default_rng(5)
     shape, size = (32769, 65536), (4, 9)
     corners = [(0, 0), (16000, 61), (32765, 100), (32765, 65527)]
     blocks = [(c, rng.random(size).astype(np.float32)) for c in corners]
@@ -234,12 +230,11 @@ def test_soft_ecc_and_pullback_past_2_31_pixels():
 
 
 @pytest.mark.parametrize("conn", ["V", "T"])
-def test_ect_of_a_mask_past_2_31_voxels(conn):
+def test_ect_of_a_mask_past_2_31_voxels(rng, conn):
     """bool (1025, 2048, 1024) (plane 1024 starts at 2^31), random masks in a few blocks: the ECT
     is the sum over blocks of the ECC of their masked heights (positions of the whole array),
     padded by +inf."""
     cp = cupy_module()
-    rng = np.random.default_rng(3)
     shape, size = (1025, 2048, 1024), (6, 7, 9)
     corners = [(0, 0, 0), (511, 1000, 60), (1019, 2041, 1015), (1019, 30, 500)]
     assert _past(shape, corners[-1], size, 2**31)
@@ -264,12 +259,11 @@ def test_ect_of_a_mask_past_2_31_voxels(conn):
 
 
 @pytest.mark.parametrize("conn", ["V", "T"])
-def test_expected_euler_and_pullback_past_2_31_pixels(conn):
+def test_expected_euler_and_pullback_past_2_31_pixels(rng, conn):
     """float32 probabilities (32770, 65536), background 0 (never foreground): the expectation is
     the sum of the padded blocks' (NumPy path), and the cotangent over each padded block equals
     the NumPy pullback's (the cells reaching past the padding meet only probability 0)."""
     cp = cupy_module()
-    rng = np.random.default_rng(9)
     shape, size = (32770, 65536), (4, 9)  # row 32768 starts at 2^31
     corners = [(1, 1), (16000, 61), (32765, 100), (32765, 65526)]  # one pixel of padding fits
     assert _past(shape, corners[-1], size, 2**31)
@@ -300,14 +294,13 @@ def test_expected_euler_and_pullback_past_2_31_pixels(conn):
 # CPAB
 
 
-def test_cpab_integrate_and_pullback_past_2_31_points():
+def test_cpab_integrate_and_pullback_past_2_31_points(rng):
     """Batch 33 x 2^26 shared points (2.2e9 trajectories; batch item 32 starts at 2^31): the
     points are M unique ones tiled 2^26 / M times, so every trajectory, log-Jacobian and
     cotangent equals the small call's on the unique points (theta's cotangent: the tiles' sum)."""
     cp = cupy_module()
     from cutopo.cpab import Tessellation, integrate, log_jacobian
 
-    rng = np.random.default_rng(13)
     tess = Tessellation((4, 4))
     B, M, reps = 33, 1024, 2**16
     N = M * reps
@@ -359,12 +352,11 @@ def _linear_volume(cp, shape, slopes):
     return out
 
 
-def test_grid_sample_of_an_image_past_2_31_pixels():
+def test_grid_sample_of_an_image_past_2_31_pixels(rng):
     """A (1, 1, 1025, 1024, 2048) float32 volume (plane 1024 starts at 2^31) equal to
     3 z + 2 y + x, sampled at random interior points and at points of the last planes: the
     trilinear value is the linear function at the points' pixel coordinates."""
     cp = cupy_module()
-    rng = np.random.default_rng(17)
     D, H, W = 1025, 1024, 2048
     image = _linear_volume(cp, (D, H, W), (3, 2, 1)).reshape(1, 1, D, H, W)
     pix = np.stack([rng.uniform(0, n - 1, 4000) for n in (D, H, W)], axis=-1)
@@ -379,7 +371,7 @@ def test_grid_sample_of_an_image_past_2_31_pixels():
     np.testing.assert_allclose(got, at @ np.array([3.0, 2.0, 1.0]), rtol=0, atol=2e-2)
 
 
-def test_grid_sample_and_grid_cotangent_past_2_31_points():
+def test_grid_sample_and_grid_cotangent_past_2_31_points(rng):
     """A small linear image sampled at a (1, 32769, 65536, 2) grid (2.15e9 points, row 32768
     starts at 2^31): every output is the linear function of its point, and with a cotangent of
     ones every grid cotangent is the function's slope in normalised coordinates."""
@@ -387,7 +379,8 @@ def test_grid_sample_and_grid_cotangent_past_2_31_points():
     H, W = 5, 6
     image = _linear_volume(cp, (H, W), (2, 1)).reshape(1, 1, H, W)
     shape = (1, 32769, 65536)
-    g = cp.random.default_rng(19).uniform(-1 + 1.01 / W, 1 - 1.01 / W, shape + (2,), dtype=cp.float32)
+    g = cp.random.default_rng(int(rng.integers(2**63))).uniform(-1 + 1.01 / W, 1 - 1.01 / W,
+                                                                 shape + (2,), dtype=cp.float32)
     g[..., 1] *= np.float32((1 - 1.01 / H) / (1 - 1.01 / W))            # y inside as well
     out, pullback = cutopo.vjp(cutopo.grid_sample, image, g, wrt="grid")
     assert out.shape == (1, 1) + shape[1:]
@@ -406,7 +399,7 @@ def test_grid_sample_and_grid_cotangent_past_2_31_points():
         assert float(cp.abs(dr[..., 1] - 2 * H / 2).max()) < 1e-4, r      # d out / d g_y = 2 H / 2
 
 
-def test_cpab_transform_image_past_2_31_voxels():
+def test_cpab_transform_image_past_2_31_voxels(rng):
     """The fused warp of a (1, 1, 1025, 1024, 2048) float32 volume 3 i + 2 j + k: at sampled
     voxels (some past 2^31) the output is that function at the pixel coordinates of phi(x) (an
     integrate call on those centres; border padding clamps); the image cotangent of a cotangent
@@ -414,7 +407,6 @@ def test_cpab_transform_image_past_2_31_voxels():
     cp = cupy_module()
     from cutopo.cpab import Tessellation, integrate, transform_image
 
-    rng = np.random.default_rng(23)
     D, H, W = 1025, 1024, 2048
     n = np.array([D, H, W])
     tess = Tessellation((3, 3, 3))

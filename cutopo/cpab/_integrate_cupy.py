@@ -361,7 +361,7 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
 
     B, N, K = plan.B, plan.N, plan.K
     # in the points' dtype: the kernel reads it as float64 (exactly), so no float64 copy of
-    # the (B, N, K) cotangent is made (32 bytes per trajectory in 2D at float32)
+    # the (B, N, K) cotangent is made (8 bytes per trajectory and coordinate)
     cot = cupy.ascontiguousarray(cotangent.astype(plan.dtype, copy=False).reshape(B, N, K))
     grad_points = cupy.empty((B, N, K) if need_points else (0,), dtype=np.float64)
     size = K * (K + 1)
