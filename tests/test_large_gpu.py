@@ -1,6 +1,8 @@
 """Device arrays past 2^31 and 2^32 elements: the kernels' 64-bit indexing, op by op.
 
-    pytest -m "gpu and slow" tests/test_large_gpu.py      # ~110 GB of device memory at most
+    pytest -m "gpu and slow" tests/test_large_gpu.py   # up to ~120 GB of device memory
+
+Each test first skips, saying why, on a device with less free memory than its peak.
 
 Each input is a large constant background with a few small random blocks, some of them at the
 far end of the array (linear indices past 2^31 or 2^32), some across tile and plane boundaries.
@@ -29,6 +31,14 @@ def _free_device_memory():
     yield
     cp = cupy_module()
     cp.get_default_memory_pool().free_all_blocks()
+
+
+def _needs_device_memory(gb):
+    """Skip (with the reason) on a device with less free memory than the test's peak: these
+    sizes are about indexing, and a smaller card cannot hold them."""
+    free, _ = cupy_module().cuda.Device().mem_info
+    if free < gb * 1e9:
+        pytest.skip(f"needs ~{gb} GB of free device memory, {free / 1e9:.0f} GB free")
 
 
 def _conn(conn, ndim):
@@ -94,6 +104,7 @@ def uint8_volume_blocks(rng):
 def test_ecc_of_a_volume_past_2_32_voxels(uint8_volume_blocks, conn):
     """uint8 (1025, 2048, 2048), background 255: below 255 the curve is the sum of the blocks'
     curves, at 255 the whole box (chi = 1)."""
+    _needs_device_memory(8)
     cp = cupy_module()
     connectivity = _conn(conn, 3)
     vol = _volume(cp, SHAPE_3D, np.uint8, 255, uint8_volume_blocks)
@@ -110,6 +121,7 @@ def test_euler_contributions_of_a_volume_past_2_32_voxels(uint8_volume_blocks, c
     """The int8 map (4.3 GB): at every block voxel what the NumPy path gives the padded block
     (its cells are owned by the same voxels: the order (value, index) of the voxels around it is
     the same in both arrays), zero inside the flat background, and chi = 1 in all."""
+    _needs_device_memory(12)
     cp = cupy_module()
     connectivity = _conn(conn, 3)
     vol = _volume(cp, SHAPE_3D, np.uint8, 255, uint8_volume_blocks)
@@ -128,6 +140,7 @@ def test_euler_contributions_of_a_volume_past_2_32_voxels(uint8_volume_blocks, c
 def test_ecc_of_float32_past_2_31_elements(rng, conn):
     """float32 (1025, 1024, 2048) (8.6 GB; plane 1024 starts at 2^31), background 2 above every
     threshold, blocks in [0, 1) with NaN pixels; float32 thresholds (the bin estimate)."""
+    _needs_device_memory(12)
     cp = cupy_module()
     shape, size = (1025, 1024, 2048), (6, 7, 9)
     corners = [(0, 31, 62), (512, 0, 2039), (300, 500, 1000), (1019, 1017, 2039)]
@@ -146,6 +159,7 @@ def test_ecc_of_float32_past_2_31_elements(rng, conn):
 def test_ecc_of_2d_images_past_2_31_pixels(rng, conn):
     """One (32769, 65536) uint8 image (row 32768 starts at 2^31) and a batch (2049, 1024, 1024)
     (image 2048 starts at 2^31): per image, the sum of its blocks' curves below 255, 1 at 255."""
+    _needs_device_memory(6)
     cp = cupy_module()
     connectivity = _conn(conn, 2)
     t = np.arange(256)
@@ -187,6 +201,7 @@ def test_soft_ecc_and_pullback_past_2_31_pixels(rng):
     """float32 (32769, 65536) image, background 1e4 (saturated at 0 for every threshold), blocks
     in [0, 1): the curve and the cotangents of image, thresholds and scale against their closed
     forms over the blocks' pixels (contributions from the NumPy map of each padded block)."""
+    _needs_device_memory(30)
     cp = cupy_module()
     shape, size = (32769, 65536), (4, 9)
     corners = [(0, 0), (16000, 61), (32765, 100), (32765, 65527)]
@@ -234,6 +249,7 @@ def test_ect_of_a_mask_past_2_31_voxels(rng, conn):
     """bool (1025, 2048, 1024) (plane 1024 starts at 2^31), random masks in a few blocks: the ECT
     is the sum over blocks of the ECC of their masked heights (positions of the whole array),
     padded by +inf."""
+    _needs_device_memory(30)
     cp = cupy_module()
     shape, size = (1025, 2048, 1024), (6, 7, 9)
     corners = [(0, 0, 0), (511, 1000, 60), (1019, 2041, 1015), (1019, 30, 500)]
@@ -263,6 +279,7 @@ def test_expected_euler_and_pullback_past_2_31_pixels(rng, conn):
     """float32 probabilities (32770, 65536), background 0 (never foreground): the expectation is
     the sum of the padded blocks' (NumPy path), and the cotangent over each padded block equals
     the NumPy pullback's (the cells reaching past the padding meet only probability 0)."""
+    _needs_device_memory(35)
     cp = cupy_module()
     shape, size = (32770, 65536), (4, 9)  # row 32768 starts at 2^31
     corners = [(1, 1), (16000, 61), (32765, 100), (32765, 65526)]  # one pixel of padding fits
@@ -298,6 +315,7 @@ def test_cpab_integrate_and_pullback_past_2_31_points(rng):
     """Batch 33 x 2^26 shared points (2.2e9 trajectories; batch item 32 starts at 2^31): the
     points are M unique ones tiled 2^26 / M times, so every trajectory, log-Jacobian and
     cotangent equals the small call's on the unique points (theta's cotangent: the tiles' sum)."""
+    _needs_device_memory(120)
     cp = cupy_module()
     from cutopo.cpab import Tessellation, integrate, log_jacobian
 
@@ -356,6 +374,7 @@ def test_grid_sample_of_an_image_past_2_31_pixels(rng):
     """A (1, 1, 1025, 1024, 2048) float32 volume (plane 1024 starts at 2^31) equal to
     3 z + 2 y + x, sampled at random interior points and at points of the last planes: the
     trilinear value is the linear function at the points' pixel coordinates."""
+    _needs_device_memory(12)
     cp = cupy_module()
     D, H, W = 1025, 1024, 2048
     image = _linear_volume(cp, (D, H, W), (3, 2, 1)).reshape(1, 1, D, H, W)
@@ -375,6 +394,7 @@ def test_grid_sample_and_grid_cotangent_past_2_31_points(rng):
     """A small linear image sampled at a (1, 32769, 65536, 2) grid (2.15e9 points, row 32768
     starts at 2^31): every output is the linear function of its point, and with a cotangent of
     ones every grid cotangent is the function's slope in normalised coordinates."""
+    _needs_device_memory(60)
     cp = cupy_module()
     H, W = 5, 6
     image = _linear_volume(cp, (H, W), (2, 1)).reshape(1, 1, H, W)
@@ -404,6 +424,7 @@ def test_cpab_transform_image_past_2_31_voxels(rng):
     voxels (some past 2^31) the output is that function at the pixel coordinates of phi(x) (an
     integrate call on those centres; border padding clamps); the image cotangent of a cotangent
     of ones spreads weight 1 per output voxel (its sum is the voxel count)."""
+    _needs_device_memory(45)
     cp = cupy_module()
     from cutopo.cpab import Tessellation, integrate, transform_image
 
