@@ -136,6 +136,31 @@ def test_launch_checks_argument_count(launch_mod, sig):
         launch_mod.launch(sig, 1, 32, (1, 2, 3.0))
 
 
+def test_parameter_block_packs_scalars_as_the_driver_reads_them(launch_mod):
+    """Slot i: 8 bytes at pointers[i]; a 4-byte kind in the low half (little-endian), the
+    other half untouched; 8-byte kinds fill the slot. The launch itself: test_launch_gpu."""
+    import ctypes
+
+    kinds = ("int32", "float32", "int64", "float64", "int32")
+    values = (np.int32(-7), np.float32(0.1), np.int64(-(2**40) - 3), np.float64(-2.5e-300),
+              np.int32(2**31 - 1))
+    block = launch_mod.ParameterBlock(np.full(len(kinds), 0xAB, dtype=np.uint64))
+    for i, (k, v) in enumerate(zip(kinds, values)):
+        block.write(i, k, v)
+    for i, (k, v) in enumerate(zip(kinds, values)):
+        raw = ctypes.string_at(int(block.pointers[i]), 8)
+        want = np.asarray(v).tobytes()
+        assert raw[:len(want)] == want, k
+        if len(want) == 4:
+            assert raw[4:] == np.uint64(0xAB).tobytes()[4:]
+    assert block.address == block.pointers.ctypes.data
+    # a copy of the template per block: writing one leaves the other (and the template) alone
+    template = np.zeros(2, dtype=np.uint64)
+    a, b = launch_mod.ParameterBlock(template), launch_mod.ParameterBlock(template)
+    a.write(0, "int64", np.int64(5))
+    assert int(b.i64[0]) == 0 and int(template[0]) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # _ecc_cupy pure helpers
 
