@@ -111,8 +111,12 @@ def _wall_us(cp, fn, calls=300):
 
 
 def soft_ect_stages(cp):
-    """Wall time per call of each piece of a CuPy soft_ect forward (V construction)."""
+    """Wall time per call of each piece of a CuPy soft_ect forward (V construction): the
+    device-argument path (SoftEctPlan) that bench_soft's CuPy directions and thresholds take,
+    and the host-argument path's stages for comparison."""
     from cutopo import _band_cupy, _ect
+    from cutopo._band_numpy import band_halfwidth
+    from cutopo._cuda.deferred import reading
 
     mask, directions, t, scale = _soft_ect_inputs(cp)
     _, dirs64, mask_b, _, spatial, coords, tconn, t64, _ = _ect._prepare("soft_ect", mask, directions, t, 1)
@@ -120,17 +124,31 @@ def soft_ect_stages(cp):
     codes = np.unique((dirs64 >= 0).astype(np.int64) @ (1 << np.arange(len(spatial))))
     c = _band_cupy.orthant_contributions(mask_b, codes)
     t32, lam = t64.astype(np.float32), np.float32(scale)
+    w = band_halfwidth(np.dtype(np.float32), lam)
+    plan = _band_cupy.soft_ect_plan(cp.cuda.Device().id, B, tuple(spatial), directions.shape[0],
+                                    t.size, np.dtype(np.float32), directions.dtype)
+    ws, d64, dev_codes, flags = plan.arguments(t, directions)
+    flags.read()
+
+    def device_forward():
+        ws, d64, dev_codes, flags = plan.arguments(t, directions)
+        with reading(flags, lambda values: None):
+            plan.forward(mask_b, ws, d64, dev_codes, t, lam, w)
+
     out, pb = cutopo.vjp(cutopo.soft_ect, mask, directions, t, scale)
     g = cp.ones_like(out)
     rows = [("soft_ect call", lambda: cutopo.soft_ect(mask, directions, t, scale)),
             ("pullback call", lambda: pb(g)),
             ("vjp forward + pullback", lambda: cutopo.vjp(cutopo.soft_ect, mask, directions, t, scale)[1](g)),
-            ("_prepare (checks, two host reads)", lambda: _ect._prepare("soft_ect", mask, directions, t, 1)),
-            ("ect_forward (entries, kernel, finalize)",
-             lambda: _band_cupy.ect_forward(mask_b, dirs64, coords, t32, tconn, True, lam=lam, w=17.0, keep=True)),
-            ("entries_v", lambda: _band_cupy.entries_v(mask_b, dirs64)),
-            ("orthant_contributions", lambda: _band_cupy.orthant_contributions(mask_b, codes)),
-            ("_compact (one host read)", lambda: _band_cupy._compact(c, B, N, codes.size))]
+            ("device path: SoftEctPlan.arguments + forward + flag read", device_forward),
+            ("device path: SoftEctPlan.arguments (zeros, check kernel, flag copy)",
+             lambda: plan.arguments(t, directions)),
+            ("host path: _prepare (checks, two host reads)", lambda: _ect._prepare("soft_ect", mask, directions, t, 1)),
+            ("host path: ect_forward (entries, kernel, finalize)",
+             lambda: _band_cupy.ect_forward(mask_b, dirs64, coords, t32, tconn, True, lam=lam, w=w, keep=True)),
+            ("host path: entries_v", lambda: _band_cupy.entries_v(mask_b, dirs64)),
+            ("host path: orthant_contributions", lambda: _band_cupy.orthant_contributions(mask_b, codes)),
+            ("host path: _compact (one host read)", lambda: _band_cupy._compact(c, B, N, codes.size))]
     print("\n## soft_ect stages (512^2 mask, 256 directions, T = 128)\n| stage | us per call |\n|---|---|")
     for name, fn in rows:
         print(f"| {name} | {_wall_us(cp, fn):.1f} |")

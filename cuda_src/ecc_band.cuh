@@ -819,6 +819,50 @@ check_thresholds(const Real* __restrict__ t, i64 T, unsigned long long* __restri
     if (threadIdx.x % 32 == 0 && bad) atomicOr(status, (unsigned long long)bad);
 }
 
+// The device-resident arguments of the soft ECT (cutopo/_band_cupy.py, SoftEctPlan), so that a
+// call with device directions and thresholds reads none of them on the host: the thresholds'
+// checks as check_thresholds (bits 0 and 1 of status[0], zeroed), and per direction d its
+// float64 copy dirs64 (D, NDIM), its orthant code (bit a: v_a >= 0, so -0.0 counts as +, as
+// on the host), and the flags bit 2 (a component is not finite), bit 3 (every component is
+// zero) and bit 4 (sum |v_a| > 1e300: the heights might overflow float64, which the host then
+// decides exactly). The ECT kernels stay in bounds on such arguments (codes are in
+// [0, 2^NDIM) and loops are bounded); their output is never returned.
+template <typename Real, typename Dir, int NDIM>
+__global__ void __launch_bounds__(THREADS)
+check_ect_arguments(const Real* __restrict__ t, i64 T, const Dir* __restrict__ dirs, i64 D,
+                    double* __restrict__ dirs64, int* __restrict__ codes,
+                    unsigned long long* __restrict__ status) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    const i64 n = T > D ? T : D;
+    unsigned bad = 0;
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        if (k < T) {
+            const Real v = t[k];
+            if (!isfinite(v)) bad |= 1u;
+            if (k + 1 < T && t[k + 1] < v) bad |= 2u;
+        }
+        if (k < D) {
+            int code = 0;
+            bool zero = true;
+            double bound = 0.0;
+#pragma unroll
+            for (int a = 0; a < NDIM; ++a) {
+                const double v = (double)dirs[k * NDIM + a];
+                dirs64[k * NDIM + a] = v;
+                if (!isfinite(v)) bad |= 4u;
+                if (v != 0.0) zero = false;
+                if (v >= 0.0) code |= 1 << a;
+                bound += fabs(v);
+            }
+            if (zero) bad |= 8u;
+            if (bound > 1e300) bad |= 16u;  // also for inf components (bit 2 decides first)
+            codes[k] = code;
+        }
+    }
+    bad = __reduce_or_sync(FULL, bad);
+    if (threadIdx.x % 32 == 0 && bad) atomicOr(status, (unsigned long long)bad);
+}
+
 }  // namespace band
 }  // namespace ecc
 }  // namespace cutopo

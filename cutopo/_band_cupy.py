@@ -104,6 +104,17 @@ def _check_thresholds_sig(real_dtype):
                      (f"ptr:{real_dtype.name}", "int64", "ptr:uint64"))
 
 
+def _check_arguments_sig(real_dtype, dir_dtype, ndim):
+    return Signature(FAMILY, "cutopo::ecc::band::check_ect_arguments"
+                             f"<{_REAL[real_dtype]}, {_REAL[dir_dtype]}, {ndim}>",
+                     (f"ptr:{real_dtype.name}", "int64", f"ptr:{dir_dtype.name}", "int64",
+                      "ptr:float64", "ptr:int32", "ptr:uint64"))
+
+
+# Directions that SoftEctPlan reads on the device (others are read on the host).
+DIRECTION_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _instances():
     yield COUNT_NONZERO.name
     for real in (np.dtype(np.float32), np.dtype(np.float64)):
@@ -124,6 +135,8 @@ def _instances():
         for ndim in (2, 3):
             for kind in ("forward", "backward"):
                 yield _ect_sig(kind, real, ndim).name
+            for dirs in DIRECTION_DTYPES:
+                yield _check_arguments_sig(real, dirs, ndim).name
 
 
 register_instances(FAMILY, _instances)
@@ -261,6 +274,14 @@ def _soft_ecc_inputs(image, ndim, tconn, T, real, periodic=False):
     return x, cmap, plan
 
 
+def _zeroed_accumulators(M):
+    """(acc float64 (M,), sat int64 (M,)): zeroed by one memset (a launch less per call)."""
+    import cupy
+
+    zeroed = cupy.zeros(2 * M, dtype=np.uint64)
+    return zeroed[:M].view(np.float64), zeroed[M:].view(np.int64)
+
+
 def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False):
     """(nimg, T) curve in the dtype of ``t``; ``t`` host thresholds or device ones (C-contiguous,
     on the image's device), ``lam`` the scale (same dtype)."""
@@ -269,8 +290,7 @@ def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False):
     real, T = t.dtype, t.size
     with image.device:
         x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real, periodic)
-        acc = cupy.zeros((plan.nimg, T), dtype=np.float64)
-        sat = cupy.zeros((plan.nimg, T), dtype=np.int64)
+        acc, sat = _zeroed_accumulators(plan.nimg * T)
         plan.forward(x, cmap, _thresholds_on_device(t), acc, sat, lam, w)
         out = cupy.empty((plan.nimg, T), dtype=real)
         plan.finalize(sat, acc, out)
@@ -287,8 +307,8 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False):
         x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real, periodic)
         g = cupy.ascontiguousarray(g.reshape(plan.nimg, T).astype(real, copy=False))
         d_image = cupy.empty((plan.nimg, plan.N) if need_image else (1,), dtype=real)
-        dt = cupy.zeros(T, dtype=np.float64)
-        dscale = cupy.zeros(1, dtype=np.float64)
+        zeroed = cupy.zeros(T + 1, dtype=np.float64)  # one memset for both
+        dt, dscale = zeroed[:T], zeroed[T:]
         plan.backward(tuple(bool(n) for n in needs))(x, cmap, _thresholds_on_device(t), g,
                                                      d_image, dt, dscale, lam, w)
         dt *= float(lam)
@@ -561,3 +581,158 @@ def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
                + n + (B, Dg, chunks, T, lam, w, _cbool(shared), _cbool(need_dirs), _cbool(need_t),
                       _cbool(need_scale)), shared_mem=smem)
     return d_dirs, dt, dscale.reshape(())
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft ECT with device-resident arguments
+
+# SoftEctPlan sizes its entries for the worst case (every pixel of every orthant map critical),
+# so that a call needs no host read of their count: up to this many slots (2^ndim x images x
+# pixels, 9 bytes each: 38 MB). Larger calls take ect_forward (one 8-byte read, exact sizes).
+DEVICE_SLOTS = 1 << 22
+
+
+class DeviceEntries(NamedTuple):
+    """What a SoftEctPlan forward leaves for its backward: the critical pixels of every orthant
+    (as Entries, segment u * B + b for orthant u of image b; ``codes`` maps each direction to
+    its orthant) and the directions in float64, all on the device."""
+    plan: object
+    lin: object
+    c: object
+    seg: object
+    codes: object
+    dirs64: object
+
+
+class SoftEctPlan:
+    """The soft ECT (V construction, box) of one geometry when the directions and thresholds
+    are device arrays, planned once (memoized by :func:`soft_ect_plan`): a call reads nothing
+    on the host before it returns, and launches a fixed sequence of kernels.
+
+    * :meth:`arguments`: one kernel (check_ect_arguments) converts the directions to float64,
+      finds their orthant codes and checks directions and thresholds into flags, whose copy
+      to the host is queued behind it (:class:`DeferredFlags`).
+    * :meth:`forward`: the contribution maps of all 2^ndim orthants (one kernel; which ones the
+      directions use is not known on the host, and for a full set of directions every one is),
+      their compaction into entries sized for the worst case (three kernels, no read of the
+      count), the band kernel over every (image, direction) and the finalisation.
+    * :meth:`backward`: one kernel over the kept entries.
+
+    The entries equal those of :func:`entries_v` (same maps, same order per orthant), so the
+    results equal that path's.
+    """
+
+    def __init__(self, B, spatial, D, T, real, dir_dtype):
+        import cupy
+
+        from ._ect import _axis_coordinates
+
+        ndim, N = len(spatial), math.prod(spatial)
+        n_orthants = 1 << ndim
+        self.B, self.D, self.T, self.ndim, self.N, self.real = B, D, T, ndim, N, real
+        self.rows = n_orthants * B
+        self.tiles = -(-N // COMPACT_TILE)
+        device = cupy.cuda.Device().id
+        self._orthant_codes = device_table(np.arange(n_orthants, dtype=np.int32))
+        self._orthants = _orthant_launch(device, B, n_orthants, tuple(spatial))
+        blocks = self.rows * self.tiles
+        self._count = PreparedLaunch(COUNT_NONZERO, blocks, THREADS, (None, None, N, self.tiles))
+        self._scan = PreparedLaunch(SCAN_COUNTS, 1, THREADS, (None, None, self.rows, self.tiles))
+        self._write = PreparedLaunch(WRITE_ENTRIES, blocks, THREADS,
+                                     (None, None, None, None, N, self.tiles))
+        self._check = PreparedLaunch(
+            _check_arguments_sig(real, dir_dtype, ndim),
+            max(1, min(-(-max(T, D) // THREADS), CHECK_BLOCKS)), THREADS,
+            (None, T, None, D, None, None, None))
+        coords = device_table(np.concatenate(_axis_coordinates(spatial)))
+        n = tuple(spatial) + (1,) * (3 - ndim)
+        # Blocks per (image, direction) from a guess of the critical pixels per direction (an
+        # eighth of the pixels; only the split of each segment's range depends on it).
+        per_segment = max(1, N // 8)
+        sig = _ect_sig("forward", real, ndim)
+        shared, smem = _shared_plan(T, real, False, True)
+        chunks = _blocks_per_row(sig, B * D, per_segment, T, smem, MIN_ENTRIES_PER_BLOCK)
+        # (lin, c, seg, codes, coords, dirs, t, acc, sat, n0, n1, n2, B, D, chunks, T, lam, w,
+        #  soft, shared): the arrays of a call, its scale and band per call
+        self._forward = PreparedLaunch(
+            sig, B * D * chunks, THREADS,
+            (None, None, None, None, coords, None, None, None, None) + n
+            + (B, D, chunks, T, None, None, 1, _cbool(shared)), shared_mem=smem)
+        self._finalize = PreparedLaunch(_finalize_sig(real), math.ceil(B * D / WARPS), THREADS,
+                                        (None, None, None, B * D, T))
+        bsig = _ect_sig("backward", real, ndim)
+        bshared, bsmem = _shared_plan(T, real, True, False)
+        bchunks = _blocks_per_row(bsig, B * D, per_segment, T, bsmem, MIN_ENTRIES_PER_BLOCK)
+        self._backward_fixed = (bsig, B * D * bchunks, bsmem,
+                                (None,) * 4 + (coords,) + (None,) * 6 + n
+                                + (B, D, bchunks, T, None, None, _cbool(bshared)))
+        self._backward = {}
+
+    def arguments(self, t, directions):
+        """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward` (and
+        the flags' word), the directions in float64, their orthant codes, and the pending
+        flags of the checks (read them with ``cutopo._cuda.deferred.reading``)."""
+        import cupy
+
+        M = self.B * self.D * self.T
+        workspace = cupy.zeros(1 + 2 * M, dtype=np.uint64)  # status, saturated counts, sums
+        dirs64 = cupy.empty((self.D, self.ndim), dtype=np.float64)
+        codes = cupy.empty(self.D, dtype=np.int32)
+        status = workspace[:1]
+        self._check(t, directions, dirs64, codes, status)
+        return workspace, dirs64, codes, DeferredFlags(status)
+
+    def forward(self, mask_b, workspace, dirs64, codes, t, lam, w):
+        """((B * D, T) soft ECT in the dtype of t, the DeviceEntries for the backward)."""
+        import cupy
+
+        M = self.B * self.D * self.T
+        sat = workspace[1:1 + M].view(np.int64)
+        acc = workspace[1 + M:].view(np.float64)
+        maps = cupy.empty((self.rows, self.N), dtype=np.int8)
+        self._orthants(mask_b, self._orthant_codes, maps)
+        first = cupy.empty(self.rows * self.tiles, dtype=np.int64)
+        seg = cupy.empty(self.rows + 1, dtype=np.int64)
+        self._count(maps, first)
+        self._scan(first, seg)
+        lin = cupy.empty(self.rows * self.N, dtype=np.int64)
+        c = cupy.empty(self.rows * self.N, dtype=np.int8)
+        self._write(maps, first, lin, c)
+        del maps
+        self._forward(lin, c, seg, codes, dirs64, t, acc, sat, lam, w)
+        out = cupy.empty((self.B * self.D, self.T), dtype=self.real)
+        self._finalize(sat, acc, out)
+        return out, DeviceEntries(self, lin, c, seg, codes, dirs64)
+
+    def backward(self, kept: DeviceEntries, t, g, lam, w, needs):
+        """(d_dirs (D, ndim), d_t (T,) without the factor lam, d_scale 0-d): float64 views of
+        one zeroed workspace. ``needs``: (directions, thresholds, scale)."""
+        import cupy
+
+        needs = tuple(bool(n) for n in needs)
+        launch_ = self._backward.get(needs)
+        if launch_ is None:
+            sig, grid, smem, args = self._backward_fixed
+            launch_ = PreparedLaunch(sig, grid, THREADS, args + tuple(_cbool(n) for n in needs),
+                                     shared_mem=smem)
+            self._backward[needs] = launch_
+        k = self.D * self.ndim
+        workspace = cupy.zeros(k + self.T + 1, dtype=np.float64)
+        d_dirs = workspace[:k].reshape(self.D, self.ndim)
+        dt = workspace[k:k + self.T]
+        dscale = workspace[k + self.T:]
+        g = cupy.ascontiguousarray(g.reshape(self.B * self.D, self.T).astype(self.real, copy=False))
+        launch_(kept.lin, kept.c, kept.seg, kept.codes, kept.dirs64, t, g, d_dirs, dt, dscale,
+                lam, w)
+        return d_dirs, dt, dscale.reshape(())
+
+
+@functools.lru_cache(maxsize=64)
+def soft_ect_plan(device_id, B, spatial, D, T, real, dir_dtype) -> SoftEctPlan:
+    """The SoftEctPlan of a geometry on a device (``real``, ``dir_dtype``: NumPy dtypes)."""
+    return SoftEctPlan(B, spatial, D, T, real, dir_dtype)
+
+
+def device_slots(B, spatial) -> int:
+    """The entry slots a SoftEctPlan allocates (compare with DEVICE_SLOTS)."""
+    return (1 << len(spatial)) * B * math.prod(spatial)

@@ -28,7 +28,8 @@ from ._array import as_array, is_cupy_array, to_numpy
 from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_count, check_result_memory,
-                      check_scale, check_thresholds, evenly_spaced, is_count, same_array_type)
+                      check_scale, check_threshold_array, check_thresholds, evenly_spaced,
+                      is_count, same_array_type)
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -584,6 +585,8 @@ class _Residuals(NamedTuple):
 
 def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
     same_array_type(mask, [("scale", scale)], anchor_name="mask", op="soft_ect")
+    if _device_arguments(mask, directions, thresholds, connectivity):
+        return _soft_forward_device(mask, directions, thresholds, scale)
     directions, dirs64, mask_b, batch, spatial, coords, tconn, t64, count = _prepare(
         "soft_ect", mask, directions, thresholds, connectivity)
     scale_value, scale64 = check_scale(scale)
@@ -614,6 +617,82 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
         local = _band_numpy.forward(bands, t, lam, k * ch.nb)
         out[ch.b0:ch.b0 + ch.nb, ch.ids] += local.reshape(k, ch.nb, T).transpose(1, 0, 2)
     return out.astype(dtype).reshape(batch + (D, T)), res
+
+
+def _device_arguments(mask, directions, thresholds, connectivity) -> bool:
+    """Whether a soft ECT call takes _band_cupy.SoftEctPlan, which reads no argument on the
+    host: a CuPy mask with float32/float64 CuPy directions and float CuPy thresholds (not a
+    count) on its device, the V construction, and at most DEVICE_SLOTS entry slots. Every other
+    call takes _prepare, which reads directions and thresholds on the host (its checks then
+    raise before any kernel runs)."""
+    if not (is_cupy_array(mask) and is_cupy_array(directions) and is_cupy_array(thresholds)):
+        return False
+    if directions.dtype not in _band_cupy.DIRECTION_DTYPES or thresholds.dtype.kind != "f":
+        return False
+    if directions.ndim != 2 or directions.shape[1] not in (2, 3) or directions.shape[0] == 0:
+        return False  # _prepare raises the error
+    ndim = directions.shape[1]
+    try:
+        if mask.ndim < ndim or check_connectivity(connectivity, ndim):
+            return False  # too few axes (_prepare raises), or the T construction
+    except (TypeError, ValueError):
+        return False      # _prepare raises the error
+    device = mask.device.id
+    if directions.device.id != device or thresholds.device.id != device:
+        return False
+    spatial = mask.shape[mask.ndim - ndim:]
+    if any(n == 0 for n in spatial):
+        return False
+    B = math.prod(mask.shape[:mask.ndim - ndim])
+    return 0 < _band_cupy.device_slots(B, spatial) <= _band_cupy.DEVICE_SLOTS
+
+
+def _soft_forward_device(mask, directions, thresholds, scale):
+    """soft_ect's forward through _band_cupy.SoftEctPlan (see _device_arguments): the checks of
+    the argument values (directions finite and non-zero, heights finite, thresholds finite and
+    sorted) run in a kernel whose flags are read once the op's kernels are queued; a failed
+    one raises the host path's error before the call returns."""
+    import cupy
+
+    from ._cuda.deferred import reading
+
+    D, ndim = directions.shape
+    mask = _check_mask(mask, ndim)
+    t_in = check_threshold_array(thresholds)
+    scale_value, scale64 = check_scale(scale)
+    strong64 = scale64 or directions.dtype == np.float64 or t_in.dtype == np.float64
+    dtype = np.dtype(np.float64 if strong64 else np.float32)
+    with np.errstate(over="ignore"):
+        lam = dtype.type(scale_value)
+    if not (np.isfinite(lam) and lam > 0):
+        raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
+    spatial = tuple(mask.shape[mask.ndim - ndim:])
+    batch = mask.shape[:mask.ndim - ndim]
+    coords = _axis_coordinates(spatial)
+    B, T = math.prod(batch), t_in.size
+    w = band_halfwidth(dtype, lam)
+    with mask.device:
+        mask_b = cupy.ascontiguousarray(mask.reshape((B,) + spatial))
+        t = cupy.ascontiguousarray(t_in.astype(dtype, copy=False))  # exact: a wider float
+        dirs = cupy.ascontiguousarray(directions)
+        plan = _band_cupy.soft_ect_plan(mask.device.id, B, spatial, D, T, dtype, dirs.dtype)
+        workspace, dirs64, codes, flags = plan.arguments(t, dirs)
+        with reading(flags, functools.partial(_raise_failed_arguments, dirs, coords)):
+            out, kept = plan.forward(mask_b, workspace, dirs64, codes, t, lam, w)
+    res = _Residuals(mask_b, dirs64, coords, False, t, None, lam, batch, dtype, kept)
+    return out.reshape(batch + (D, T)), res
+
+
+def _raise_failed_arguments(directions, coords, values):
+    """The error of a failed check of SoftEctPlan.arguments: the host path's own checks, run on
+    a host copy of the directions (only then), or the thresholds' error."""
+    flags = int(values[0])
+    if flags & (4 | 8):
+        _check_directions(directions)
+        raise AssertionError("internal: the device flagged the directions, the host check passed")
+    if flags & 16:  # sum |v_a| > 1e300: overflow is possible, the exact check decides
+        check_heights_finite(coords, to_numpy(directions).astype(np.float64))
+    _band_cupy.raise_failed_thresholds(values)
 
 
 def _soft_backward(res: _Residuals, g, needs):
@@ -668,6 +747,14 @@ def _soft_backward_cupy(res: _Residuals, g, needs, chain):
 
     _, need_v, need_t, need_scale = needs
     lam = res.scale
+    w = band_halfwidth(res.dtype, lam)
+    if isinstance(res.entries, _band_cupy.DeviceEntries):
+        with res.mask_b.device:
+            d_v, d_t, d_scale = res.entries.plan.backward(res.entries, res.t, g, lam, w,
+                                                          (need_v, need_t, need_scale))
+            d_t *= float(lam)
+        return (None, d_v if need_v else None, d_t if need_t else None,
+                d_scale if need_scale else None)
     with res.mask_b.device:
         d_v, d_t, d_scale = _band_cupy.ect_backward(
             res.mask_b, res.dirs64, res.coords, res.t, res.tconn, lam,

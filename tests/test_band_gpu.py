@@ -308,6 +308,126 @@ def test_soft_ect_many_thresholds_use_global_accumulators(rng):
         _close(d_g[i], d_c[i], big, np.float64, f"cotangent {i}")
 
 
+def _count_device_plan_calls(monkeypatch):
+    """A list that gets one entry per SoftEctPlan forward (the device-argument path)."""
+    from cutopo import _band_cupy
+
+    calls = []
+    forward = _band_cupy.SoftEctPlan.forward
+
+    def counted(self, *args):
+        calls.append(self.D)
+        return forward(self, *args)
+
+    monkeypatch.setattr(_band_cupy.SoftEctPlan, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("ndim,shape", [(2, (29, 38)), (2, (3, 17, 20)), (3, (9, 11, 10)),
+                                        (3, (2, 6, 7, 5))])
+@pytest.mark.parametrize("dir_dtype,t_dtype", [(np.float32, np.float32), (np.float64, np.float32),
+                                               (np.float32, np.float16),
+                                               (np.float32, np.float64)])
+def test_soft_ect_device_arguments_match_numpy(rng, monkeypatch, ndim, shape, dir_dtype, t_dtype):
+    """CuPy directions and thresholds take SoftEctPlan (no host read): every orthant's map,
+    worst-case entry arrays, checks on the device; equal to the NumPy path."""
+    cp = _cp()
+    calls = _count_device_plan_calls(monkeypatch)
+    mask = _mask(rng, shape)
+    dirs = _directions(rng, 11, ndim)
+    dirs[2] = -0.0           # a negative zero counts as + (as on the host)
+    dirs[2, 0] = -1.0
+    dirs = dirs.astype(dir_dtype)
+    t = np.sort(rng.uniform(-1.8, 1.8, 27)).astype(t_dtype)
+    t[5] = t[4]              # tied thresholds
+    scale = float(rng.uniform(3, 30))
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ect, mask, dirs, t, scale)
+    poison_pool()
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ect, cp.asarray(mask), cp.asarray(dirs), cp.asarray(t),
+                             scale)
+    assert calls == [11]
+    dtype = out_c.dtype
+    assert isinstance(out_g, cp.ndarray) and out_g.dtype == dtype
+    S = float(mask.size) * 2 ** ndim
+    _close(out_g, out_c, S, dtype, "forward")
+    g = rng.standard_normal(out_c.shape).astype(dtype)
+    d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
+    assert d_g[0] is None
+    big = scale * np.abs(g).sum() * S
+    assert d_g[1].dtype == dir_dtype and d_g[2].dtype == t_dtype
+    _close(d_g[1], d_c[1], big, dtype, "d_directions")
+    _close(d_g[2], d_c[2], big, dtype if t_dtype != np.float16 else np.float32, "d_thresholds")
+    _close(d_g[3], d_c[3], big, dtype, "d_scale")
+
+
+def test_soft_ect_device_arguments_repeated_calls_and_dense_masks(rng, monkeypatch):
+    """One plan serves calls with new values (nothing of a call stays in it), and a
+    checkerboard (most pixels critical, near the worst case the entries are sized for)."""
+    cp = _cp()
+    calls = _count_device_plan_calls(monkeypatch)
+    board = (np.indices((2, 40, 33)).sum(axis=0) % 2 == 0)
+    board[1] = _mask(rng, (40, 33))
+    for _ in range(3):
+        dirs = rng.standard_normal((6, 2)).astype(np.float32)
+        t = np.sort(rng.uniform(-1.5, 1.5, 20)).astype(np.float32)
+        out_c, pb_c = cutopo.vjp(cutopo.soft_ect, board, dirs, t, 12.0)
+        out_g, pb_g = cutopo.vjp(cutopo.soft_ect, cp.asarray(board), cp.asarray(dirs),
+                                 cp.asarray(t), 12.0)
+        S = float(board[0].size) * 4
+        _close(out_g, out_c, S, np.float32, "forward")
+        g = rng.standard_normal(out_c.shape).astype(np.float32)
+        d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
+        big = 12.0 * np.abs(g).sum() * S
+        for i in (1, 2, 3):
+            _close(d_g[i], d_c[i], big, np.float32, f"cotangent {i}")
+    assert calls == [6, 6, 6]
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("nan_direction", "directions must be finite"),
+    ("inf_direction", "directions must be finite"),
+    ("zero_direction", "row 3 is zero"),
+    ("overflow", "overflow float64"),
+    ("nan_threshold", "thresholds must be finite"),
+    ("unsorted", "sorted"),
+])
+def test_soft_ect_device_arguments_raise_the_host_errors(rng, bad, message):
+    cp = _cp()
+    mask = cp.asarray(_mask(rng, (2, 12, 14)))
+    dirs = rng.standard_normal((5, 2))
+    t = np.sort(rng.uniform(-1, 1, 9))
+    if bad == "nan_direction":
+        dirs[4, 1] = np.nan
+    elif bad == "inf_direction":
+        dirs[0, 0] = -np.inf
+    elif bad == "zero_direction":
+        dirs[3] = [0.0, -0.0]
+    elif bad == "overflow":
+        dirs[1] = [1.5e308, 1.5e308]
+    elif bad == "nan_threshold":
+        t[2] = np.nan
+    else:
+        t[[3, 6]] = t[[6, 3]]
+    with pytest.raises(ValueError, match=message):
+        cutopo.soft_ect(mask, cp.asarray(dirs), cp.asarray(t), 5.0)
+    with pytest.raises(ValueError, match=message):  # the host path's own message
+        cutopo.soft_ect(cp.asnumpy(mask), dirs, t, 5.0)
+
+
+def test_soft_ect_device_arguments_large_but_finite_heights(rng, monkeypatch):
+    """sum |v_a| above 1e300 only flags a possible overflow; the host's exact check passes
+    these, and the result is the NumPy path's."""
+    cp = _cp()
+    calls = _count_device_plan_calls(monkeypatch)
+    mask = _mask(rng, (15, 16))
+    dirs = np.array([[8e300, 0.0], [0.0, -9e300], [1.0, 2.0]])
+    t = np.array([-1e301, -1.0, 0.0, 1.0, 1e301])
+    want = cutopo.soft_ect(mask, dirs, t, 1e-300)
+    got = cutopo.soft_ect(cp.asarray(mask), cp.asarray(dirs), cp.asarray(t), 1e-300)
+    assert calls == [3]
+    _close(got, want, 4.0 * mask.size, np.float64, "forward")
+
+
 def test_ect_mixed_devices_are_refused(rng):
     cp = _cp()
     with pytest.raises(TypeError, match="scale is a CuPy array but mask is not"):
