@@ -863,6 +863,22 @@ check_ect_arguments(const Real* __restrict__ t, i64 T, const Dir* __restrict__ d
     if (threadIdx.x % 32 == 0 && bad) atomicOr(status, (unsigned long long)bad);
 }
 
+// The soft ECT's cotangents from SoftEctPlan's float64 workspace (d_dirs: n_dirs values, d_t: T,
+// d_scale: 1, in that order), the thresholds' after the factor lambda, each converted to the
+// dtype that its argument's cotangent has (or kept in double where that dtype is another:
+// the one rounding is then the caller's): one launch in place of a scaling and three casts.
+template <typename Dir, typename TOut, typename SOut>
+__global__ void __launch_bounds__(THREADS)
+ect_finish_cotangents(const double* __restrict__ ws, i64 n_dirs, i64 T, double lam,
+                      Dir* __restrict__ d_dirs, TOut* __restrict__ d_t, SOut* __restrict__ d_scale) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= n_dirs + T; i += stride) {
+        if (i < n_dirs) d_dirs[i] = (Dir)ws[i];
+        else if (i < n_dirs + T) d_t[i - n_dirs] = (TOut)(ws[i] * lam);
+        else d_scale[0] = (SOut)ws[i];
+    }
+}
+
 }  // namespace band
 }  // namespace ecc
 }  // namespace cutopo

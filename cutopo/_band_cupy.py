@@ -115,6 +115,13 @@ def _check_arguments_sig(real_dtype, dir_dtype, ndim):
 DIRECTION_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def _finish_sig(dir_dtype, t_dtype, s_dtype):
+    return Signature(FAMILY, "cutopo::ecc::band::ect_finish_cotangents"
+                             f"<{_REAL[dir_dtype]}, {_REAL[t_dtype]}, {_REAL[s_dtype]}>",
+                     ("ptr:float64", "int64", "int64", "float64", f"ptr:{dir_dtype.name}",
+                      f"ptr:{t_dtype.name}", f"ptr:{s_dtype.name}"))
+
+
 def _instances():
     yield COUNT_NONZERO.name
     for real in (np.dtype(np.float32), np.dtype(np.float64)):
@@ -137,6 +144,9 @@ def _instances():
                 yield _ect_sig(kind, real, ndim).name
             for dirs in DIRECTION_DTYPES:
                 yield _check_arguments_sig(real, dirs, ndim).name
+        for dirs in DIRECTION_DTYPES:
+            for s_dtype in DIRECTION_DTYPES:
+                yield _finish_sig(dirs, real, s_dtype).name
 
 
 register_instances(FAMILY, _instances)
@@ -595,13 +605,16 @@ DEVICE_SLOTS = 1 << 22
 class DeviceEntries(NamedTuple):
     """What a SoftEctPlan forward leaves for its backward: the critical pixels of every orthant
     (as Entries, segment u * B + b for orthant u of image b; ``codes`` maps each direction to
-    its orthant) and the directions in float64, all on the device."""
+    its orthant) and the directions in float64, all on the device; and the dtypes in which the
+    backward returns the thresholds' and the scale's cotangents (set by the caller)."""
     plan: object
     lin: object
     c: object
     seg: object
     codes: object
     dirs64: object
+    t_dtype: object = None
+    s_dtype: object = None
 
 
 class SoftEctPlan:
@@ -667,6 +680,8 @@ class SoftEctPlan:
                                 (None,) * 4 + (coords,) + (None,) * 6 + n
                                 + (B, D, bchunks, T, None, None, _cbool(bshared)))
         self._backward = {}
+        self._finish = {}
+        self.dir_dtype = dir_dtype
 
     def arguments(self, t, directions):
         """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward` (and
@@ -704,9 +719,21 @@ class SoftEctPlan:
         self._finalize(sat, acc, out)
         return out, DeviceEntries(self, lin, c, seg, codes, dirs64)
 
-    def backward(self, kept: DeviceEntries, t, g, lam, w, needs):
-        """(d_dirs (D, ndim), d_t (T,) without the factor lam, d_scale 0-d): float64 views of
-        one zeroed workspace. ``needs``: (directions, thresholds, scale)."""
+    def _finish_launch(self, t_dtype, s_dtype) -> PreparedLaunch:
+        launch_ = self._finish.get((t_dtype, s_dtype))
+        if launch_ is None:
+            k = self.D * self.ndim
+            launch_ = PreparedLaunch(_finish_sig(self.dir_dtype, t_dtype, s_dtype),
+                                     max(1, min(-(-(k + self.T + 1) // THREADS), CHECK_BLOCKS)),
+                                     THREADS, (None, k, self.T, None, None, None, None))
+            self._finish[(t_dtype, s_dtype)] = launch_
+        return launch_
+
+    def backward(self, kept: DeviceEntries, t, g, lam, w, needs, t_dtype, s_dtype):
+        """(d_dirs (D, ndim) in the directions' dtype, d_t (T,) with the factor lam in
+        ``t_dtype``, d_scale 0-d in ``s_dtype``), summed in one zeroed float64 workspace and
+        converted by one kernel (ect_finish_cotangents). ``needs``: (directions, thresholds,
+        scale); ``t_dtype``, ``s_dtype``: float64 or the dtype of t."""
         import cupy
 
         needs = tuple(bool(n) for n in needs)
@@ -724,7 +751,11 @@ class SoftEctPlan:
         g = cupy.ascontiguousarray(g.reshape(self.B * self.D, self.T).astype(self.real, copy=False))
         launch_(kept.lin, kept.c, kept.seg, kept.codes, kept.dirs64, t, g, d_dirs, dt, dscale,
                 lam, w)
-        return d_dirs, dt, dscale.reshape(())
+        out_dirs = cupy.empty((self.D, self.ndim), dtype=self.dir_dtype)
+        out_t = cupy.empty(self.T, dtype=t_dtype)
+        out_scale = cupy.empty((), dtype=s_dtype)
+        self._finish_launch(t_dtype, s_dtype)(workspace, float(lam), out_dirs, out_t, out_scale)
+        return out_dirs, out_t, out_scale
 
 
 @functools.lru_cache(maxsize=64)

@@ -679,6 +679,12 @@ def _soft_forward_device(mask, directions, thresholds, scale):
         workspace, dirs64, codes, flags = plan.arguments(t, dirs)
         with reading(flags, functools.partial(_raise_failed_arguments, dirs, coords)):
             out, kept = plan.forward(mask_b, workspace, dirs64, codes, t, lam, w)
+    # The backward returns each cotangent in its argument's dtype where that is the computation
+    # dtype (cutopo.vjp then casts nothing), else in float64 (rounded once, by cutopo.vjp).
+    t_dtype = dtype if t_in.dtype == dtype else np.dtype(np.float64)
+    scale_dtype = getattr(scale, "dtype", dtype)  # a Python float's cotangent: the output's
+    s_dtype = dtype if scale_dtype == dtype else np.dtype(np.float64)
+    kept = kept._replace(t_dtype=t_dtype, s_dtype=s_dtype)
     res = _Residuals(mask_b, dirs64, coords, False, t, None, lam, batch, dtype, kept)
     return out.reshape(batch + (D, T)), res
 
@@ -748,11 +754,12 @@ def _soft_backward_cupy(res: _Residuals, g, needs, chain):
     _, need_v, need_t, need_scale = needs
     lam = res.scale
     w = band_halfwidth(res.dtype, lam)
-    if isinstance(res.entries, _band_cupy.DeviceEntries):
+    if isinstance(res.entries, _band_cupy.DeviceEntries):  # d_t includes the factor lam
         with res.mask_b.device:
-            d_v, d_t, d_scale = res.entries.plan.backward(res.entries, res.t, g, lam, w,
-                                                          (need_v, need_t, need_scale))
-            d_t *= float(lam)
+            kept = res.entries
+            d_v, d_t, d_scale = kept.plan.backward(kept, res.t, g, lam, w,
+                                                   (need_v, need_t, need_scale), kept.t_dtype,
+                                                   kept.s_dtype)
         return (None, d_v if need_v else None, d_t if need_t else None,
                 d_scale if need_scale else None)
     with res.mask_b.device:

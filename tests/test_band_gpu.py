@@ -362,23 +362,27 @@ def test_soft_ect_device_arguments_match_numpy(rng, monkeypatch, ndim, shape, di
 
 def test_soft_ect_device_arguments_repeated_calls_and_dense_masks(rng, monkeypatch):
     """One plan serves calls with new values (nothing of a call stays in it), and a
-    checkerboard (most pixels critical, near the worst case the entries are sized for)."""
+    checkerboard (most pixels critical, near the worst case the entries are sized for); the
+    scale as a Python float, a NumPy float32 and a NumPy float64 (which makes the computation
+    float64: the thresholds' cotangent then comes back in float64 and is cast once)."""
     cp = _cp()
     calls = _count_device_plan_calls(monkeypatch)
     board = (np.indices((2, 40, 33)).sum(axis=0) % 2 == 0)
     board[1] = _mask(rng, (40, 33))
-    for _ in range(3):
+    for scale in (12.0, np.float32(12.0), np.float64(12.0)):
         dirs = rng.standard_normal((6, 2)).astype(np.float32)
         t = np.sort(rng.uniform(-1.5, 1.5, 20)).astype(np.float32)
-        out_c, pb_c = cutopo.vjp(cutopo.soft_ect, board, dirs, t, 12.0)
+        out_c, pb_c = cutopo.vjp(cutopo.soft_ect, board, dirs, t, scale)
         out_g, pb_g = cutopo.vjp(cutopo.soft_ect, cp.asarray(board), cp.asarray(dirs),
-                                 cp.asarray(t), 12.0)
+                                 cp.asarray(t), scale)
+        assert out_g.dtype == out_c.dtype
         S = float(board[0].size) * 4
         _close(out_g, out_c, S, np.float32, "forward")
-        g = rng.standard_normal(out_c.shape).astype(np.float32)
+        g = rng.standard_normal(out_c.shape).astype(out_c.dtype)
         d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
         big = 12.0 * np.abs(g).sum() * S
         for i in (1, 2, 3):
+            assert d_g[i].dtype == d_c[i].dtype, i
             _close(d_g[i], d_c[i], big, np.float32, f"cotangent {i}")
     assert calls == [6, 6, 6]
 
