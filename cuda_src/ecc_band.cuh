@@ -665,11 +665,36 @@ struct OrthantKey {
 
 struct MaskedMapSink {
     signed char* out;
-    unsigned big;
+    unsigned big;  // the key of pixels outside the mask
     __device__ __forceinline__ void operator()(int c, u64 key, i64 i) const {
         out[i] = key == big ? (signed char)0 : (signed char)c;
     }
 };
+
+// The sweep of one block of orthant_contributions(_counted): image img = blockIdx.x /
+// blocks_per_image of the output is orthant codes[img / B] of mask img % B.
+template <int NDIM, class Sink>
+__device__ __forceinline__ void orthant_sweep(unsigned (*tile)[PLANE], const bool* masks,
+                                              const int* codes, i64 B, i64 nz, i64 ny, i64 nx,
+                                              int zchunk, int blocks_per_image, const Sink& sink) {
+    const i64 img = blockIdx.x / blocks_per_image;
+    const int chunk = blockIdx.x % blocks_per_image;
+    const i64 N = nz * ny * nx;
+    const int code = codes[img / B];
+    // axes in array order: bit 0 is axis 0 (z in 3D, y in 2D)
+    const int bz = NDIM == 3 ? 0 : -1, by = NDIM == 3 ? 1 : 0, bx = NDIM == 3 ? 2 : 1;
+    auto reversed = [&](int bit, i64 n) -> unsigned {
+        return (bit >= 0 && !((code >> bit) & 1)) ? (unsigned)(n - 1) : 0u;
+    };
+    OrthantKey key_of{masks + (img % B) * N, img * N, ny, nx, reversed(bz, nz), reversed(by, ny),
+                      reversed(bx, nx), sink.big};
+    sweep<NDIM, false, unsigned>(tile, nz, ny, nx, zchunk, img * N, chunk, blocks_per_image,
+                                 key_of, sink, AllPixels(), Boundary<false>());
+}
+
+__device__ __forceinline__ unsigned orthant_big(i64 nz, i64 ny, i64 nx) {
+    return (unsigned)(nz - 1 + ny - 1 + nx - 1 + 1);
+}
 
 template <int NDIM>
 __global__ void __launch_bounds__(THREADS)
@@ -677,21 +702,39 @@ orthant_contributions(const bool* __restrict__ masks, const int* __restrict__ co
                       signed char* __restrict__ out, i64 B, i64 nz, i64 ny, i64 nx, int zchunk,
                       int blocks_per_image) {
     __shared__ unsigned tile[NDIM == 3 ? 3 : 1][PLANE];
-    const i64 img = blockIdx.x / blocks_per_image;
-    const int chunk = blockIdx.x % blocks_per_image;
-    const i64 N = nz * ny * nx;
-    const int code = codes[img / B];
-    const unsigned big = (unsigned)(nz - 1 + ny - 1 + nx - 1 + 1);
-    // axes in array order: bit 0 is axis 0 (z in 3D, y in 2D)
-    const int bz = NDIM == 3 ? 0 : -1, by = NDIM == 3 ? 1 : 0, bx = NDIM == 3 ? 2 : 1;
-    auto reversed = [&](int bit, i64 n) -> unsigned {
-        return (bit >= 0 && !((code >> bit) & 1)) ? (unsigned)(n - 1) : 0u;
-    };
-    OrthantKey key_of{masks + (img % B) * N, img * N, ny, nx, reversed(bz, nz), reversed(by, ny),
-                      reversed(bx, nx), big};
-    MaskedMapSink sink{out, big};
-    sweep<NDIM, false, unsigned>(tile, nz, ny, nx, zchunk, img * N, chunk, blocks_per_image,
-                                 key_of, sink, AllPixels(), Boundary<false>());
+    orthant_sweep<NDIM>(tile, masks, codes, B, nz, ny, nx, zchunk, blocks_per_image,
+                        MaskedMapSink{out, orthant_big(nz, ny, nx)});
+}
+
+// The map sink that also counts the non-zero contributions per COMPACT_TILE pixels of each
+// output image (counts zeroed, rows x tiles): the count pass of the compaction, done while the
+// map is written (orthant_contributions_counted, for write_entries_scanned).
+struct CountingMapSink {
+    signed char* out;
+    unsigned big;
+    unsigned long long* counts;
+    i64 N, tiles;
+    __device__ __forceinline__ void operator()(int c, u64 key, i64 i) const {
+        const signed char v = key == big ? (signed char)0 : (signed char)c;
+        out[i] = v;
+        if (v != 0) {
+            const i64 row = i / N;
+            atomicAdd(counts + row * tiles + (i - row * N) / (THREADS * 16), 1ull);  // COMPACT_TILE
+        }
+    }
+};
+
+template <int NDIM>
+__global__ void __launch_bounds__(THREADS)
+orthant_contributions_counted(const bool* __restrict__ masks, const int* __restrict__ codes,
+                              signed char* __restrict__ out, long long* __restrict__ counts,
+                              i64 B, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
+                              i64 tiles) {
+    __shared__ unsigned tile[NDIM == 3 ? 3 : 1][PLANE];
+    orthant_sweep<NDIM>(tile, masks, codes, B, nz, ny, nx, zchunk, blocks_per_image,
+                        CountingMapSink{out, orthant_big(nz, ny, nx),
+                                        reinterpret_cast<unsigned long long*>(counts),
+                                        nz * ny * nx, tiles});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -766,17 +809,14 @@ scan_counts(long long* __restrict__ counts, long long* __restrict__ seg, i64 row
     if (threadIdx.x == 0) seg[rows] = carry;
 }
 
-// The entries of tile b from its first entry first[b] (scan_counts), in pixel order: each pass
-// of THREADS pixels ranks its non-zero ones by warp ballots and the counts of the warps before.
-__global__ void __launch_bounds__(THREADS)
-write_entries(const signed char* __restrict__ c, const long long* __restrict__ first,
-              long long* __restrict__ lin, signed char* __restrict__ cc, i64 N, i64 tiles) {
-    __shared__ int warp_counts[WARPS];
+// The entries of tile b from its first entry `next`, in pixel order: each pass of THREADS
+// pixels ranks its non-zero ones by warp ballots and the counts of the warps before.
+__device__ __forceinline__ void write_tile(const signed char* c, long long next, long long* lin,
+                                           signed char* cc, i64 N, i64 tiles, int* warp_counts) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     i64 row, begin;
     const int n = tile_span(N, tiles, row, begin);
     const signed char* p = c + row * N + begin;
-    long long next = first[blockIdx.x];
     for (int base = 0; base < n; base += THREADS) {
         const int i = base + threadIdx.x;
         const signed char v = i < n ? p[i] : (signed char)0;
@@ -797,6 +837,39 @@ write_entries(const signed char* __restrict__ c, const long long* __restrict__ f
         next += pass;
         __syncthreads();  // warp_counts is rewritten by the next pass
     }
+}
+
+// The entries of tile b from its first entry first[b] (scan_counts).
+__global__ void __launch_bounds__(THREADS)
+write_entries(const signed char* __restrict__ c, const long long* __restrict__ first,
+              long long* __restrict__ lin, signed char* __restrict__ cc, i64 N, i64 tiles) {
+    __shared__ int warp_counts[WARPS];
+    write_tile(c, first[blockIdx.x], lin, cc, N, tiles, warp_counts);
+}
+
+// write_entries without scan_counts, for few tiles (SoftEctPlan: at most a few thousand): each
+// block sums the counts of the tiles before it itself (counts, rows x tiles, from
+// orthant_contributions_counted), the first tile of each row writes seg[row], the last tile
+// seg[rows] (the total).
+__global__ void __launch_bounds__(THREADS)
+write_entries_scanned(const signed char* __restrict__ c, const long long* __restrict__ counts,
+                      long long* __restrict__ lin, signed char* __restrict__ cc,
+                      long long* __restrict__ seg, i64 N, i64 tiles) {
+    __shared__ int warp_counts[WARPS];
+    __shared__ long long warp_sums[WARPS];
+    long long before = 0;
+    for (i64 j = threadIdx.x; j < (i64)blockIdx.x; j += THREADS) before += counts[j];
+    before = warp_sum(before);
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = before;
+    __syncthreads();
+    long long first = 0;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) first += warp_sums[w];
+    if (threadIdx.x == 0) {
+        if (blockIdx.x % tiles == 0) seg[blockIdx.x / tiles] = first;
+        if (blockIdx.x == gridDim.x - 1) seg[gridDim.x / tiles] = first + counts[blockIdx.x];
+    }
+    write_tile(c, first, lin, cc, N, tiles, warp_counts);
 }
 
 // ---------------------------------------------------------------------------------------------

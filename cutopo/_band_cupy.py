@@ -97,6 +97,9 @@ SCAN_COUNTS = Signature(FAMILY, "cutopo::ecc::band::scan_counts",
                         ("ptr:int64", "ptr:int64", "int64", "int64"))
 WRITE_ENTRIES = Signature(FAMILY, "cutopo::ecc::band::write_entries",
                           ("ptr:int8", "ptr:int64", "ptr:int64", "ptr:int8", "int64", "int64"))
+WRITE_ENTRIES_SCANNED = Signature(FAMILY, "cutopo::ecc::band::write_entries_scanned",
+                                  ("ptr:int8", "ptr:int64", "ptr:int64", "ptr:int8", "ptr:int64",
+                                   "int64", "int64"))
 
 
 def _check_thresholds_sig(real_dtype):
@@ -126,10 +129,12 @@ def _instances():
     yield COUNT_NONZERO.name
     for real in (np.dtype(np.float32), np.dtype(np.float64)):
         yield _check_thresholds_sig(real).name
-    yield _orthant_sig(2).name
-    yield _orthant_sig(3).name
+    for ndim in (2, 3):
+        yield _orthant_sig(ndim).name
+        yield _orthant_counted_sig(ndim).name
     yield SCAN_COUNTS.name
     yield WRITE_ENTRIES.name
+    yield WRITE_ENTRIES_SCANNED.name
     for in_dtype in _ecc_cupy._INPUT_CTYPE:
         for real in (np.dtype(np.float32), np.dtype(np.float64)):
             if in_dtype == np.float64 and real == np.float32:
@@ -386,6 +391,12 @@ def _orthant_sig(ndim):
                       "int32", "int32"))
 
 
+def _orthant_counted_sig(ndim):
+    return Signature(FAMILY, f"cutopo::ecc::band::orthant_contributions_counted<{ndim}>",
+                     ("ptr:bool", "ptr:int32", "ptr:int8", "ptr:int64", "int64", "int64",
+                      "int64", "int64", "int32", "int32", "int64"))
+
+
 @functools.lru_cache(maxsize=64)
 def _orthant_launch(device_id, B, n_orthants, spatial) -> PreparedLaunch:
     """The launch of orthant_contributions for one geometry (called with (masks, codes, out))."""
@@ -600,6 +611,7 @@ def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
 # so that a call needs no host read of their count: up to this many slots (2^ndim x images x
 # pixels, 9 bytes each: 38 MB). Larger calls take ect_forward (one 8-byte read, exact sizes).
 DEVICE_SLOTS = 1 << 22
+DEVICE_TILES = 4096
 
 
 class DeviceEntries(NamedTuple):
@@ -625,10 +637,12 @@ class SoftEctPlan:
     * :meth:`arguments`: one kernel (check_ect_arguments) converts the directions to float64,
       finds their orthant codes and checks directions and thresholds into flags, whose copy
       to the host is queued behind it (:class:`DeferredFlags`).
-    * :meth:`forward`: the contribution maps of all 2^ndim orthants (one kernel; which ones the
-      directions use is not known on the host, and for a full set of directions every one is),
-      their compaction into entries sized for the worst case (three kernels, no read of the
-      count), the band kernel over every (image, direction) and the finalisation.
+    * :meth:`forward`: the contribution maps of all 2^ndim orthants, with the count of their
+      non-zero pixels per compaction tile (one kernel; which orthants the directions use is not
+      known on the host, and for a full set of directions every one is), their compaction into
+      entries sized for the worst case (one kernel, each block summing the counts before its
+      tile: there are few; no read of the total), the band kernel over every (image,
+      direction) and the finalisation.
     * :meth:`backward`: one kernel over the kept entries.
 
     The entries equal those of :func:`entries_v` (same maps, same order per orthant), so the
@@ -645,14 +659,17 @@ class SoftEctPlan:
         self.B, self.D, self.T, self.ndim, self.N, self.real = B, D, T, ndim, N, real
         self.rows = n_orthants * B
         self.tiles = -(-N // COMPACT_TILE)
-        device = cupy.cuda.Device().id
         self._orthant_codes = device_table(np.arange(n_orthants, dtype=np.int32))
-        self._orthants = _orthant_launch(device, B, n_orthants, tuple(spatial))
-        blocks = self.rows * self.tiles
-        self._count = PreparedLaunch(COUNT_NONZERO, blocks, THREADS, (None, None, N, self.tiles))
-        self._scan = PreparedLaunch(SCAN_COUNTS, 1, THREADS, (None, None, self.rows, self.tiles))
-        self._write = PreparedLaunch(WRITE_ENTRIES, blocks, THREADS,
-                                     (None, None, None, None, N, self.tiles))
+        osig = _orthant_counted_sig(ndim)
+        (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(osig, self.rows, tuple(spatial), ndim,
+                                                          0, _ecc_cupy.TILE_X["unsigned int"])
+        # (masks, codes, maps, counts): the maps and the tiles' counts of their non-zero pixels
+        self._orthants = PreparedLaunch(osig, self.rows * per_image, THREADS,
+                                        (None, None, None, None, B, nz, ny, nx, zchunk,
+                                         per_image, self.tiles))
+        # (maps, counts, lin, c, seg): each block sums the counts before its tile itself
+        self._write = PreparedLaunch(WRITE_ENTRIES_SCANNED, self.rows * self.tiles, THREADS,
+                                     (None, None, None, None, None, N, self.tiles))
         self._check = PreparedLaunch(
             _check_arguments_sig(real, dir_dtype, ndim),
             max(1, min(-(-max(T, D) // THREADS), CHECK_BLOCKS)), THREADS,
@@ -690,7 +707,8 @@ class SoftEctPlan:
         import cupy
 
         M = self.B * self.D * self.T
-        workspace = cupy.zeros(1 + 2 * M, dtype=np.uint64)  # status, saturated counts, sums
+        # status, the tiles' counts, saturated counts, sums: one memset
+        workspace = cupy.zeros(1 + self.rows * self.tiles + 2 * M, dtype=np.uint64)
         dirs64 = cupy.empty((self.D, self.ndim), dtype=np.float64)
         codes = cupy.empty(self.D, dtype=np.int32)
         status = workspace[:1]
@@ -702,17 +720,16 @@ class SoftEctPlan:
         import cupy
 
         M = self.B * self.D * self.T
-        sat = workspace[1:1 + M].view(np.int64)
-        acc = workspace[1 + M:].view(np.float64)
+        k = 1 + self.rows * self.tiles
+        counts = workspace[1:k].view(np.int64)
+        sat = workspace[k:k + M].view(np.int64)
+        acc = workspace[k + M:].view(np.float64)
         maps = cupy.empty((self.rows, self.N), dtype=np.int8)
-        self._orthants(mask_b, self._orthant_codes, maps)
-        first = cupy.empty(self.rows * self.tiles, dtype=np.int64)
+        self._orthants(mask_b, self._orthant_codes, maps, counts)
         seg = cupy.empty(self.rows + 1, dtype=np.int64)
-        self._count(maps, first)
-        self._scan(first, seg)
         lin = cupy.empty(self.rows * self.N, dtype=np.int64)
         c = cupy.empty(self.rows * self.N, dtype=np.int8)
-        self._write(maps, first, lin, c)
+        self._write(maps, counts, lin, c, seg)
         del maps
         self._forward(lin, c, seg, codes, dirs64, t, acc, sat, lam, w)
         out = cupy.empty((self.B * self.D, self.T), dtype=self.real)
@@ -764,6 +781,10 @@ def soft_ect_plan(device_id, B, spatial, D, T, real, dir_dtype) -> SoftEctPlan:
     return SoftEctPlan(B, spatial, D, T, real, dir_dtype)
 
 
-def device_slots(B, spatial) -> int:
-    """The entry slots a SoftEctPlan allocates (compare with DEVICE_SLOTS)."""
-    return (1 << len(spatial)) * B * math.prod(spatial)
+def fits_device_plan(B, spatial) -> bool:
+    """Whether a SoftEctPlan takes B images of this spatial shape: at most DEVICE_SLOTS entry
+    slots and DEVICE_TILES compaction tiles (each block of write_entries_scanned sums the
+    counts of the tiles before it: quadratic in their number)."""
+    rows = (1 << len(spatial)) * B
+    N = math.prod(spatial)
+    return 0 < rows * N <= DEVICE_SLOTS and rows * -(-N // COMPACT_TILE) <= DEVICE_TILES

@@ -622,9 +622,9 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
 def _device_arguments(mask, directions, thresholds, connectivity) -> bool:
     """Whether a soft ECT call takes _band_cupy.SoftEctPlan, which reads no argument on the
     host: a CuPy mask with float32/float64 CuPy directions and float CuPy thresholds (not a
-    count) on its device, the V construction, and at most DEVICE_SLOTS entry slots. Every other
-    call takes _prepare, which reads directions and thresholds on the host (its checks then
-    raise before any kernel runs)."""
+    count) on its device, the V construction, and a size that fits (fits_device_plan). Every
+    other call takes _prepare, which reads directions and thresholds on the host (its checks
+    then raise before any kernel runs)."""
     if not (is_cupy_array(mask) and is_cupy_array(directions) and is_cupy_array(thresholds)):
         return False
     if directions.dtype not in _band_cupy.DIRECTION_DTYPES or thresholds.dtype.kind != "f":
@@ -644,7 +644,7 @@ def _device_arguments(mask, directions, thresholds, connectivity) -> bool:
     if any(n == 0 for n in spatial):
         return False
     B = math.prod(mask.shape[:mask.ndim - ndim])
-    return 0 < _band_cupy.device_slots(B, spatial) <= _band_cupy.DEVICE_SLOTS
+    return _band_cupy.fits_device_plan(B, spatial)
 
 
 def _soft_forward_device(mask, directions, thresholds, scale):

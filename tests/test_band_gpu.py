@@ -324,7 +324,9 @@ def _count_device_plan_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("ndim,shape", [(2, (29, 38)), (2, (3, 17, 20)), (3, (9, 11, 10)),
-                                        (3, (2, 6, 7, 5))])
+                                        (3, (2, 6, 7, 5)),
+                                        # several compaction tiles (4096 pixels) per map
+                                        (2, (3, 90, 101)), (3, (30, 31, 29))])
 @pytest.mark.parametrize("dir_dtype,t_dtype", [(np.float32, np.float32), (np.float64, np.float32),
                                                (np.float32, np.float16),
                                                (np.float32, np.float64)])

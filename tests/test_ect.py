@@ -528,3 +528,16 @@ def test_doctests():
     result = doctest.testmod(importlib.import_module("cutopo._ect"), verbose=False, report=True)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_device_plan_size_limits():
+    """SoftEctPlan (the soft ECT's device-argument path) takes small calls only: its entries are
+    sized for the worst case and its compaction sums tile counts per block."""
+    from cutopo import _band_cupy
+
+    assert _band_cupy.fits_device_plan(1, (512, 512))
+    assert _band_cupy.fits_device_plan(1, (1024, 1024))      # 4 maps of 2^20: the slot bound
+    assert not _band_cupy.fits_device_plan(2, (1024, 1024))
+    assert _band_cupy.fits_device_plan(1, (64, 64, 64))
+    assert not _band_cupy.fits_device_plan(60000, (4, 4))    # few slots, too many tiles
+    assert not _band_cupy.fits_device_plan(0, (8, 8))
