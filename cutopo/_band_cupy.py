@@ -650,9 +650,7 @@ class SoftEctPlan:
     """
 
     def __init__(self, B, spatial, D, T, real, dir_dtype):
-        import cupy
-
-        from ._ect import _axis_coordinates
+        from ._ect import _axis_coordinates  # (an import cycle at module level)
 
         ndim, N = len(spatial), math.prod(spatial)
         n_orthants = 1 << ndim

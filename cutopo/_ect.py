@@ -764,8 +764,8 @@ def _soft_backward_cupy(res: _Residuals, g, needs, chain):
                 d_scale if need_scale else None)
     with res.mask_b.device:
         d_v, d_t, d_scale = _band_cupy.ect_backward(
-            res.mask_b, res.dirs64, res.coords, res.t, res.tconn, lam,
-            band_halfwidth(res.dtype, lam), g, (need_v, need_t or chain, need_scale),
+            res.mask_b, res.dirs64, res.coords, res.t, res.tconn, lam, w, g,
+            (need_v, need_t or chain, need_scale),
             kept=res.entries)
         d_t *= float(lam)
         if chain:
@@ -858,6 +858,15 @@ def soft_ect(mask, directions, thresholds, scale, *, connectivity=1):
     17 in float32; outside it the sigmoid is 0 or 1 to the dtype's resolution and is added
     exactly, the terms left out below ``e^-B |c|`` each), summed in float64; the same bands,
     heights and contribution maps on the CPU and the GPU.
+
+    *GPU.* With a CuPy mask, float32/float64 CuPy directions and float CuPy thresholds (not a
+    count), ``connectivity=1`` and a small call (at most 2^22 entry slots, 2^ndim x images x
+    pixels), the call reads none of its arguments on the host: a kernel converts and checks
+    the directions and thresholds (finite, no zero row, heights within float64, sorted), its
+    flags are read once the op's kernels are queued, and a failed check raises the host
+    path's error before the call returns; the contribution maps of every orthant are
+    computed, whichever the directions use. Other GPU calls read directions and thresholds on
+    the host first (one synchronisation each), then run the same kernels.
 
     Convention: as for :func:`ect` (positions centred, isotropic, longest axis spanning
     [-1, 1]; direction components in array-axis order).
