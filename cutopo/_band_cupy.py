@@ -609,8 +609,9 @@ def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
 
 # SoftEctPlan sizes its entries for the worst case (every pixel of every orthant map critical),
 # so that a call needs no host read of their count: up to this many slots (2^ndim x images x
-# pixels, 9 bytes each: 38 MB). Larger calls take ect_forward (one 8-byte read, exact sizes).
-DEVICE_SLOTS = 1 << 22
+# pixels, 9 bytes each: 19 MB, kept for the backward while the pullback lives). Larger calls
+# take ect_forward (one 8-byte read, exact sizes), where the reads cost relatively little.
+DEVICE_SLOTS = 1 << 21
 DEVICE_TILES = 4096
 
 

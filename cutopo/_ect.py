@@ -860,7 +860,7 @@ def soft_ect(mask, directions, thresholds, scale, *, connectivity=1):
     heights and contribution maps on the CPU and the GPU.
 
     *GPU.* With a CuPy mask, float32/float64 CuPy directions and float CuPy thresholds (not a
-    count), ``connectivity=1`` and a small call (at most 2^22 entry slots, 2^ndim x images x
+    count), ``connectivity=1`` and a small call (at most 2^21 entry slots, 2^ndim x images x
     pixels), the call reads none of its arguments on the host: a kernel converts and checks
     the directions and thresholds (finite, no zero row, heights within float64, sorted), its
     flags are read once the op's kernels are queued, and a failed check raises the host

@@ -536,8 +536,8 @@ def test_device_plan_size_limits():
     from cutopo import _band_cupy
 
     assert _band_cupy.fits_device_plan(1, (512, 512))
-    assert _band_cupy.fits_device_plan(1, (1024, 1024))      # 4 maps of 2^20: the slot bound
-    assert not _band_cupy.fits_device_plan(2, (1024, 1024))
+    assert _band_cupy.fits_device_plan(2, (512, 512))        # 8 maps of 2^18: the slot bound
+    assert not _band_cupy.fits_device_plan(1, (1024, 1024))
     assert _band_cupy.fits_device_plan(1, (64, 64, 64))
     assert not _band_cupy.fits_device_plan(60000, (4, 4))    # few slots, too many tiles
     assert not _band_cupy.fits_device_plan(0, (8, 8))
