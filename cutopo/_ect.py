@@ -30,6 +30,7 @@ from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_count, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, evenly_spaced,
                       is_count, same_array_type)
+from ._cuda.deferred import reading
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -653,8 +654,6 @@ def _soft_forward_device(mask, directions, thresholds, scale):
     sorted) run in a kernel whose flags are read once the op's kernels are queued; a failed
     one raises the host path's error before the call returns."""
     import cupy
-
-    from ._cuda.deferred import reading
 
     D, ndim = directions.shape
     mask = _check_mask(mask, ndim)
