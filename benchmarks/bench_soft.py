@@ -197,20 +197,20 @@ class SoftEcc:
     def device_stages(self, cp, args, kw, g):
         """The op's device work alone: the kernels called directly, without the argument checks
         (whose device-to-host copy of CuPy thresholds keeps the op itself out of a CUDA graph)."""
-        from cutopo import _band_cupy
+        from cutopo import _soft_ecc_cupy
         from cutopo._band_numpy import band_halfwidth
 
         image, t, scale = args
-        t_host = cp.asnumpy(t)
-        lam = t_host.dtype.type(scale)
-        w = band_halfwidth(t_host.dtype, lam)
+        lam = t.dtype.type(scale)
+        w = band_halfwidth(t.dtype, lam)
 
-        def fwd():
-            return _band_cupy.soft_ecc_forward(image, t_host, lam, w, self.ndim, False)
+        def fwd():  # device thresholds, not checked (the check's flag read cannot be captured)
+            return _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, self.ndim, False)
 
         def bwd():
-            return _band_cupy.soft_ecc_backward(image, t_host, lam, w, self.ndim, False, g,
-                                                (True, True, True))
+            return _soft_ecc_cupy.soft_ecc_backward(image, t, lam, w, self.ndim, False, g,
+                                                    (True, True, True), t_dtype=t.dtype,
+                                                    s_dtype=t.dtype)
 
         return {"forward": fwd, "VJP": bwd, "forward+VJP": lambda: (fwd(), bwd())}
 

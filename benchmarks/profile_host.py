@@ -1,8 +1,8 @@
 """Host-side (Python) cost of repeated op calls on CuPy arrays: cProfile of N calls.
 
     python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|register|
-                                       soft_ecc|soft_ecc_vjp|soft_ect|soft_ect_vjp|
-                                       grid_sample_stages|soft_ect_stages] [--calls N]
+                                       soft_ecc|soft_ecc_vjp|soft_ecc_both|soft_ect|soft_ect_vjp|
+                                       grid_sample_stages|soft_ect_stages|soft_ecc_stages] [--calls N]
 
 Prints the functions with the largest own time; ``grid_sample_stages`` instead times the
 forward's pieces (argument preparation, the image check kernel, the sampling kernel, the whole
@@ -68,14 +68,15 @@ def make_call(cp, which):
         g = cp.ones_like(out)
         return lambda: pb(g)
     if which.startswith("soft_ecc"):
-        # bench_soft's 1024^2 case: CuPy image and thresholds, a Python float scale
-        image = cp.random.default_rng(0).random((1024, 1024), dtype=cp.float32)
-        t = cp.linspace(0, 1, 256, dtype=cp.float32)
-        if which == "soft_ecc":
-            return lambda: cutopo.soft_ecc(image, t, 1020.0)
-        out, pb = cutopo.vjp(cutopo.soft_ecc, image, t, 1020.0)
+        # bench_soft's 1024^2 case: a smooth CuPy image, CuPy thresholds, a Python float scale
+        from bench_soft import SoftEcc
+
+        (image, t, scale), _ = SoftEcc("soft_ecc", (1024, 1024), 2, 256).inputs(cp, 2.0, 0)
+        out, pb = cutopo.vjp(cutopo.soft_ecc, image, t, scale)
         g = cp.ones_like(out)
-        return lambda: pb(g)
+        calls = {"soft_ecc": lambda: cutopo.soft_ecc(image, t, scale), "soft_ecc_vjp": lambda: pb(g),
+                 "soft_ecc_both": lambda: cutopo.vjp(cutopo.soft_ecc, image, t, scale)[1](g)}
+        return calls[which]
     if which.startswith("soft_ect"):
         mask, directions, t, scale = _soft_ect_inputs(cp)
         if which == "soft_ect":
@@ -154,6 +155,47 @@ def soft_ect_stages(cp):
         print(f"| {name} | {_wall_us(cp, fn):.1f} |")
 
 
+def soft_ecc_stages(cp):
+    """Wall time per call of each piece of a CuPy soft_ecc forward and pullback (bench_soft's
+    1024^2 case: a smooth CuPy image, CuPy thresholds, a Python float scale). Pieces shorter
+    than their kernels show the kernels' time."""
+    from bench_soft import SoftEcc
+
+    from cutopo import _soft_ecc, _soft_ecc_cupy
+
+    (image, t, scale), _ = SoftEcc("soft_ecc 2d 1024^2", (1024, 1024), 2, 256).inputs(cp, 2.0, 0)
+    cfg = _soft_ecc._prepare(image, t, scale, None, 1)
+    w = _soft_ecc._halfwidth(cfg)
+    plan = _soft_ecc_cupy.soft_ecc_plan(cp.cuda.runtime.getDevice(), image.dtype, 1, (1024, 1024),
+                                        False, False, t.size, cfg.dtype)
+    ws = cp.zeros(plan.words, dtype=np.uint64)
+    out = cp.empty((1, t.size), dtype=cfg.dtype)
+    vout, pb = cutopo.vjp(cutopo.soft_ecc, image, t, scale)
+    g = cp.ones_like(vout)
+
+    rows = [("soft_ecc call", lambda: cutopo.soft_ecc(image, t, scale)),
+            ("pullback call", lambda: pb(g)),
+            ("vjp forward + pullback", lambda: cutopo.vjp(cutopo.soft_ecc, image, t, scale)[1](g)),
+            ("vjp forward", lambda: cutopo.vjp(cutopo.soft_ecc, image, t, scale)),
+            ("_forward", lambda: _soft_ecc._forward(image, t, scale)),
+            ("_prepare (argument checks)", lambda: _soft_ecc._prepare(image, t, scale, None, 1)),
+            ("soft_ecc_forward, checked", lambda: _soft_ecc_cupy.soft_ecc_forward(
+                image, cfg.t, cfg.scale, w, 2, False, check=True)),
+            ("soft_ecc_forward, unchecked", lambda: _soft_ecc_cupy.soft_ecc_forward(
+                image, cfg.t, cfg.scale, w, 2, False)),
+            ("soft_ecc_backward", lambda: _soft_ecc_cupy.soft_ecc_backward(
+                image, cfg.t, cfg.scale, w, 2, False, g, (True, True, True), t_dtype=cfg.dtype,
+                s_dtype=cfg.dtype)),
+            ("check launch", lambda: plan._check(t, ws)),
+            ("check + flag copy + read", lambda: (plan._check(t, ws), plan.flags().queue(ws).read())),
+            ("fused forward launch", lambda: plan._forward(image, t, ws, out, cfg.scale, w)),
+            ("cupy.empty", lambda: cp.empty((1, t.size), dtype=cfg.dtype)),
+            ("cupy.zeros", lambda: cp.zeros(258, dtype=np.float64))]
+    print("\n## soft_ecc stages (1024^2 float32, T = 256)\n| stage | us per call |\n|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {_wall_us(cp, fn):.1f} |")
+
+
 def grid_sample_stages(cp, reps=50):
     """Median ms of each piece of a CuPy grid_sample forward (bilinear, zeros)."""
     from bench_ecc import time_gpu
@@ -205,8 +247,10 @@ def main(argv=None):
     import cupy as cp
 
     for which in args.which.split(","):
-        if which in ("grid_sample_stages", "soft_ect_stages"):
-            (grid_sample_stages if which == "grid_sample_stages" else soft_ect_stages)(cp)
+        stages = {"grid_sample_stages": grid_sample_stages, "soft_ect_stages": soft_ect_stages,
+                  "soft_ecc_stages": soft_ecc_stages}
+        if which in stages:
+            stages[which](cp)
             continue
         call = make_call(cp, which)
         for _ in range(3):

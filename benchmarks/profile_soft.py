@@ -2,9 +2,9 @@
 
     python benchmarks/profile_soft.py
 
-For the bench_soft.py image cases, prints the CUDA-graph time (ms) of: the contribution map,
-the band forward kernel (given the map), the prefix-sum finalisation, the band backward kernel,
-and the whole kernel sequence of the forward and of the VJP. Guides kernel work; the headline
+For the bench_soft.py image cases, prints the CUDA-graph time (ms) of: the thresholds' check
+kernel, the fused forward sweep, the whole forward and the whole VJP (their kernels called
+directly), and the fused forward against its blocks per image. Guides kernel work; the headline
 numbers are bench_soft.py's.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cutopo  # noqa: E402
 from bench_ecc import time_graph  # noqa: E402
 from bench_soft import smooth_image  # noqa: E402
-from cutopo import _band_cupy, _ecc_cupy  # noqa: E402
-from cutopo._cuda.launch import launch  # noqa: E402
+from cutopo import _band_cupy, _soft_ecc_cupy  # noqa: E402
+from cutopo._cuda.launch import PreparedLaunch  # noqa: E402
 from cutopo._band_numpy import band_halfwidth  # noqa: E402
 
 CASES = [("2d 1024^2", (1024, 1024), 2), ("2d 64x256^2", (64, 256, 256), 2),
@@ -29,36 +29,28 @@ T = 256
 
 
 def _setup(cp, image, ndim):
-    """Thresholds, scale, band, kernel inputs, plan and zeroed accumulators of bench_soft's case."""
-    t = np.linspace(0, 1, T).astype(np.float32)
+    """Thresholds, scale, band and plan of bench_soft's case (float32, V construction)."""
+    t = cp.asarray(np.linspace(0, 1, T).astype(np.float32))
     lam = np.float32(4.0 * (T - 1))
     w = band_halfwidth(np.float32, lam)
-    x, cmap, plan = _band_cupy._soft_ecc_inputs(image, ndim, False, T, np.float32)
-    acc = cp.zeros((plan.nimg, T), dtype=np.float64)
-    sat = cp.zeros((plan.nimg, T), dtype=np.int64)
-    return t, lam, w, x, cmap, plan, acc, sat
+    nimg = int(np.prod(image.shape[:image.ndim - ndim]))
+    plan = _soft_ecc_cupy.soft_ecc_plan(cp.cuda.runtime.getDevice(), image.dtype, nimg,
+                                        tuple(image.shape[image.ndim - ndim:]), False, False, T,
+                                        np.dtype(np.float32))
+    return t, lam, w, plan
 
 
 def stages(cp, image, ndim):
-    t, lam, w, x, cmap, plan, acc, sat = _setup(cp, image, ndim)
-    nimg, N = plan.nimg, plan.N
-    out = cp.empty((nimg, T), dtype=np.float32)
-    g = cp.asarray(np.random.default_rng(0).standard_normal((nimg, T)).astype(np.float32))
-    t_dev = _band_cupy.device_table(t)
-    d_image = cp.empty((nimg, N), dtype=np.float32)
-    dt = cp.zeros(T, dtype=np.float64)
-    ds = cp.zeros(1, dtype=np.float64)
-    backward = plan.backward((True, True, True))
+    t, lam, w, plan = _setup(cp, image, ndim)
+    out = cp.empty(image.shape[:image.ndim - ndim] + (T,), dtype=np.float32)
+    g = cp.asarray(np.random.default_rng(0).standard_normal(out.shape).astype(np.float32))
+    ws = cp.zeros(plan.words, dtype=np.uint64)
     return {
-        "contributions": lambda: _ecc_cupy.euler_contributions(image, ndim, False),
-        f"band forward ({plan.forward.grid} blocks)": lambda: plan.forward(
-            x, cmap, t_dev, acc, sat, lam, w),
-        "finalize": lambda: plan.finalize(sat, acc, out),
-        f"band backward ({backward.grid} blocks)": lambda: backward(
-            x, cmap, t_dev, g, d_image, dt, ds, lam, w),
-        "forward (all kernels)": lambda: _band_cupy.soft_ecc_forward(image, t, lam, w, ndim, False),
-        "VJP (all kernels)": lambda: _band_cupy.soft_ecc_backward(image, t, lam, w, ndim, False, g,
-                                                                  (True, True, True)),
+        "check of device thresholds": lambda: plan._check(t, ws),
+        f"fused forward ({plan._forward.grid} blocks)": lambda: plan._forward(image, t, ws, out, lam, w),
+        "forward (unchecked)": lambda: _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, ndim, False),
+        "VJP (fused backward)": lambda: _soft_ecc_cupy.soft_ecc_backward(
+            image, t, lam, w, ndim, False, g, (True, True, True)),
     }
 
 
@@ -85,19 +77,18 @@ def host_profile(cp, image, ndim):
 
 
 def block_sweep(cp, image, ndim):
-    """Band forward time against blocks per image, and with an all-zero map (set-up + flush)."""
-    t, lam, w, x, cmap, plan, acc, sat = _setup(cp, image, ndim)
-    nimg, N = plan.nimg, plan.N
-    real = np.dtype(np.float32)
-    sig = _band_cupy._soft_ecc_sig("forward", image.dtype, real, _band_cupy._lane_pixels(nimg * N))
-    shared, smem = _band_cupy._shared_plan(T, real, False, True)
-    t_dev = _band_cupy.device_table(t)
-    empty = cp.zeros_like(cmap)
-    for bpi in (32, 64, 128, 256, 512, 1024, 2048):
-        times = [time_graph(cp, lambda m=m: launch(
-            sig, nimg * bpi, 256, (x, m, t_dev, acc, sat, N, bpi, T, lam, w, int(shared)),
-            shared_mem=smem), 30) for m in (cmap, empty)]
-        print(f"  blocks/image {bpi:5d}: {times[0]:.4f} ms (all-zero map {times[1]:.4f} ms)")
+    """Fused forward time against blocks per image (the plan's choice marked)."""
+    t, lam, w, plan = _setup(cp, image, ndim)
+    fwd = plan._forward
+    out = cp.empty((plan.nimg, T), dtype=np.float32)
+    ws = cp.zeros(plan.words, dtype=np.uint64)
+    chosen = fwd.grid // plan.nimg
+    for bpi in sorted({66, 132, 264, 528, 1056, chosen}):
+        args = list(fwd.args)
+        args[8] = bpi
+        p = PreparedLaunch(fwd.sig, plan.nimg * bpi, 256, tuple(args), shared_mem=fwd.shared_mem)
+        ms = time_graph(cp, lambda p=p: p(image, t, ws, out, lam, w), 30)
+        print(f"  blocks/image {bpi:5d}: {ms:.4f} ms{' (plan)' if bpi == chosen else ''}")
 
 
 def ect_stages(cp):
@@ -142,7 +133,7 @@ def main():
 
     print("## soft_ect 2d 512^2 D=256 forward")
     ect_stages(cp)
-    print("## soft_ecc 2d 1024^2 band forward")
+    print("## soft_ecc 2d 1024^2 fused forward")
     image = smooth_image(cp, (1024, 1024), 2, 2.0, 1)
     block_sweep(cp, image, 2)
     print("## soft_ecc 2d 1024^2 forward + VJP: host profile")

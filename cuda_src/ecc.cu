@@ -168,14 +168,23 @@ struct MaskedPixels {
     }
 };
 
+// What the sweep runs after each plane's rows, in every thread of the block (a point where
+// every warp is converged): nothing, or the soft ECC's band work on the pixels its sink queued
+// (ecc_soft.cuh).
+struct NoRowsHook {
+    __device__ __forceinline__ void rows_done() const {}
+};
+
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
-// Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it.
+// Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
+// (each thread at most PY times per plane, once per row it owns); after the rows of every
+// plane, every thread calls after.rows_done().
 template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink, class Region = AllPixels,
-          class Edges = Boundary<false>>
+          class Edges = Boundary<false>, class After = NoRowsHook>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
                                       const Sink& sink, const Region& counts = Region(),
-                                      const Edges& = Edges()) {
+                                      const Edges& = Edges(), const After& after = After()) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
     const int tx = threadIdx.x % TX;
     const int row0 = (threadIdx.x / TX) * PY + 1;  // first tile row of this thread, halo coords
@@ -279,6 +288,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                          image_base + (z * ny + gy) * nx + gx);
                 }
             }
+            after.rows_done();
             __syncthreads();  // the next step overwrites plane z-1
         }
     }
@@ -869,4 +879,5 @@ ecc_contributions(const In* __restrict__ image, signed char* __restrict__ out, i
 }  // namespace ecc
 }  // namespace cutopo
 #include "ecc_band.cuh"
+#include "ecc_soft.cuh"
 #include "ecc_expected.cuh"

@@ -13,8 +13,9 @@
 // sm_80/sm_90, and lanes of one warp hitting one address (neighbouring pixels of a smooth image
 // have nearly equal values) would serialise them.
 //
-// Entry sources: the pixels of an image with their contribution map (soft ECC), or the
-// critical pixels of a mask with their heights <x_p, v_d> in direction d (ECT).
+// Entry sources: the critical pixels of an image as ecc.cu's sweep finds them (soft ECC,
+// ecc_soft.cuh), or the critical pixels of a mask with their heights <x_p, v_d> in direction d
+// (ECT).
 //
 // Included at the end of ecc.cu (the ECC family's one source), whose warp_row_prefix_sum the
 // final prefix sum uses.
@@ -308,172 +309,6 @@ __device__ __forceinline__ void flush(const double* acc, const int* sat, double*
         if (acc_g && acc[k] != 0.0) atomicAdd(acc_g + k, acc[k]);
         if (sat && sat[k] != 0) atomicAdd(reinterpret_cast<u64*>(sat_g + k), (u64)(i64)sat[k]);
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Soft ECC: entries are the pixels of each image with a non-zero contribution (cmap).
-//
-// Most pixels of a real image have c = 0 (95-98% of smooth 2D/3D images), so a warp first
-// reads the map for 32 * LP pixels (LP per lane, one LP-byte load when aligned), compacts the
-// critical ones into a per-warp queue in shared memory (a shuffle scan of the per-lane counts),
-// and only then runs the band work, 32 queued pixels at a time: one pixel per lane would leave
-// most lanes idle in the band loops. Each queued pixel is a chain of dependent instructions
-// (shuffles, sigmoid, accumulate), and Nsight Compute showed the kernel bound by that latency
-// with ~4 warps per scheduler at 1024^2 with LP = 16: small images take LP = 4 (four times the
-// warps, 33 -> 23 us at 1024^2), large ones LP = 16 (fewer steps per critical pixel: 97 us at
-// 256^3, 158 us with LP = 4); the host picks (cutopo/_band_cupy.py).
-//
-// Grid: blocks_per_image blocks per image, each a contiguous range of its pixels.
-
-// The range of pixels of block `chunk` of an image: boundaries on multiples of 16 pixels, so
-// that (for N a multiple of LP) every lane's map load is one aligned load.
-__device__ __forceinline__ void block_range(i64 N, int chunk, int blocks_per_image, i64& begin,
-                                            i64& end) {
-    begin = chunk == 0 ? 0 : ((N * chunk / blocks_per_image) & ~(i64)15);
-    end = chunk == blocks_per_image - 1 ? N : ((N * (chunk + 1) / blocks_per_image) & ~(i64)15);
-}
-
-template <int LP> struct MapWord;
-template <> struct MapWord<4> {
-    typedef unsigned type;
-    static __device__ __forceinline__ unsigned byte_of(type v, int j) { return v >> (8 * j); }
-};
-template <> struct MapWord<16> {
-    typedef uint4 type;
-    static __device__ __forceinline__ unsigned byte_of(type v, int j) {
-        const unsigned w = j < 4 ? v.x : j < 8 ? v.y : j < 12 ? v.z : v.w;
-        return w >> (8 * (j % 4));
-    }
-};
-
-// Reads the map of pixels [base, base + 32 LP) (clipped at end) and queues the
-// critical ones as (offset from base) << 8 | (c & 0xff), in pixel order. Returns their count
-// (the same in every lane).
-template <int LP>
-__device__ __forceinline__ int queue_critical(const signed char* cm, i64 base, i64 end, int* queue) {
-    const int lane = threadIdx.x % 32;
-    const i64 p0 = base + lane * LP;
-    signed char c[LP];
-    typedef typename MapWord<LP>::type Word;
-    if (p0 + LP <= end && (reinterpret_cast<size_t>(cm + p0) & (LP - 1)) == 0) {
-        const Word v = *reinterpret_cast<const Word*>(cm + p0);
-#pragma unroll
-        for (int j = 0; j < LP; ++j) c[j] = (signed char)MapWord<LP>::byte_of(v, j);
-    } else {
-#pragma unroll
-        for (int j = 0; j < LP; ++j) c[j] = p0 + j < end ? cm[p0 + j] : 0;
-    }
-    int count = 0;
-#pragma unroll
-    for (int j = 0; j < LP; ++j) count += c[j] != 0;
-    int incl = count;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int n = __shfl_up_sync(FULL, incl, d);
-        if (lane >= d) incl += n;
-    }
-    int slot = incl - count;
-#pragma unroll
-    for (int j = 0; j < LP; ++j)
-        if (c[j] != 0) queue[slot++] = ((lane * LP + j) << 8) | (c[j] & 0xff);
-    __syncwarp();
-    return __shfl_sync(FULL, incl, 31);
-}
-
-// Queue entry e of the current step: (pixel offset from base, contribution).
-__device__ __forceinline__ void unqueue(const int* queue, int e, int& offset, int& c) {
-    const int v = queue[e];
-    offset = v >> 8;
-    c = (signed char)(v & 0xff);
-}
-
-// acc_g (rows, T) float64 and sat_g (rows, T) int64 must be zeroed.
-template <typename In, typename Real, int LP>
-__global__ void __launch_bounds__(THREADS)
-soft_ecc_forward(const In* __restrict__ image, const signed char* __restrict__ cmap,
-                 const Real* __restrict__ thresholds, double* __restrict__ acc_g,
-                 long long* __restrict__ sat_g, i64 N, int blocks_per_image, int T, Real lam,
-                 double w, int shared) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ int queues[WARPS][32 * LP];
-    const i64 img = blockIdx.x / blocks_per_image;
-    const int chunk = blockIdx.x % blocks_per_image;
-    const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
-    double* acc_row = acc_g + img * T;
-    long long* sat_row = sat_g + img * T;
-    const Accum a{s.acc, acc_row, s.sat, sat_row};
-    i64 begin, end;
-    block_range(N, chunk, blocks_per_image, begin, end);
-    const In* x = image + img * N;
-    const signed char* cm = cmap + img * N;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int* queue = queues[warp];
-    Window<Real> win;
-    for (i64 base = begin + (i64)warp * 32 * LP; base < end; base += (i64)WARPS * 32 * LP) {
-        const int total = queue_critical<LP>(cm, base, end, queue);
-        for (int r = 0; r < total; r += 32) {  // warp-uniform bounds: every lane takes part
-            int offset = 0, c = 0;
-            Real f = 0;
-            if (r + lane < total) {
-                unqueue(queue, r + lane, offset, c);
-                f = convert<Real>(x[base + offset]);
-            }
-            forward_warp<Real>(c != 0 && !no_entry(f), f, c, s.t, T, lam, w, true, a, win);
-        }
-        __syncwarp();  // the queue is refilled next step
-    }
-    win.flush(a);
-    if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
-}
-
-// d_image (rows, N) receives -lambda sum_k g_k c sigma'_k for every pixel (0 where c = 0 or
-// f is not finite); dt_g (T) the threshold cotangent without the factor lambda; dscale_g the
-// scale cotangent. dt_g and dscale_g must be zeroed.
-template <typename In, typename Real, int LP>
-__global__ void __launch_bounds__(THREADS)
-soft_ecc_backward(const In* __restrict__ image, const signed char* __restrict__ cmap,
-                  const Real* __restrict__ thresholds, const Real* __restrict__ g,
-                  Real* __restrict__ d_image, double* __restrict__ dt_g, double* __restrict__ dscale_g,
-                  i64 N, int blocks_per_image, int T, Real lam, double w, int shared,
-                  int need_image, int need_t, int need_scale) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ int queues[WARPS][32 * LP];
-    __shared__ double scratch[WARPS];
-    const i64 img = blockIdx.x / blocks_per_image;
-    const int chunk = blockIdx.x % blocks_per_image;
-    const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-    const Accum a{s.acc, dt_g, nullptr, nullptr};
-    i64 begin, end;
-    block_range(N, chunk, blocks_per_image, begin, end);
-    const In* x = image + img * N;
-    const signed char* cm = cmap + img * N;
-    Real* dx = d_image + img * N;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int* queue = queues[warp];
-    Window<Real> win;
-    double dscale = 0.0;
-    for (i64 base = begin + (i64)warp * 32 * LP; base < end; base += (i64)WARPS * 32 * LP) {
-        if (need_image) {  // zeros first; the critical pixels are overwritten below
-            for (int j = lane; j < 32 * LP && base + j < end; j += 32) dx[base + j] = Real(0);
-        }
-        const int total = queue_critical<LP>(cm, base, end, queue);  // ends with __syncwarp
-        for (int r = 0; r < total; r += 32) {
-            int offset = 0, c = 0;
-            Real f = 0;
-            if (r + lane < total) {
-                unqueue(queue, r + lane, offset, c);
-                f = convert<Real>(x[base + offset]);
-            }
-            const bool valid = c != 0 && !no_entry(f);
-            const double sum = backward_warp<Real>(valid, f, c, s.t, s.g, T, lam, w, need_t != 0,
-                                                   need_image != 0, dscale, a, win);
-            if (need_image && valid) dx[base + offset] = (Real)(-(double)lam * sum);
-        }
-        __syncwarp();
-    }
-    win.flush(a);
-    if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
-    if (need_scale) block_add(dscale, dscale_g, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -873,28 +708,10 @@ write_entries_scanned(const signed char* __restrict__ c, const long long* __rest
 }
 
 // ---------------------------------------------------------------------------------------------
-// The argument checks of device thresholds (soft_ecc), read by the host once the op's kernels
-// are queued (cutopo/_cuda/deferred.py): status[0] (zeroed) gets bit 0 when a value is not
-// finite, bit 1 when some t[k + 1] < t[k] (a NaN compares false, and sets bit 0). Grid-stride;
-// one atomic per warp that found something. The band kernels stay in bounds on such thresholds
-// (band edges are clamped to [0, T], loops are bounded by T), their output is never returned.
-template <typename Real>
-__global__ void __launch_bounds__(THREADS)
-check_thresholds(const Real* __restrict__ t, i64 T, unsigned long long* __restrict__ status) {
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    unsigned bad = 0;
-    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < T; k += stride) {
-        const Real v = t[k];
-        if (!isfinite(v)) bad |= 1u;
-        if (k + 1 < T && t[k + 1] < v) bad |= 2u;
-    }
-    bad = __reduce_or_sync(FULL, bad);
-    if (threadIdx.x % 32 == 0 && bad) atomicOr(status, (unsigned long long)bad);
-}
-
 // The device-resident arguments of the soft ECT (cutopo/_band_cupy.py, SoftEctPlan), so that a
 // call with device directions and thresholds reads none of them on the host: the thresholds'
-// checks as check_thresholds (bits 0 and 1 of status[0], zeroed), and per direction d its
+// checks (bit 0 of status[0], zeroed: a value is not finite; bit 1: some t[k + 1] < t[k], a NaN
+// comparing false, setting bit 0), and per direction d its
 // float64 copy dirs64 (D, NDIM), its orthant code (bit a: v_a >= 0, so -0.0 counts as +, as
 // on the host), and the flags bit 2 (a component is not finite), bit 3 (every component is
 // zero) and bit 4 (sum |v_a| > 1e300: the heights might overflow float64, which the host then

@@ -1,4 +1,5 @@
-"""CuPy path of the soft ECC and of the exact and soft ECT (kernels of ``cuda_src/ecc_band.cuh``).
+"""CuPy path of the exact and soft ECT (kernels of ``cuda_src/ecc_band.cuh``; the soft ECC's are in
+:mod:`cutopo._soft_ecc_cupy`).
 
 The Python side validates and plans; the kernels evaluate the band-limited sigmoid sums
 (soft ops) or the threshold histograms (exact ECT) described in ``ecc_band.cuh``. Entries of the
@@ -24,13 +25,8 @@ FAMILY = "ecc"
 THREADS = 256                   # band::THREADS
 WARPS = THREADS // 32
 SHARED_MAX = 48 * 1024          # per-block accumulators in shared memory up to this size
-# Map bytes per lane and step of the soft ECC kernels (ecc_band.cuh): 4 gives four times the
-# warps (small inputs are latency-bound on the band loop), 16 fewer steps per critical pixel
-# (better once the device is full). Inputs of at least LARGE_PIXELS pixels take 16.
-LANE_PIXELS = (4, 16)
-LARGE_PIXELS = 1 << 21
 # Critical pixels per block of the ECT kernels (one per lane) below which the block's set-up and
-# flush (T entries each) outweigh its work; the soft ECC uses one map step per warp.
+# flush (T entries each) outweigh its work.
 MIN_ENTRIES_PER_BLOCK = 1024
 # Height images (directions x images x pixels, float64) per T-construction pass of the ECT, by
 # default; a streamed slab passes a bound scaled with its budget (cutopo._stream.ect).
@@ -48,25 +44,6 @@ def _cbool(x: bool) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Instances and signatures
-
-
-def _soft_ecc_name(kind, in_ctype, real, lp):
-    return f"cutopo::ecc::band::soft_ecc_{kind}<{in_ctype}, {real}, {lp}>"
-
-
-def _soft_ecc_sig(kind, in_dtype, real_dtype, lp):
-    in_ctype = _ecc_cupy._INPUT_CTYPE[in_dtype]
-    view = _ecc_cupy._INPUT_VIEW.get(in_dtype, in_dtype)
-    r = real_dtype.name
-    name = _soft_ecc_name(kind, in_ctype, _REAL[real_dtype], lp)
-    if kind == "forward":
-        params = (f"ptr:{view}", "ptr:int8", f"ptr:{r}", "ptr:float64", "ptr:int64",
-                  "int64", "int32", "int32", r, "float64", "int32")
-    else:
-        params = (f"ptr:{view}", "ptr:int8", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", "ptr:float64",
-                  "ptr:float64", "int64", "int32", "int32", r, "float64", "int32", "int32",
-                  "int32", "int32")
-    return Signature(FAMILY, name, params)
 
 
 def _ect_sig(kind, real_dtype, ndim):
@@ -102,11 +79,6 @@ WRITE_ENTRIES_SCANNED = Signature(FAMILY, "cutopo::ecc::band::write_entries_scan
                                    "int64", "int64"))
 
 
-def _check_thresholds_sig(real_dtype):
-    return Signature(FAMILY, f"cutopo::ecc::band::check_thresholds<{_REAL[real_dtype]}>",
-                     (f"ptr:{real_dtype.name}", "int64", "ptr:uint64"))
-
-
 def _check_arguments_sig(real_dtype, dir_dtype, ndim):
     return Signature(FAMILY, "cutopo::ecc::band::check_ect_arguments"
                              f"<{_REAL[real_dtype]}, {_REAL[dir_dtype]}, {ndim}>",
@@ -127,21 +99,12 @@ def _finish_sig(dir_dtype, t_dtype, s_dtype):
 
 def _instances():
     yield COUNT_NONZERO.name
-    for real in (np.dtype(np.float32), np.dtype(np.float64)):
-        yield _check_thresholds_sig(real).name
     for ndim in (2, 3):
         yield _orthant_sig(ndim).name
         yield _orthant_counted_sig(ndim).name
     yield SCAN_COUNTS.name
     yield WRITE_ENTRIES.name
     yield WRITE_ENTRIES_SCANNED.name
-    for in_dtype in _ecc_cupy._INPUT_CTYPE:
-        for real in (np.dtype(np.float32), np.dtype(np.float64)):
-            if in_dtype == np.float64 and real == np.float32:
-                continue  # float64 images always compute in float64
-            for kind in ("forward", "backward"):
-                for lp in LANE_PIXELS:
-                    yield _soft_ecc_sig(kind, in_dtype, real, lp).name
     for real in (np.dtype(np.float32), np.dtype(np.float64)):
         yield _finalize_sig(real).name
         for ndim in (2, 3):
@@ -181,26 +144,13 @@ def _blocks_per_row(sig, rows, work, T, smem, min_work):
     return int(max(1, min(math.ceil(target / max(rows, 1)), most)))
 
 
-# Blocks of check_thresholds: a grid-stride pass over at most a few thousand thresholds.
+# Blocks of the argument checks: a grid-stride pass over at most a few thousand thresholds.
 CHECK_BLOCKS = 64
 
 
-def checked_thresholds(thresholds, real_dtype):
-    """Float CuPy thresholds (1-D, checked by _checks.check_threshold_array) in the computation
-    dtype ``real_dtype`` (the cast is exact: float16 -> float32, float32 -> float64, or none),
-    and the DeferredFlags of their check on the device (finite, non-decreasing), for
-    :func:`raise_failed_thresholds` once the op's kernels are queued. No host copy."""
-    import cupy
-
-    t = cupy.ascontiguousarray(thresholds.astype(real_dtype, copy=False))
-    status = cupy.zeros(1, dtype=np.uint64)
-    launch(_check_thresholds_sig(np.dtype(real_dtype)),
-           max(1, min(-(-t.size // THREADS), CHECK_BLOCKS)), THREADS, (t, t.size, status))
-    return t, DeferredFlags(status)
-
-
 def raise_failed_thresholds(values):
-    """The ValueError of a failed check_thresholds (the host check's message), if any."""
+    """The ValueError of a failed device check of thresholds (bits 0 and 1 of values[0], as
+    check_ect_arguments and soft_ecc_prepare write them): the host check's message."""
     flags = int(values[0])
     if flags & 1:
         raise ValueError(THRESHOLDS_NOT_FINITE)
@@ -229,107 +179,6 @@ def _finalize(sat, acc, real_dtype):
     out = cupy.empty((rows, T), dtype=real_dtype)
     launch(_finalize_sig(real_dtype), math.ceil(rows / WARPS), THREADS, (sat, acc, out, rows, T))
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Soft ECC
-
-
-def _lane_pixels(pixels):
-    return LANE_PIXELS[1] if pixels >= LARGE_PIXELS else LANE_PIXELS[0]
-
-
-class SoftEccPlan:
-    """The launches of the soft ECC for one geometry, planned once (memoized by _soft_ecc_plan):
-    a repeated call (a training loop) then only allocates its outputs and launches."""
-
-    def __init__(self, in_dtype, nimg, N, T, real):
-        self.nimg, self.N, self.T, self.real = nimg, N, T, real
-        lp = _lane_pixels(nimg * N)
-        sig = _soft_ecc_sig("forward", in_dtype, real, lp)
-        shared, smem = _shared_plan(T, real, False, True)
-        bpi = _blocks_per_row(sig, nimg, N, T, smem, THREADS * lp)
-        # (x, cmap, t, acc, sat, ..., lam, w, ...): arrays, the scale and the band per call.
-        self.forward = PreparedLaunch(sig, nimg * bpi, THREADS,
-                                      (None, None, None, None, None, N, bpi, T, None, None,
-                                       _cbool(shared)), shared_mem=smem)
-        self.finalize = PreparedLaunch(_finalize_sig(real), math.ceil(nimg / WARPS), THREADS,
-                                       (None, None, None, nimg, T))
-        self._bsig = _soft_ecc_sig("backward", in_dtype, real, lp)
-        self._bshared, self._bsmem = _shared_plan(T, real, True, False)
-        self._bbpi = _blocks_per_row(self._bsig, nimg, N, T, self._bsmem, THREADS * lp)
-        self._backward = {}
-
-    def backward(self, needs) -> PreparedLaunch:
-        """The backward launch computing the cotangents ``needs`` (image, thresholds, scale)."""
-        launch_ = self._backward.get(needs)
-        if launch_ is None:
-            launch_ = PreparedLaunch(
-                self._bsig, self.nimg * self._bbpi, THREADS,
-                (None,) * 7 + (self.N, self._bbpi, self.T, None, None, _cbool(self._bshared))
-                + tuple(_cbool(n) for n in needs), shared_mem=self._bsmem)
-            self._backward[needs] = launch_
-        return launch_
-
-
-@functools.lru_cache(maxsize=64)
-def _soft_ecc_plan(device_id, in_dtype, nimg, N, T, real):
-    return SoftEccPlan(in_dtype, nimg, N, T, real)
-
-
-def _soft_ecc_inputs(image, ndim, tconn, T, real, periodic=False):
-    """(x as (nimg, N), its contribution map (of the torus with ``periodic``), the plan)."""
-    import cupy
-
-    nimg = math.prod(image.shape[:image.ndim - ndim])
-    N = math.prod(image.shape[image.ndim - ndim:])
-    x = _ecc_cupy._image_view(cupy.ascontiguousarray(image)).reshape(nimg, N)
-    cmap = _ecc_cupy.euler_contributions(image, ndim, tconn, periodic).reshape(nimg, N)
-    plan = _soft_ecc_plan(cupy.cuda.Device().id, image.dtype, nimg, N, T, np.dtype(real))
-    return x, cmap, plan
-
-
-def _zeroed_accumulators(M):
-    """(acc float64 (M,), sat int64 (M,)): zeroed by one memset (a launch less per call)."""
-    import cupy
-
-    zeroed = cupy.zeros(2 * M, dtype=np.uint64)
-    return zeroed[:M].view(np.float64), zeroed[M:].view(np.int64)
-
-
-def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False):
-    """(nimg, T) curve in the dtype of ``t``; ``t`` host thresholds or device ones (C-contiguous,
-    on the image's device), ``lam`` the scale (same dtype)."""
-    import cupy
-
-    real, T = t.dtype, t.size
-    with image.device:
-        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real, periodic)
-        acc, sat = _zeroed_accumulators(plan.nimg * T)
-        plan.forward(x, cmap, _thresholds_on_device(t), acc, sat, lam, w)
-        out = cupy.empty((plan.nimg, T), dtype=real)
-        plan.finalize(sat, acc, out)
-    return out
-
-
-def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False):
-    """(d_image in the dtype of t or None, d_t float64 (T,) or None, d_scale 0-d float64 or None)."""
-    import cupy
-
-    need_image, need_t, need_scale = needs
-    real, T = t.dtype, t.size
-    with image.device:
-        x, cmap, plan = _soft_ecc_inputs(image, ndim, tconn, T, real, periodic)
-        g = cupy.ascontiguousarray(g.reshape(plan.nimg, T).astype(real, copy=False))
-        d_image = cupy.empty((plan.nimg, plan.N) if need_image else (1,), dtype=real)
-        zeroed = cupy.zeros(T + 1, dtype=np.float64)  # one memset for both
-        dt, dscale = zeroed[:T], zeroed[T:]
-        plan.backward(tuple(bool(n) for n in needs))(x, cmap, _thresholds_on_device(t), g,
-                                                     d_image, dt, dscale, lam, w)
-        dt *= float(lam)
-    return (d_image.reshape(image.shape) if need_image else None,
-            dt if need_t else None,
-            dscale.reshape(()) if need_scale else None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Argument validation shared by the Euler-characteristic ops.
 
 Every check raises TypeError (wrong type or dtype) or ValueError (wrong shape or value) with
-the argument's name in the message, before any kernel runs (soft_ecc's float CuPy thresholds
-are the exception: a kernel checks their values, read before the call returns, see
-cutopo._band_cupy.checked_thresholds).
+the argument's name in the message, before any kernel runs (float CuPy thresholds of soft_ecc
+and soft_ect are the exception: a kernel checks their values, read before the call returns,
+see cutopo._soft_ecc_cupy and cutopo._band_cupy.SoftEctPlan).
 """
 from __future__ import annotations
 
@@ -171,8 +171,8 @@ def check_result_memory(batch, tail, itemsize_total, name="thresholds"):
                       f"the result of shape {tuple(batch) + tuple(tail)} and its temporaries")
 
 
-# The errors of the checks of threshold values (also raised by the device-side check of
-# cutopo._band_cupy.checked_thresholds)
+# The errors of the checks of threshold values (also raised by the device-side checks,
+# cutopo._band_cupy.raise_failed_thresholds)
 THRESHOLDS_NOT_FINITE = "thresholds must be finite (found NaN or inf)"
 THRESHOLDS_NOT_SORTED = "thresholds must be sorted in non-decreasing order"
 

@@ -4,23 +4,22 @@ chi_lambda(t_k) = sum_p c(p) * sigmoid(lambda * (t_k - f(p))), with c the contri
 :func:`cutopo.euler_contributions`. Only the thresholds inside a band around each pixel's value
 are evaluated; the saturated ones are added exactly through a difference array over the
 thresholds (ecc.md 5.8). NumPy path: cutopo._band_numpy; CuPy arrays go to the kernels of
-``cuda_src/ecc_band.cuh`` (:mod:`cutopo._band_cupy`), which evaluate the same band entries.
+``cuda_src/ecc_soft.cuh`` (:mod:`cutopo._soft_ecc_cupy`), which evaluate the same band entries.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
 import numpy as np
 
-from . import _band_cupy, _band_numpy, _ecc_numpy
+from . import _band_numpy, _ecc_numpy, _soft_ecc_cupy
 from ._array import array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, is_count,
                       same_array_type)
-from ._cuda.deferred import reading
+from ._cuda.launch import _c_contiguous
 from .vjp import register
 
 __all__ = ["soft_ecc"]
@@ -35,6 +34,9 @@ class _Config(NamedTuple):
     band: float         # B
     periodic: bool = False  # boundary="periodic": the torus complex
     count: bool = False     # t = linear_thresholds(image, n): t moves with the image's range
+    check: bool = False     # t: device thresholds that the forward's kernels check
+    t_dtype: np.dtype | None = None      # the thresholds argument's dtype (None: a count)
+    scale_dtype: np.dtype | None = None  # the scale argument's (None: a Python number)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,18 +67,24 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
     if not (np.isfinite(lam) and lam > 0):
         raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
     if on_device:
-        with image.device:
-            t, pending = _band_cupy.checked_thresholds(thresholds, dtype)
+        t = thresholds
+        if t.dtype != dtype or not _c_contiguous(t):  # float16 or float32 -> float64: exact
+            with image.device:
+                t = t.astype(dtype, order="C")
     else:
-        t, pending = t_host.astype(dtype), None
-    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic, count), pending
+        t = t_host.astype(dtype)
+    scale_dtype = None if isinstance(scale, (int, float)) and not isinstance(scale, np.generic) \
+        else np.dtype(scale.dtype)
+    return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic, count, on_device,
+                   None if count else np.dtype(thresholds.dtype), scale_dtype)
 
 
 def _checked_on_device(image, thresholds) -> bool:
     """Whether the values of ``thresholds`` are checked by a kernel, read once the op's own
     kernels are queued (no host copy that waits for the stream's earlier work): float CuPy
-    thresholds on the CuPy image's device. Integer ones are checked on the host, since their
-    cast to the computation dtype can merge values that are out of order."""
+    thresholds on the CuPy image's device (the forward's first kernel checks them). Integer
+    ones are checked on the host, since their cast to the computation dtype can merge values
+    that are out of order."""
     if not (is_cupy_array(image) and is_cupy_array(thresholds) and thresholds.dtype.kind == "f"
             and thresholds.device.id == image.device.id):
         return False
@@ -117,15 +125,12 @@ def _shape_info(cfg: _Config):
 
 
 def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
-    cfg, pending = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+    cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+    if is_cupy_array(cfg.image):
+        return _soft_ecc_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
+                                               cfg.ndim, cfg.tconn, cfg.periodic, cfg.check), cfg
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
-    if is_cupy_array(cfg.image):
-        with (reading(pending, _band_cupy.raise_failed_thresholds) if pending is not None
-              else contextlib.nullcontext()):
-            out = _band_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
-                                              cfg.ndim, cfg.tconn, cfg.periodic)
-        return out.reshape(batch + (T,)), cfg
     check_result_memory(batch, (T,), 24)  # float64 sums, the saturated counts, the result
     _, px = _pixels(cfg)
     out = _band_numpy.forward(px, cfg.t, cfg.scale, nimg)
@@ -138,9 +143,14 @@ def _backward(cfg: _Config, g, needs):
         return None, None, None
     chain = need_image and cfg.count  # count thresholds move with the image's min and max
     if is_cupy_array(cfg.image):
-        d_image, d_t, d_scale = _band_cupy.soft_ecc_backward(
+        # each cotangent in the dtype vjp hands back (float64 where that is another dtype: the
+        # one rounding is then vjp's; the count's chain rule below reads float64)
+        real = cfg.dtype
+        t_out = real if (cfg.t_dtype == real and not chain) else np.float64
+        s_out = real if cfg.scale_dtype in (None, real) else np.float64
+        d_image, d_t, d_scale = _soft_ecc_cupy.soft_ecc_backward(
             cfg.image, cfg.t, cfg.scale, _halfwidth(cfg), cfg.ndim, cfg.tconn, g,
-            (need_image, need_t or chain, need_scale), cfg.periodic)
+            (need_image, need_t or chain, need_scale), cfg.periodic, t_out, s_out)
     else:
         g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
         index, px = _pixels(cfg)
@@ -278,10 +288,12 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     *GPU.* Float CuPy thresholds are checked (finite, sorted) by a kernel whose flags are
     read once the op's kernels are queued, so the call makes no host copy of them that would
     wait for the stream's earlier work; a failed check still raises before the call returns.
-    CuPy inputs run the kernels of ``cuda_src/ecc_band.cuh``: the contribution map,
-    then one pass in which each thread finds its pixel's band edges (the same float64 edges
-    as above, by binary search) and the 32 lanes of a warp evaluate the band of one pixel
-    at a time over consecutive thresholds, adding into per-block float64 accumulators. The
+    CuPy inputs run the kernels of ``cuda_src/ecc_soft.cuh``: one pass over the image that
+    finds each pixel's contribution (the tile sweep of :func:`ecc`) and, for the pixels with
+    c != 0, their band edges (the same float64 edges as above, by binary search), the 32
+    lanes of a warp evaluating the band of one pixel at a time over consecutive thresholds
+    into per-block float64 accumulators; the last block of each image writes its curve, and
+    the backward's last block the cotangents of the thresholds and the scale. The
     entries are the same as on the CPU; the sums are formed in a different order and the
     sigmoids by CUDA's ``exp``, so the results agree to the rounding of the computation
     dtype relative to ``sum |c|``, not bit for bit.

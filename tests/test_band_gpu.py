@@ -1,4 +1,5 @@
-"""GPU kernels of soft_ecc, ect and soft_ect (cuda_src/ecc_band.cuh) against the NumPy path.
+"""GPU kernels of soft_ecc (cuda_src/ecc_soft.cuh), ect and soft_ect (cuda_src/ecc_band.cuh)
+against the NumPy path.
 
 The NumPy path is the oracle: it is tested against finite differences, scikit-image and
 closed forms in test_soft_ecc.py / test_ect.py. Here every result of the kernels must equal
@@ -6,8 +7,6 @@ it: exactly for the integer ECT, to the rounding of the computation dtype (relat
 sum |c|, the scale of the terms) for the soft ops.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -158,12 +157,12 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
     thresholds from the host (float16, float32 and float64; to rounding, as the kernels' float64
     atomics add in no fixed order), and NaN, inf and decreasing thresholds still raise at the
     call, on the forward and on cutopo.vjp's forward, without disturbing the calls after them."""
-    from cutopo import _band_cupy, _soft_ecc
+    from cutopo import _soft_ecc, _soft_ecc_cupy
     from cutopo._cuda import deferred
 
     cp = _cp()
     events = []
-    real_read, real_forward = deferred.DeferredFlags.read, _band_cupy.soft_ecc_forward
+    real_read, real_forward = deferred.PinnedWord.read, _soft_ecc_cupy.soft_ecc_forward
 
     def read(self):
         events.append("read")
@@ -181,8 +180,8 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
         t = np.sort(rng.uniform(-0.1, 1.1, size=int(rng.integers(2, 700)))).astype(t_dtype)
         want = cutopo.soft_ecc(cp.asarray(img), t, 25.0, ndim=2)          # host thresholds
         monkeypatch.setattr(_soft_ecc, "check_thresholds", no_host_check)
-        monkeypatch.setattr(deferred.DeferredFlags, "read", read)
-        monkeypatch.setattr(_band_cupy, "soft_ecc_forward", forward)
+        monkeypatch.setattr(deferred.PinnedWord, "read", read)
+        monkeypatch.setattr(_soft_ecc_cupy, "soft_ecc_forward", forward)
         events.clear()
         got, pullback = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
         assert events == ["forward", "read"]
@@ -206,6 +205,114 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
         monkeypatch.undo()
         again = cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
         _close(again, want.get(), S, got.dtype, "after the errors")
+
+
+@pytest.mark.parametrize("t_dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("scale_kind", ["python", "float16", "float32", "float64", "device"])
+def test_soft_ecc_cotangent_subsets_and_dtypes(rng, t_dtype, scale_kind):
+    """Every subset of wanted cotangents, each in its argument's dtype and array type as on the
+    NumPy path (the backward's last block writes the thresholds' and the scale's cotangents in
+    the computation dtype or in float64, which vjp then rounds once)."""
+    cp = _cp()
+    img = _image(rng, (2, 23, 41), np.float32, levels=23, specials=True)
+    t = np.sort(rng.uniform(-0.1, 1.1, size=int(rng.integers(5, 60)))).astype(t_dtype)
+    value = float(rng.uniform(8, 40))
+    scale = {"python": value, "float16": np.float16(value), "float32": np.float32(value),
+             "float64": np.float64(value), "device": np.float32(value)}[scale_kind]
+    g_scale = cp.asarray(scale) if scale_kind == "device" else scale
+    S = _sum_abs_c(img, 2, 1)[..., None]
+    for wrt in ((0,), (1,), (2,), (0, 1), (1, 2), (0, 2), (0, 1, 2)):
+        out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, scale, ndim=2, wrt=wrt)
+        poison_pool()
+        out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), g_scale, ndim=2,
+                                 wrt=wrt)
+        assert out_g.dtype == out_c.dtype and out_g.shape == out_c.shape
+        _close(out_g, out_c, S, out_c.dtype, f"forward {wrt}")
+        g = rng.standard_normal(out_c.shape).astype(out_c.dtype)
+        d_c = pb_c(g)
+        poison_pool()
+        d_g = pb_g(cp.asarray(g))
+        lam_g = value * np.abs(g).sum()
+        bounds = (lam_g, lam_g * S.sum() / len(t), np.abs(g).sum() * S.sum())
+        for k, (dc, dg, bound) in enumerate(zip(d_c, d_g, bounds)):
+            if k not in wrt:
+                assert dc is None and dg is None, (wrt, k)
+                continue
+            assert isinstance(dg, cp.ndarray), (wrt, k)
+            assert dg.dtype == dc.dtype and dg.shape == dc.shape, (wrt, k, dg.dtype, dc.dtype)
+            if dc.dtype == np.float16:  # rounded once to float16 on both paths
+                np.testing.assert_allclose(cp.asnumpy(dg).astype(np.float64),
+                                           dc.astype(np.float64), rtol=2e-3, atol=bound * 2e-6)
+            else:
+                _close(dg, dc, bound, dc.dtype, f"cotangent {k} of {wrt}")
+
+
+@pytest.mark.parametrize("ndim,shape", [(2, (3, 67, 45)), (3, (2, 13, 17, 35))])
+@pytest.mark.parametrize("conn_is_ndim", [False, True])
+@pytest.mark.parametrize("pattern", ["checkerboard", "noise"])
+def test_soft_ecc_dense_critical_pixels(rng, ndim, shape, conn_is_ndim, pattern):
+    """Images where most pixels have c != 0 (a checkerboard, white noise): every warp's queue
+    fills with all its pixels of a plane, across several 32-wide queue passes."""
+    cp = _cp()
+    conn = ndim if conn_is_ndim else 1
+    if pattern == "checkerboard":
+        idx = np.indices(shape[-ndim:]).sum(axis=0) % 2
+        img = (idx + 0.01 * rng.random(shape)).astype(np.float64)
+    else:
+        img = rng.random(shape)
+    c = _ecc_numpy.euler_contributions(img, ndim, conn == ndim, False)
+    assert np.mean(c != 0) > 0.3
+    t = np.linspace(-0.1, 1.1, 41)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, 30.0, ndim=ndim, connectivity=conn)
+    poison_pool()
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 30.0, ndim=ndim,
+                             connectivity=conn)
+    S = _sum_abs_c(img, ndim, conn)[..., None]
+    _close(out_g, out_c, S, np.float64, "forward")
+    g = rng.standard_normal(out_c.shape)
+    d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
+    lam_g = 30.0 * np.abs(g).sum()
+    _close(d_g[0], d_c[0], lam_g, np.float64, "d_image")
+    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), np.float64, "d_thresholds")
+    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), np.float64, "d_scale")
+
+
+def test_soft_ecc_workspaces_are_left_zeroed(rng):
+    """The kernels leave their kept workspaces zeroed: calls after calls (new images, the same
+    plan), a pullback called twice, forwards without pullbacks in between, and another
+    stream (its own workspace) all give the NumPy path's results."""
+    cp = _cp()
+    shape, t = (2, 45, 38), np.linspace(-0.05, 1.05, 33).astype(np.float32)
+    images = [_image(rng, shape, np.float32, levels=int(rng.integers(5, 30))) for _ in range(3)]
+    S = [_sum_abs_c(img, 2, 1)[..., None] for img in images]
+    g = rng.standard_normal((2, 33)).astype(np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for k, img in enumerate(images + images[:1]):
+        ctx = stream if k == 2 else cp.cuda.Stream.null
+        with ctx:
+            out, pb = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 20.0, ndim=2)
+            cutopo.soft_ecc(cp.asarray(images[(k + 1) % 3]), cp.asarray(t), 20.0, ndim=2)
+            first, second = pb(cp.asarray(g)), pb(cp.asarray(g))
+        out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, 20.0, ndim=2)
+        d_c = pb_c(g)
+        S_k = S[k % 3]
+        _close(out, out_c, S_k, np.float32, f"forward {k}")
+        lam_g = 20.0 * np.abs(g).sum()
+        for d in (first, second):
+            _close(d[0], d_c[0], lam_g, np.float32, f"d_image {k}")
+            _close(d[1], d_c[1], lam_g * S_k.sum() / len(t), np.float32, f"d_thresholds {k}")
+            _close(d[2], d_c[2], np.abs(g).sum() * S_k.sum(), np.float32, f"d_scale {k}")
+
+
+def test_soft_ecc_empty_batch(rng):
+    cp = _cp()
+    img = cp.asarray(rng.random((0, 9, 9)).astype(np.float32))
+    t = cp.linspace(0, 1, 5, dtype=cp.float32)
+    out, pb = cutopo.vjp(cutopo.soft_ecc, img, t, 3.0, ndim=2)
+    assert out.shape == (0, 5) and out.dtype == np.float32
+    d_img, d_t, d_s = pb(cp.ones_like(out))
+    assert d_img.shape == (0, 9, 9) and d_t.shape == (5,) and d_s.shape == ()
+    assert float(cp.abs(d_t).sum()) == 0.0 and float(d_s) == 0.0
 
 
 def test_soft_ecc_integer_device_thresholds_are_checked_on_the_host(rng):
@@ -443,12 +550,10 @@ def test_ect_mixed_devices_are_refused(rng):
 
 
 @pytest.mark.parametrize("shape", [(2, 1024, 1100), (3, 701, 1001)])
-def test_soft_ecc_large_inputs_take_the_wide_map_steps(rng, shape):
-    """At least _band_cupy.LARGE_PIXELS pixels: 16 map bytes per lane (aligned and not)."""
-    from cutopo import _band_cupy
-
+def test_soft_ecc_large_inputs(rng, shape):
+    """Millions of pixels: several blocks per image, each sweeping many tiles, widths that are
+    not multiples of the tile."""
     cp = _cp()
-    assert math.prod(shape) >= _band_cupy.LARGE_PIXELS
     img = _image(rng, shape, np.float32, levels=200, specials=True)
     t = np.linspace(0.0, 1.0, 64).astype(np.float32)
     out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, 300.0, ndim=2)

@@ -161,6 +161,16 @@ def test_parameter_block_packs_scalars_as_the_driver_reads_them(launch_mod):
     assert int(b.i64[0]) == 0 and int(template[0]) == 0
 
 
+def test_null_pointer_is_a_checked_pointer_value(launch_mod, sig):
+    """NULL passes the check of any pointer kind (never of a scalar kind) and packs as 0."""
+    assert launch_mod._convert(launch_mod.NULL, "ptr:float32", 0, sig) is launch_mod.NULL
+    with pytest.raises(launch_mod.LaunchError, match="integer"):
+        launch_mod._convert(launch_mod.NULL, "int32", 0, sig)
+    block = launch_mod.ParameterBlock(np.full(2, 0xAB, dtype=np.uint64))
+    block.write(1, "ptr:float64", launch_mod.NULL)
+    assert int(block.u64[1]) == 0 and int(block.u64[0]) == 0xAB
+
+
 # ---------------------------------------------------------------------------------------------
 # _ecc_cupy pure helpers
 

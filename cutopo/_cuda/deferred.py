@@ -50,8 +50,9 @@ class DeferredFlags:
 
 
 @contextlib.contextmanager
-def reading(flags: DeferredFlags, raise_failed):
-    """Run the body (the op's launches), then ``raise_failed(flags.read())``, which raises the
+def reading(flags, raise_failed):
+    """Run the body (the op's launches), then ``raise_failed(flags.read())`` (``flags``: a
+    :class:`DeferredFlags` or a queued :class:`PinnedWord`), which raises the
     checks' error if one failed. If the body itself raises, the flags are read all the same:
     a failed check is raised in its place (bad input is the likelier cause), else the body's
     error propagates."""
@@ -64,3 +65,53 @@ def reading(flags: DeferredFlags, raise_failed):
             raise check_error from exc
         raise
     raise_failed(flags.read())
+
+
+class PinnedWord:
+    """A page-locked slot for one 8-byte flags word, reused call after call by one thread: a
+    memoized plan's call then allocates no pinned memory and creates no event (each of those
+    costs microseconds per call). :meth:`queue` copies the word behind the kernel that wrote
+    it, on the current stream; :meth:`read` waits for that copy, as :class:`DeferredFlags`
+    does. Keep one per thread (``threading.local``): a copy queued by another thread between a
+    queue and its read would overwrite the slot."""
+
+    def __init__(self):
+        import cupy
+
+        self._memory = cupy.cuda.alloc_pinned_memory(8)
+        self._host = np.frombuffer(self._memory, dtype=np.uint64, count=1)
+        self._event = cupy.cuda.Event(block=False, disable_timing=True)
+        self._queued = False
+
+    def queue(self, word) -> "PinnedWord":
+        """Queue the copy of ``word[0]`` (a CuPy array of 8-byte words) into the slot."""
+        import cupy
+
+        if self._queued:  # a copy that was never read (an interrupted call) must land first
+            self._wait()
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(self._memory.ptr, word.data.ptr, 8,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._event.record(stream)
+        self._queued = True
+        return self
+
+    def _wait(self) -> None:
+        import cupy
+
+        try:
+            self._event.synchronize()
+        except BaseException:
+            # e.g. the event was recorded inside a stream capture that the wait invalidated:
+            # a fresh event for the next call (no captured copy will run, the capture failed)
+            self._event = cupy.cuda.Event(block=False, disable_timing=True)
+            raise
+        finally:
+            self._queued = False
+
+    def read(self) -> np.ndarray:
+        """The word (a 1-element uint64 array) once its copy is done; zero if none was queued."""
+        if not self._queued:
+            return np.zeros(1, dtype=np.uint64)
+        self._wait()
+        return self._host.copy()

@@ -42,6 +42,20 @@ class LaunchError(RuntimeError):
     pass
 
 
+class _NullPointer:
+    """The type of :data:`NULL`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NULL"
+
+
+# A null pointer for any "ptr:" parameter: an optional output that the kernel tests for
+# (e.g. a cotangent nobody asked for), passed explicitly rather than as a dummy array.
+NULL = _NullPointer()
+
+
 @functools.lru_cache(maxsize=None)
 def _device_attributes(device_id: int) -> dict:
     import cupy
@@ -72,7 +86,9 @@ def _c_contiguous(value) -> bool:
 
 def _check_array(value, dtype, index: int, sig: Signature, device=None):
     """``value`` if it is a C-contiguous CuPy array of ``dtype`` on the current device
-    (``device``, read here when None), else a LaunchError."""
+    (``device``, read here when None) or :data:`NULL`, else a LaunchError."""
+    if value is NULL:
+        return value
     if not isinstance(value, _cupy().ndarray):
         raise LaunchError(f"{sig.name}: argument {index} must be a cupy.ndarray, got {type(value)}")
     if value.dtype != dtype:
@@ -170,6 +186,7 @@ def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: in
     if grid <= 0:
         return  # nothing to do; CuPy would clamp the grid to 1 block
     kernel = _checked_kernel(sig, grid, shared_mem, options, device)
+    converted = tuple(np.uint64(0) if a is NULL else a for a in converted)  # 8 bytes, by value
     kernel((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
     _after_launch(sig)
 
@@ -197,7 +214,7 @@ class ParameterBlock:
         """Store the converted ``value`` (a checked CuPy array or a NumPy scalar of the kind's
         C type) in slot i."""
         if kind.startswith("ptr:"):
-            self.u64[i] = value.data.ptr
+            self.u64[i] = 0 if value is NULL else value.data.ptr
         elif kind == "int32":
             self.i32[2 * i] = value
         elif kind == "float32":

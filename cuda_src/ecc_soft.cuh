@@ -1,0 +1,319 @@
+// Soft ECC in one pass over the image, forward and backward (cutopo/_soft_ecc_cupy.py).
+//
+// The contribution map is never written: ecc.cu's sweep hands every pixel's c(p) to a sink that
+// queues the critical ones (c != 0) of the warp's rows in shared memory, and after the rows of
+// each plane the warp evaluates their bands with ecc_band.cuh's forward_warp / backward_warp,
+// 32 queued pixels at a time (most pixels of a smooth image have c = 0: one pixel per lane
+// would leave most lanes idle in the band loops). The queue keeps the sweep's pixel order, so
+// consecutive entries of a warp are neighbours with nearby values and their bands mostly fall
+// in one register window (Window in ecc_band.cuh).
+//
+// The map and the band kernel were two launches (plus a third for the curve, a fourth for the
+// thresholds' cotangent): at 1024^2 the call was bound by those launches on the host, and the
+// map's 1 byte per pixel was written and read back twice per forward+VJP.
+//
+// The forward's last block of each image turns the image's accumulators into its curve; the
+// backward's last block of the grid scales the thresholds' cotangent by lambda and writes both
+// scalar-shaped cotangents in the dtypes the caller asked for (the one rounding of each).
+// Included at the end of ecc.cu, after ecc_band.cuh.
+#pragma once
+#include "common.cuh"
+
+namespace cutopo {
+namespace ecc {
+namespace band {
+
+constexpr int ROW_SLOTS = TX * PY;  // pixels of a warp's rows per plane: 32 columns x PY rows
+
+// Blocks per multiprocessor the sweep kernels' register budget is sized for (-D options of the
+// A/B runs). Measured on the H200 (benchmarks/RESULTS.md, seventeenth session) for float32 with
+// 32-bit keys: 6 in 2D (40 registers; 32 at 7 or 8 was 1-7 % slower at 1024^2, up to 7 % faster
+// at 64 x 256^2), 5 in 3D (48 registers; 2-30 % faster than 40 or 32 at 256^3); asked for 1
+// block, ptxas took 80 (2D) and 96 (3D) registers and ran 16-40 % slower. float64, 64-bit keys
+// (int32 and float64 images) and the torus (its tie-break flips) spilled up to 356 bytes at
+// those budgets: they take 2 (up to 128 registers).
+#ifndef CUTOPO_SOFT_MIN_BLOCKS_2D
+#define CUTOPO_SOFT_MIN_BLOCKS_2D 6
+#endif
+#ifndef CUTOPO_SOFT_MIN_BLOCKS_3D
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define CUTOPO_SOFT_MIN_BLOCKS_3D 3  // sm_80 spilled up to 136 bytes at 5, 100 at 4 (not timed there)
+#else
+#define CUTOPO_SOFT_MIN_BLOCKS_3D 5
+#endif
+#endif
+#ifndef CUTOPO_SOFT_MIN_BLOCKS_WIDE
+#define CUTOPO_SOFT_MIN_BLOCKS_WIDE 2
+#endif
+template <typename Real, typename K, int NDIM, bool PERIODIC>
+constexpr int soft_min_blocks() {
+    return (sizeof(Real) == 8 || sizeof(K) == 8 || PERIODIC) ? CUTOPO_SOFT_MIN_BLOCKS_WIDE
+           : NDIM == 3                           ? CUTOPO_SOFT_MIN_BLOCKS_3D
+                                                 : CUTOPO_SOFT_MIN_BLOCKS_2D;
+}
+
+// Per warp: the contribution of each pixel the sink saw this plane (slot = call * 32 + lane),
+// the flat index of the critical ones, and the compacted order of the critical slots.
+struct RowQueues {
+    signed char c[WARPS][ROW_SLOTS];
+    unsigned char order[WARPS][ROW_SLOTS];
+    i64 index[WARPS][ROW_SLOTS];
+};
+
+// The workspace of the forward: the thresholds' check flags (soft_ecc_check_thresholds), a
+// counter per image of the blocks done, the band sums (rows, T) float64 and the difference
+// arrays (rows, T) int64. Zeroed when made; the forward's last block of each image zeroes its
+// parts again once read, so the host keeps one workspace per thread and stream (kernels on one
+// stream run in order) and a call needs neither an allocation nor a memset for it.
+struct ForwardWorkspace {
+    unsigned long long* status;
+    unsigned* done;
+    double* acc;
+    long long* sat;
+
+    __device__ __forceinline__ ForwardWorkspace(unsigned long long* ws, i64 rows, int T) {
+        status = ws;
+        done = reinterpret_cast<unsigned*>(ws + 1);
+        acc = reinterpret_cast<double*>(ws + 1 + (rows + 1) / 2);
+        sat = reinterpret_cast<long long*>(acc + rows * T);
+    }
+};
+
+// Words of a ForwardWorkspace (the host allocates this many 8-byte words).
+__host__ __device__ inline i64 forward_workspace_words(i64 rows, int T) {
+    return 1 + (rows + 1) / 2 + 2 * rows * (i64)T;
+}
+
+// One block writes the checks of device thresholds into *status (bit 0: a value is not
+// finite, bit 1: some t[k + 1] < t[k], a NaN comparing false), 0 when they pass: no zeroing
+// before. The forward stays in bounds on bad thresholds (band edges are clamped to [0, T]);
+// its result is then never returned.
+template <typename Real>
+__global__ void __launch_bounds__(THREADS)
+soft_ecc_check_thresholds(const Real* __restrict__ t, int T, unsigned long long* __restrict__ status) {
+    unsigned bad = 0;
+    for (int k = threadIdx.x; k < T; k += THREADS) {
+        const Real v = t[k];
+        if (!isfinite(v)) bad |= 1u;
+        if (k + 1 < T && t[k + 1] < v) bad |= 2u;
+    }
+    bad = __reduce_or_sync(FULL, bad);
+    __shared__ unsigned warp_bad[WARPS];
+    if (threadIdx.x % 32 == 0) warp_bad[threadIdx.x / 32] = bad;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned all = 0;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) all |= warp_bad[w];
+        *status = all;
+    }
+}
+
+// The sink and rows hook of the sweep (one object for both): queues the critical pixels of
+// the warp's rows, then runs Work::entries(valid, f, c, i) over them, 32 at a time, in every
+// lane of the warp. ``calls`` counts the sink's calls in this thread this plane (at most PY).
+template <typename In, typename Real, class Work>
+struct RowBands {
+    RowQueues* q;
+    const In* image;
+    Work work;
+    mutable int calls;
+
+    __device__ __forceinline__ void operator()(int c, u64, i64 i) const {
+        const int slot = calls * 32 + threadIdx.x % 32;
+        ++calls;
+        RowQueues& r = *q;
+        r.c[threadIdx.x / 32][slot] = (signed char)c;
+        if (c != 0) r.index[threadIdx.x / 32][slot] = i;
+        else work.skipped(i);
+    }
+
+    __device__ __forceinline__ void rows_done() const {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        RowQueues& r = *q;
+        int n = 0;
+#pragma unroll
+        for (int s = 0; s < PY; ++s) {  // own slots only: no barrier needed before
+            const int slot = s * 32 + lane;
+            const bool critical = s < calls && r.c[warp][slot] != 0;
+            const unsigned b = __ballot_sync(FULL, critical);
+            if (critical) r.order[warp][n + __popc(b & ((1u << lane) - 1u))] = (unsigned char)slot;
+            n += __popc(b);
+        }
+        calls = 0;
+        __syncwarp();  // order and index of the other lanes
+        for (int base = 0; base < n; base += 32) {  // warp-uniform bounds: every lane takes part
+            int c = 0;
+            i64 i = 0;
+            Real f = 0;
+            const bool mine = base + lane < n;
+            if (mine) {
+                const int slot = r.order[warp][base + lane];
+                c = r.c[warp][slot];
+                i = r.index[warp][slot];
+                f = convert<Real>(image[i]);
+            }
+            work.entries(mine, mine && !no_entry(f), f, c, i);
+        }
+        __syncwarp();  // the next plane rewrites the queue
+    }
+};
+
+// The band work of the sweep's critical pixels; the running state (the warp's register window,
+// the lane's scale cotangent) is mutable: the sweep holds its sink by const reference.
+template <typename Real>
+struct ForwardWork {
+    const Real* t;
+    int T;
+    Real lam;
+    double w;
+    Accum a;
+    mutable Window<Real> win;
+
+    __device__ __forceinline__ void skipped(i64) const {}
+    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64) const {
+        forward_warp<Real>(valid, f, c, t, T, lam, w, true, a, win);
+    }
+};
+
+// The forward: each block sweeps its tiles of one image (blocks_per_image blocks per image);
+// out (rows, T) is written by the image's last block to finish. ws: a zeroed ForwardWorkspace
+// (the image's last block leaves its parts zeroed again).
+template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
+__global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
+soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ thresholds,
+                       unsigned long long* __restrict__ ws, Real* __restrict__ out, i64 nz, i64 ny,
+                       i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
+                       int shared) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
+    __shared__ RowQueues q;
+    __shared__ int is_last;
+    const i64 img = blockIdx.x / blocks_per_image;
+    const int chunk = blockIdx.x % blocks_per_image;
+    const ForwardWorkspace wsp(ws, gridDim.x / blocks_per_image, T);
+    const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
+    double* acc_row = wsp.acc + img * T;
+    long long* sat_row = wsp.sat + img * T;
+    const RowBands<In, Real, ForwardWork<Real>> bands{
+        &q, image, ForwardWork<Real>{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, {}}, 0};
+    sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
+                          ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
+    bands.work.win.flush(bands.work.a);
+    if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
+
+    // The image's last block: out = prefix sum of sat + acc, rounded once (the pattern of
+    // ecc.cu's histogram tail: the barrier orders the block's additions before thread 0's
+    // cumulative fence, and the other blocks' additions are read from L2); then it zeroes the
+    // image's accumulators and counter for the next launch on the workspace (every other block
+    // of the image has finished).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd(wsp.done + img, 1u) == (unsigned)blocks_per_image - 1u;
+    }
+    __syncthreads();
+    if (is_last && threadIdx.x < 32) {
+        __threadfence();
+        Real* o = out + img * T;
+        warp_row_prefix_sum(sat_row, T, [o, acc_row](int k, long long sum) {
+            o[k] = (Real)((double)sum + __ldcg(acc_row + k));
+        });
+        __syncwarp();
+        for (int k = threadIdx.x; k < T; k += 32) {
+            acc_row[k] = 0.0;
+            sat_row[k] = 0;
+        }
+        if (threadIdx.x == 0) wsp.done[img] = 0u;
+    }
+}
+
+template <typename Real>
+struct BackwardWork {
+    const Real* t;
+    const Real* g;
+    int T;
+    Real lam;
+    double w;
+    Accum a;
+    Real* d_image;  // nullptr: not wanted
+    bool need_t;
+    mutable Window<Real> win;
+    mutable double dscale;
+
+    __device__ __forceinline__ void skipped(i64 i) const {
+        if (d_image) d_image[i] = Real(0);
+    }
+    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
+        const double sum = backward_warp<Real>(valid, f, c, t, g, T, lam, w, need_t,
+                                               d_image != nullptr, dscale, a, win);
+        if (d_image && mine) d_image[i] = valid ? (Real)(-(double)lam * sum) : Real(0);
+    }
+};
+
+// The backward: d_image (rows, N) gets -lambda sum_k g_k c sigma'_k at every pixel (0 where
+// c = 0 or f is not finite); ws (T + 2 doubles, zeroed) gathers the thresholds' cotangent
+// without lambda, the scale's, and (as an unsigned) the count of blocks done. The grid's last
+// block writes d_t = lambda * ws[0:T] and d_scale = ws[T] into whichever of the Real or double
+// outputs is not null (none: not wanted), and leaves ws zeroed again (as the forward's).
+template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
+__global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
+soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ thresholds,
+                        const Real* __restrict__ g, Real* __restrict__ d_image,
+                        double* __restrict__ ws, Real* __restrict__ d_t_real,
+                        double* __restrict__ d_t_double, Real* __restrict__ d_scale_real,
+                        double* __restrict__ d_scale_double, i64 nz, i64 ny, i64 nx, int zchunk,
+                        int blocks_per_image, int T, Real lam, double w, int shared) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
+    __shared__ RowQueues q;
+    __shared__ double scratch[WARPS];
+    __shared__ int is_last;
+    const i64 img = blockIdx.x / blocks_per_image;
+    const int chunk = blockIdx.x % blocks_per_image;
+    const bool need_t = d_t_real != nullptr || d_t_double != nullptr;
+    const bool need_scale = d_scale_real != nullptr || d_scale_double != nullptr;
+    double* dt_g = ws;
+    double* dscale_g = ws + T;
+    unsigned* done = reinterpret_cast<unsigned*>(ws + T + 1);
+    const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
+    const RowBands<In, Real, BackwardWork<Real>> bands{
+        &q, image,
+        BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image, need_t,
+                           {}, 0.0},
+        0};
+    sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
+                          ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
+    bands.work.win.flush(bands.work.a);
+    if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
+    if (need_scale) block_add(bands.work.dscale, dscale_g, scratch);
+
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd(done, 1u) == gridDim.x - 1u;
+    }
+    __syncthreads();
+    if (is_last) {
+        __threadfence();
+        for (int k = threadIdx.x; k < T && need_t; k += THREADS) {
+            const double v = __ldcg(dt_g + k) * (double)lam;
+            if (d_t_real) d_t_real[k] = (Real)v;
+            if (d_t_double) d_t_double[k] = v;
+            dt_g[k] = 0.0;
+        }
+        if (threadIdx.x == 0) {
+            if (need_scale) {
+                const double v = __ldcg(dscale_g);
+                if (d_scale_real) *d_scale_real = (Real)v;
+                if (d_scale_double) *d_scale_double = v;
+                *dscale_g = 0.0;
+            }
+            *done = 0u;
+        }
+    }
+}
+
+}  // namespace band
+}  // namespace ecc
+}  // namespace cutopo

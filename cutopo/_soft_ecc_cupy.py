@@ -1,0 +1,302 @@
+"""CuPy path of the soft ECC: one sweep of the image per forward and per backward.
+
+The kernels (``cuda_src/ecc_soft.cuh``) compute each pixel's contribution c(p) in ecc.cu's
+tile sweep and evaluate the band-limited sigmoid sums of the critical pixels in the same pass;
+the forward's last block per image writes the curve, the backward's last block the thresholds'
+and the scale's cotangents, each in the dtype that cutopo.vjp hands back (no cast after). Both
+leave their workspace zeroed again, so each plan keeps one per thread and stream. A forward
+is one launch (two with device thresholds, which a one-block kernel checks first), a backward
+one. Everything that depends only on the geometry is planned once per (device, input dtype,
+batch, shape, construction, T, computation dtype) and memoized (:class:`SoftEccPlan`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+
+import numpy as np
+
+from . import _ecc_cupy
+from ._band_cupy import _smem_bytes, _thresholds_on_device, raise_failed_thresholds
+from ._cuda.compile import register_instances
+from ._cuda.deferred import PinnedWord, reading
+from ._cuda.launch import NULL, PreparedLaunch, Signature, _c_contiguous, _current_device
+
+FAMILY = "ecc"
+THREADS = 256                  # band::THREADS
+WARPS = THREADS // 32
+PLANE = 34 * 34                # ecc::PLANE: a 32 x 32 tile with its halo
+ROW_SLOTS = 32 * 4             # band::ROW_SLOTS
+# Static shared memory of the sweep kernels besides the tile: RowQueues (1 + 1 + 8 bytes per
+# slot) and a few words; the dynamic part (thresholds, accumulators) gets what is left of the
+# 48 KiB a block may take without opting in, else the accumulators go to global memory.
+QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
+SHARED_LIMIT = 48 * 1024
+# Workspaces up to this size are kept per plan, thread and stream (the kernels leave them
+# zeroed); larger ones are made zeroed at every call.
+KEEP_WORKSPACE_BYTES = 1 << 20
+
+_REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+def _cbool(x) -> str:
+    return "true" if x else "false"
+
+
+def _key_ctype(in_ctype: str) -> str:
+    return _ecc_cupy._VALUE_KEY.get(in_ctype, "unsigned int")
+
+
+def _sweep_sig(kind, in_dtype, real, ndim, tconn, periodic) -> Signature:
+    in_ctype = _ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]
+    view = _ecc_cupy._INPUT_VIEW.get(np.dtype(in_dtype), np.dtype(in_dtype)).name
+    r = np.dtype(real).name
+    name = (f"cutopo::ecc::band::soft_ecc_fused_{kind}<{in_ctype}, {_key_ctype(in_ctype)}, "
+            f"{_REAL[np.dtype(real)]}, {ndim}, {_cbool(tconn)}, {_cbool(periodic)}>")
+    geometry = ("int64", "int64", "int64", "int32", "int32", "int32", r, "float64", "int32")
+    if kind == "forward":  # image, thresholds, workspace, out
+        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}") + geometry
+    else:  # image, thresholds, g, d_image, workspace, d_t (real, double), d_scale (real, double)
+        params = (f"ptr:{view}", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", "ptr:float64", f"ptr:{r}",
+                  "ptr:float64", f"ptr:{r}", "ptr:float64") + geometry
+    return Signature(FAMILY, name, params)
+
+
+def _check_sig(real) -> Signature:
+    r = np.dtype(real)
+    return Signature(FAMILY, f"cutopo::ecc::band::soft_ecc_check_thresholds<{_REAL[r]}>",
+                     (f"ptr:{r.name}", "int32", "ptr:uint64"))
+
+
+def _instances():
+    """What the offline compile check builds: every input and computation dtype in one
+    configuration (2D, V construction, box), every configuration (rank, construction,
+    boundary) for float32, and the 64-bit-key 3D instances. All 208 instances would take
+    minutes; they differ only in the types and flags that these cover."""
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    for real in _REAL:
+        yield _check_sig(real).name
+    kinds = ("forward", "backward")
+    for in_dtype in _ecc_cupy._INPUT_CTYPE:
+        if in_dtype == np.bool_:
+            continue  # read as uint8: the same instances
+        for real in _REAL:
+            if in_dtype == np.float64 and real == f32:
+                continue  # float64 images always compute in float64
+            for kind in kinds:
+                yield _sweep_sig(kind, in_dtype, real, 2, False, False).name
+    for ndim in (2, 3):
+        for tconn in (False, True):
+            for periodic in (False, True):
+                if (ndim, tconn, periodic) != (2, False, False):
+                    for kind in kinds:
+                        yield _sweep_sig(kind, f32, f32, ndim, tconn, periodic).name
+    for in_dtype in (np.dtype(np.int32), f64):
+        for kind in kinds:
+            yield _sweep_sig(kind, in_dtype, f64, 3, True, True).name
+
+
+register_instances(FAMILY, _instances)
+
+
+def forward_workspace_words(rows: int, T: int) -> int:
+    """Words of band::ForwardWorkspace: status, the per-image counters, acc and sat."""
+    return 1 + (rows + 1) // 2 + 2 * rows * T
+
+
+def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes):
+    """(accumulators in shared memory, dynamic shared bytes) for one sweep kernel."""
+    static = (3 if ndim == 3 else 1) * PLANE * key_bytes + QUEUE_BYTES
+    smem = _smem_bytes(T, np.dtype(real), with_g, with_sat)
+    return (True, smem) if static + smem <= SHARED_LIMIT else (False, 0)
+
+
+class SoftEccPlan:
+    """The launches of the soft ECC for one geometry (memoized by :func:`soft_ecc_plan`): a
+    repeated call (a training loop) then allocates its outputs and launches, nothing more."""
+
+    def __init__(self, in_dtype, nimg, spatial, tconn, periodic, T, real):
+        ndim = len(spatial)
+        real = np.dtype(real)
+        key_bytes = 8 if _key_ctype(_ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]).endswith("long") else 4
+        self.nimg, self.T, self.real = nimg, T, real
+        self.words = forward_workspace_words(nimg, T)
+
+        fsig = _sweep_sig("forward", in_dtype, real, ndim, tconn, periodic)
+        shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes)
+        (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(fsig, nimg, spatial, ndim, smem,
+                                                          _ecc_cupy.TILE_X["unsigned int"])
+        # (image, thresholds, workspace, out, ..., lam, w, shared): arrays and scale per call
+        self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS,
+                                       (None,) * 4 + (nz, ny, nx, zchunk, per_image, T, None, None,
+                                                      int(shared)), shared_mem=smem)
+        self._check = _check_launch(_current_device(), real, T)
+
+        self._bsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic)
+        bshared, self._bsmem = _dynamic_shared(T, real, True, False, ndim, key_bytes)
+        _, bzchunk, bper_image = _ecc_cupy._plan(self._bsig, nimg, spatial, ndim, self._bsmem,
+                                                 _ecc_cupy.TILE_X["unsigned int"])
+        self._bgeometry = (nz, ny, nx, bzchunk, bper_image, T, None, None, int(bshared))
+        self._bgrid = nimg * bper_image
+        self._backward = {}
+        self._warm_backward = set()  # keys of the backward launches that have run once
+        self._warm = False
+        self._local = threading.local()
+
+    def flags(self) -> PinnedWord:
+        """This thread's reusable page-locked slot for the thresholds' check flags."""
+        word = getattr(self._local, "word", None)
+        if word is None:
+            word = self._local.word = PinnedWord()
+        return word
+
+    def workspace(self, kind: str, words: int, dtype):
+        """A zeroed workspace of ``words`` elements for ``kind`` ("forward", "backward"): this
+        thread's for the current stream, kept (the kernels leave it zeroed; kernels on one
+        stream run in order, and a stream's launches from two threads could interleave), or a
+        new one when larger than KEEP_WORKSPACE_BYTES."""
+        import cupy
+
+        if words * 8 > KEEP_WORKSPACE_BYTES:
+            return cupy.zeros(words, dtype=dtype)
+        kept = getattr(self._local, "workspaces", None)
+        if kept is None:
+            kept = self._local.workspaces = {}
+        key = (kind, cupy.cuda.get_current_stream().ptr)
+        ws = kept.get(key)
+        if ws is None:
+            ws = kept[key] = cupy.zeros(words, dtype=dtype)
+        return ws
+
+    def forward(self, x, t, out, lam, w, check: bool) -> None:
+        """Launch the forward into ``out`` (nimg * T, the computation dtype); with ``check``,
+        the thresholds' flags are read before return and a failed check raises.
+
+        ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
+        computation dtype) come from soft_ecc_forward, contiguous and on the current device;
+        the workspace is this plan's. So after the first call, whose launches check every
+        argument, the launches skip the checks (PreparedLaunch.call_prechecked)."""
+        ws = self.workspace("forward", self.words, np.uint64)
+        check_t, forward = ((self._check.call_prechecked, self._forward.call_prechecked)
+                            if self._warm else (self._check, self._forward))
+        if not check:
+            forward(x, t, ws, out, lam, w)
+            self._warm = True
+            return
+        check_t(t, ws)  # into ws[0], which the forward does not touch
+        with reading(self.flags().queue(ws), raise_failed_thresholds):
+            forward(x, t, ws, out, lam, w)
+        self._warm = True
+
+    def backward_launch(self, need_image, t_dtype, s_dtype) -> PreparedLaunch:
+        """The backward launch writing d_image (if ``need_image``), d_t in ``t_dtype`` and d_scale
+        in ``s_dtype`` (each the computation dtype, float64, or None: not wanted). Called with
+        (image, thresholds, g, [d_image], ws, [d_t], [d_scale], lam, w)."""
+        key = (need_image, t_dtype, s_dtype)
+        launch_ = self._backward.get(key)
+        if launch_ is None:
+            def outputs(dtype):  # (real slot, double slot): None = passed at call time
+                if dtype is None:
+                    return (NULL, NULL)
+                return (None, NULL) if dtype == self.real else (NULL, None)
+            args = ((None, None, None, None if need_image else NULL, None) + outputs(t_dtype)
+                    + outputs(s_dtype) + self._bgeometry)
+            launch_ = PreparedLaunch(self._bsig, self._bgrid, THREADS, args, shared_mem=self._bsmem)
+            self._backward[key] = launch_
+        return launch_
+
+    def backward(self, need_image, t_dtype, s_dtype, arrays, lam, w) -> None:
+        """Launch the backward (see backward_launch) on ``arrays``, which soft_ecc_backward
+        makes as forward's are made: checked at the launch's first call only."""
+        key = (need_image, t_dtype, s_dtype)
+        launch_ = self.backward_launch(need_image, t_dtype, s_dtype)
+        if key in self._warm_backward:
+            launch_.call_prechecked(*arrays, lam, w)
+        else:
+            launch_(*arrays, lam, w)
+            self._warm_backward.add(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_launch(device_id, real, T) -> PreparedLaunch:
+    """soft_ecc_check_thresholds on a device (called with (t, status))."""
+    return PreparedLaunch(_check_sig(real), 1, THREADS, (None, T, None))
+
+
+@functools.lru_cache(maxsize=64)
+def soft_ecc_plan(device_id, in_dtype, nimg, spatial, tconn, periodic, T, real) -> SoftEccPlan:
+    return SoftEccPlan(in_dtype, nimg, spatial, tconn, periodic, T, real)
+
+
+def _on_device_of(array):
+    """A context on ``array``'s device: none at all when that is the current one (a Device
+    context costs microseconds per call)."""
+    if array.data.device_id == _current_device():
+        return contextlib.nullcontext()
+    return array.device
+
+
+def _plan_and_view(image, ndim, tconn, periodic, T, real):
+    """(the plan, or None for an empty batch; the image as the kernels read it)."""
+    import cupy
+
+    nimg = math.prod(image.shape[:image.ndim - ndim])
+    if nimg == 0:
+        return None, image
+    plan = soft_ecc_plan(_current_device(), image.dtype, nimg,
+                         tuple(image.shape[image.ndim - ndim:]), bool(tconn), bool(periodic), T,
+                         np.dtype(real))
+    if not _c_contiguous(image):
+        image = cupy.ascontiguousarray(image)
+    return plan, _ecc_cupy._image_view(image)
+
+
+def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False):
+    """(*batch, T) curve in the dtype of ``t``. ``t``: host thresholds (checked) or device ones
+    (C-contiguous, on the image's device; checked on the device with ``check``); ``lam`` the
+    scale in that dtype, ``w`` the band half-width."""
+    import cupy
+
+    real, T = t.dtype, t.size
+    with _on_device_of(image):
+        plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real)
+        out = cupy.empty(image.shape[:image.ndim - ndim] + (T,), dtype=real)
+        if plan is not None:
+            plan.forward(x, _thresholds_on_device(t), out, lam, w, check)
+        elif check:  # an empty batch: the thresholds' check alone
+            status = cupy.empty(1, dtype=np.uint64)
+            _check_launch(_current_device(), real, T)(_thresholds_on_device(t), status)
+            raise_failed_thresholds(status.get())
+    return out
+
+
+def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
+                      t_dtype=np.float64, s_dtype=np.float64):
+    """(d_image in the dtype of t or None, d_t (T,) in ``t_dtype`` or None, d_scale 0-d in
+    ``s_dtype`` or None) for the cotangent ``g`` (*batch, T); ``t_dtype`` and ``s_dtype`` are
+    the dtype of t or float64."""
+    import cupy
+
+    need_image, need_t, need_scale = needs
+    real, T = t.dtype, t.size
+    t_dtype = np.dtype(t_dtype) if need_t else None
+    s_dtype = np.dtype(s_dtype) if need_scale else None
+    with _on_device_of(image):
+        plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real)
+        if g.dtype != real or not _c_contiguous(g):
+            g = cupy.ascontiguousarray(g.astype(real, copy=False))
+        d_image = cupy.empty(image.shape, dtype=real) if need_image else None
+        d_t = cupy.empty(T, dtype=t_dtype) if need_t else None
+        d_scale = cupy.empty((), dtype=s_dtype) if need_scale else None
+        if plan is None:  # an empty batch
+            for d in (d_image, d_t, d_scale):
+                if d is not None:
+                    d.fill(0)
+            return d_image, d_t, d_scale
+        ws = plan.workspace("backward", T + 2, np.float64)  # d_t, d_scale, the blocks' counter
+        arrays = [x, _thresholds_on_device(t), g] + ([d_image] if need_image else []) + [ws]
+        arrays += [d for d in (d_t, d_scale) if d is not None]
+        plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w)
+    return d_image, d_t, d_scale
