@@ -131,10 +131,11 @@ def _smem_bytes(T, real_dtype, with_g, with_sat):
     return a16(T * r) + (a16(T * r) if with_g else 0) + a16(T * 8) + (a16(T * 4) if with_sat else 0)
 
 
-def _shared_plan(T, real_dtype, with_g, with_sat):
-    """(use shared accumulators, dynamic shared bytes)."""
-    smem = _smem_bytes(T, real_dtype, with_g, with_sat)
-    return (True, smem) if smem <= SHARED_MAX else (False, 0)
+def _shared_plan(T, real_dtype, with_g, with_sat, static=0):
+    """(use shared accumulators, dynamic shared bytes), for a kernel with ``static`` bytes of
+    static shared memory (a block takes at most SHARED_MAX in all without opting in)."""
+    smem = _smem_bytes(T, np.dtype(real_dtype), with_g, with_sat)
+    return (True, smem) if static + smem <= SHARED_MAX else (False, 0)
 
 
 def _blocks_per_row(sig, rows, work, T, smem, min_work):
@@ -150,7 +151,7 @@ CHECK_BLOCKS = 64
 
 def raise_failed_thresholds(values):
     """The ValueError of a failed device check of thresholds (bits 0 and 1 of values[0], as
-    check_ect_arguments and soft_ecc_prepare write them): the host check's message."""
+    check_ect_arguments and soft_ecc_check_thresholds write them): the host check's message."""
     flags = int(values[0])
     if flags & 1:
         raise ValueError(THRESHOLDS_NOT_FINITE)

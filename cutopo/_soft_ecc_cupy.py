@@ -19,7 +19,7 @@ import threading
 import numpy as np
 
 from . import _ecc_cupy
-from ._band_cupy import _smem_bytes, _thresholds_on_device, raise_failed_thresholds
+from ._band_cupy import _shared_plan, _thresholds_on_device, raise_failed_thresholds
 from ._cuda.compile import register_instances
 from ._cuda.deferred import PinnedWord, reading
 from ._cuda.launch import NULL, PreparedLaunch, Signature, _c_contiguous, _current_device
@@ -31,9 +31,9 @@ PLANE = 34 * 34                # ecc::PLANE: a 32 x 32 tile with its halo
 ROW_SLOTS = 32 * 4             # band::ROW_SLOTS
 # Static shared memory of the sweep kernels besides the tile: RowQueues (1 + 1 + 8 bytes per
 # slot) and a few words; the dynamic part (thresholds, accumulators) gets what is left of the
-# 48 KiB a block may take without opting in, else the accumulators go to global memory.
+# 48 KiB a block may take without opting in (_band_cupy.SHARED_MAX), else the accumulators go
+# to global memory.
 QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
-SHARED_LIMIT = 48 * 1024
 # Workspaces up to this size are kept per plan, thread and stream (the kernels leave them
 # zeroed); larger ones are made zeroed at every call.
 KEEP_WORKSPACE_BYTES = 1 << 20
@@ -109,8 +109,7 @@ def forward_workspace_words(rows: int, T: int) -> int:
 def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes):
     """(accumulators in shared memory, dynamic shared bytes) for one sweep kernel."""
     static = (3 if ndim == 3 else 1) * PLANE * key_bytes + QUEUE_BYTES
-    smem = _smem_bytes(T, np.dtype(real), with_g, with_sat)
-    return (True, smem) if static + smem <= SHARED_LIMIT else (False, 0)
+    return _shared_plan(T, real, with_g, with_sat, static)
 
 
 class SoftEccPlan:
