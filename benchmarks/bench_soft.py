@@ -196,7 +196,7 @@ class SoftEcc:
 
     def device_stages(self, cp, args, kw, g):
         """The op's device work alone: the kernels called directly, without the argument checks
-        (whose device-to-host copy of CuPy thresholds keeps the op itself out of a CUDA graph)."""
+        (the host's read of the CuPy thresholds' check keeps the op itself out of a CUDA graph)."""
         from cutopo import _soft_ecc_cupy
         from cutopo._band_numpy import band_halfwidth
 
@@ -204,7 +204,7 @@ class SoftEcc:
         lam = t.dtype.type(scale)
         w = band_halfwidth(t.dtype, lam)
 
-        def fwd():  # device thresholds, not checked (the check's flag read cannot be captured)
+        def fwd():  # device thresholds, not checked (the check's read cannot be captured)
             return _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, self.ndim, False)
 
         def bwd():

@@ -162,14 +162,16 @@ def soft_ecc_stages(cp):
     from bench_soft import SoftEcc
 
     from cutopo import _soft_ecc, _soft_ecc_cupy
+    from cutopo._cuda.launch import NULL
 
     (image, t, scale), _ = SoftEcc("soft_ecc 2d 1024^2", (1024, 1024), 2, 256).inputs(cp, 2.0, 0)
     cfg = _soft_ecc._prepare(image, t, scale, None, 1)
-    w = _soft_ecc._halfwidth(cfg)
+    w = cfg.w
     plan = _soft_ecc_cupy.soft_ecc_plan(cp.cuda.runtime.getDevice(), image.dtype, 1, (1024, 1024),
                                         False, False, t.size, cfg.dtype)
     ws = cp.zeros(plan.words, dtype=np.uint64)
     out = cp.empty((1, t.size), dtype=cfg.dtype)
+    word = _soft_ecc_cupy.check_word()
     vout, pb = cutopo.vjp(cutopo.soft_ecc, image, t, scale)
     g = cp.ones_like(vout)
 
@@ -186,9 +188,10 @@ def soft_ecc_stages(cp):
             ("soft_ecc_backward", lambda: _soft_ecc_cupy.soft_ecc_backward(
                 image, cfg.t, cfg.scale, w, 2, False, g, (True, True, True), t_dtype=cfg.dtype,
                 s_dtype=cfg.dtype)),
-            ("check launch", lambda: plan._check(t, ws)),
-            ("check + flag copy + read", lambda: (plan._check(t, ws), plan.flags().queue(ws).read())),
-            ("fused forward launch", lambda: plan._forward(image, t, ws, out, cfg.scale, w)),
+            ("fused forward launch, unchecked", lambda: plan._forward(image, t, ws, out, NULL, 0,
+                                                                      cfg.scale, w)),
+            ("fused forward launch + check word read", lambda: (
+                plan._forward(image, t, ws, out, word, word.arm(), cfg.scale, w), word.read())),
             ("cupy.empty", lambda: cp.empty((1, t.size), dtype=cfg.dtype)),
             ("cupy.zeros", lambda: cp.zeros(258, dtype=np.float64))]
     print("\n## soft_ecc stages (1024^2 float32, T = 256)\n| stage | us per call |\n|---|---|")

@@ -2,8 +2,7 @@
 
     python benchmarks/profile_soft.py
 
-For the bench_soft.py image cases, prints the CUDA-graph time (ms) of: the thresholds' check
-kernel, the fused forward sweep, the whole forward and the whole VJP (their kernels called
+For the bench_soft.py image cases, prints the CUDA-graph time (ms) of: the fused forward sweep, the whole forward and the whole VJP (their kernels called
 directly), and the fused forward against its blocks per image. Guides kernel work; the headline
 numbers are bench_soft.py's.
 """
@@ -20,7 +19,7 @@ import cutopo  # noqa: E402
 from bench_ecc import time_graph  # noqa: E402
 from bench_soft import smooth_image  # noqa: E402
 from cutopo import _band_cupy, _soft_ecc_cupy  # noqa: E402
-from cutopo._cuda.launch import PreparedLaunch  # noqa: E402
+from cutopo._cuda.launch import NULL, PreparedLaunch  # noqa: E402
 from cutopo._band_numpy import band_halfwidth  # noqa: E402
 
 CASES = [("2d 1024^2", (1024, 1024), 2), ("2d 64x256^2", (64, 256, 256), 2),
@@ -46,8 +45,8 @@ def stages(cp, image, ndim):
     g = cp.asarray(np.random.default_rng(0).standard_normal(out.shape).astype(np.float32))
     ws = cp.zeros(plan.words, dtype=np.uint64)
     return {
-        "check of device thresholds": lambda: plan._check(t, ws),
-        f"fused forward ({plan._forward.grid} blocks)": lambda: plan._forward(image, t, ws, out, lam, w),
+        f"fused forward ({plan._forward.grid} blocks)": lambda: plan._forward(image, t, ws, out, NULL, 0,
+                                                                            lam, w),
         "forward (unchecked)": lambda: _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, ndim, False),
         "VJP (fused backward)": lambda: _soft_ecc_cupy.soft_ecc_backward(
             image, t, lam, w, ndim, False, g, (True, True, True)),
@@ -85,9 +84,9 @@ def block_sweep(cp, image, ndim):
     chosen = fwd.grid // plan.nimg
     for bpi in sorted({66, 132, 264, 528, 1056, chosen}):
         args = list(fwd.args)
-        args[8] = bpi
+        args[10] = bpi  # blocks_per_image
         p = PreparedLaunch(fwd.sig, plan.nimg * bpi, 256, tuple(args), shared_mem=fwd.shared_mem)
-        ms = time_graph(cp, lambda p=p: p(image, t, ws, out, lam, w), 30)
+        ms = time_graph(cp, lambda p=p: p(image, t, ws, out, NULL, 0, lam, w), 30)
         print(f"  blocks/image {bpi:5d}: {ms:.4f} ms{' (plan)' if bpi == chosen else ''}")
 
 

@@ -60,37 +60,41 @@ struct RowQueues {
     i64 index[WARPS][ROW_SLOTS];
 };
 
-// The workspace of the forward: the thresholds' check flags (soft_ecc_check_thresholds), a
-// counter per image of the blocks done, the band sums (rows, T) float64 and the difference
-// arrays (rows, T) int64. Zeroed when made; the forward's last block of each image zeroes its
-// parts again once read, so the host keeps one workspace per thread and stream (kernels on one
-// stream run in order) and a call needs neither an allocation nor a memset for it.
+// The workspace of the forward: a counter per image of the blocks done, the band sums (rows, T)
+// float64 and the difference arrays (rows, T) int64. Zeroed when made; the forward's last block
+// of each image zeroes its parts again once read, so the host keeps one workspace per thread
+// and stream (kernels on one stream run in order) and a call needs neither an allocation nor a
+// memset for it.
 struct ForwardWorkspace {
-    unsigned long long* status;
     unsigned* done;
     double* acc;
     long long* sat;
 
     __device__ __forceinline__ ForwardWorkspace(unsigned long long* ws, i64 rows, int T) {
-        status = ws;
-        done = reinterpret_cast<unsigned*>(ws + 1);
-        acc = reinterpret_cast<double*>(ws + 1 + (rows + 1) / 2);
+        done = reinterpret_cast<unsigned*>(ws);
+        acc = reinterpret_cast<double*>(ws + (rows + 1) / 2);
         sat = reinterpret_cast<long long*>(acc + rows * T);
     }
 };
 
 // Words of a ForwardWorkspace (the host allocates this many 8-byte words).
 __host__ __device__ inline i64 forward_workspace_words(i64 rows, int T) {
-    return 1 + (rows + 1) / 2 + 2 * rows * (i64)T;
+    return (rows + 1) / 2 + 2 * rows * (i64)T;
 }
 
-// One block writes the checks of device thresholds into *status (bit 0: a value is not
-// finite, bit 1: some t[k + 1] < t[k], a NaN comparing false), 0 when they pass: no zeroing
-// before. The forward stays in bounds on bad thresholds (band edges are clamped to [0, T]);
-// its result is then never returned.
+// The check of device thresholds, by one block (a block-uniform call): writes
+// (token << 2) | flags into the page-locked host word ``word`` (bit 0: a value is not finite,
+// bit 1: some t[k + 1] < t[k]), so the host reads it while the rest of the sweep runs
+// (cutopo._cuda.deferred.PinnedWord; a separate check kernel, its copy and its event cost ~20 us
+// of host time per call). The token tells this launch's flags from a late
+// write of an earlier, abandoned one. The forward stays in bounds on bad thresholds (band
+// edges are clamped to [0, T]); its result is then never returned. Not inlined: inlined, it
+// changed the sweep's register allocation (136 bytes of spill loads in the 2D float32 forward
+// at its 40-register budget, none as a call).
 template <typename Real>
-__global__ void __launch_bounds__(THREADS)
-soft_ecc_check_thresholds(const Real* __restrict__ t, int T, unsigned long long* __restrict__ status) {
+__device__ __noinline__ void report_thresholds(const Real* t, int T,
+                                                  unsigned long long* word, long long token) {
+    __shared__ unsigned warp_bad[WARPS];
     unsigned bad = 0;
     for (int k = threadIdx.x; k < T; k += THREADS) {
         const Real v = t[k];
@@ -98,14 +102,16 @@ soft_ecc_check_thresholds(const Real* __restrict__ t, int T, unsigned long long*
         if (k + 1 < T && t[k + 1] < v) bad |= 2u;
     }
     bad = __reduce_or_sync(FULL, bad);
-    __shared__ unsigned warp_bad[WARPS];
     if (threadIdx.x % 32 == 0) warp_bad[threadIdx.x / 32] = bad;
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned all = 0;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) all |= warp_bad[w];
-        *status = all;
+        // a volatile store is a relaxed system-scope one: it reaches the host without a fence
+        // (a fence would only make this warp wait for it)
+        *reinterpret_cast<volatile unsigned long long*>(word) =
+            ((unsigned long long)token << 2) | all;
     }
 }
 
@@ -178,11 +184,13 @@ struct ForwardWork {
 
 // The forward: each block sweeps its tiles of one image (blocks_per_image blocks per image);
 // out (rows, T) is written by the image's last block to finish. ws: a zeroed ForwardWorkspace
-// (the image's last block leaves its parts zeroed again).
+// (the image's last block leaves its parts zeroed again). word: null, or the host word that
+// block 0 writes the thresholds' check into (report_thresholds) with ``token``.
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
 __global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
 soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ thresholds,
-                       unsigned long long* __restrict__ ws, Real* __restrict__ out, i64 nz, i64 ny,
+                       unsigned long long* __restrict__ ws, Real* __restrict__ out,
+                       unsigned long long* __restrict__ word, long long token, i64 nz, i64 ny,
                        i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
                        int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -193,6 +201,7 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     const int chunk = blockIdx.x % blocks_per_image;
     const ForwardWorkspace wsp(ws, gridDim.x / blocks_per_image, T);
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
+    if (word != nullptr && blockIdx.x == 0) report_thresholds(s.t, T, word, token);
     double* acc_row = wsp.acc + img * T;
     long long* sat_row = wsp.sat + img * T;
     const RowBands<In, Real, ForwardWork<Real>> bands{

@@ -149,10 +149,10 @@ def _blocks_per_row(sig, rows, work, T, smem, min_work):
 CHECK_BLOCKS = 64
 
 
-def raise_failed_thresholds(values):
-    """The ValueError of a failed device check of thresholds (bits 0 and 1 of values[0], as
-    check_ect_arguments and soft_ecc_check_thresholds write them): the host check's message."""
-    flags = int(values[0])
+def raise_failed_thresholds(flags: int):
+    """The ValueError of a failed device check of thresholds (bits 0 and 1 of ``flags``, as
+    check_ect_arguments and ecc_soft.cuh's report_thresholds write them): the host check's
+    message."""
     if flags & 1:
         raise ValueError(THRESHOLDS_NOT_FINITE)
     if flags & 2:

@@ -697,7 +697,7 @@ def _raise_failed_arguments(directions, coords, values):
         raise AssertionError("internal: the device flagged the directions, the host check passed")
     if flags & 16:  # sum |v_a| > 1e300: overflow is possible, the exact check decides
         check_heights_finite(coords, to_numpy(directions).astype(np.float64))
-    _band_cupy.raise_failed_thresholds(values)
+    _band_cupy.raise_failed_thresholds(flags)
 
 
 def _soft_backward(res: _Residuals, g, needs):

@@ -8,18 +8,19 @@ thresholds (ecc.md 5.8). NumPy path: cutopo._band_numpy; CuPy arrays go to the k
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import numpy as np
 
 from . import _band_numpy, _ecc_numpy, _soft_ecc_cupy
-from ._array import array_module, as_array, is_cupy_array
+from ._array import _cupy, array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, is_count,
                       same_array_type)
-from ._cuda.launch import _c_contiguous
+from ._cuda.launch import _c_contiguous, _current_device
 from .vjp import register
 
 __all__ = ["soft_ecc"]
@@ -37,6 +38,8 @@ class _Config(NamedTuple):
     check: bool = False     # t: device thresholds that the forward's kernels check
     t_dtype: np.dtype | None = None      # the thresholds argument's dtype (None: a count)
     scale_dtype: np.dtype | None = None  # the scale argument's (None: a Python number)
+    w: float = 0.0      # the band half-width B / scale (band_halfwidth)
+    plan: object = None  # the CuPy path's SoftEccPlan, when _device_call made this
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,10 +65,8 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
             t_host, _ = check_thresholds(thresholds, image)
         t64 = thresholds.dtype == np.float64
     dtype = np.dtype(np.float64 if (image.dtype == np.float64 or t64 or scale64) else np.float32)
-    with np.errstate(over="ignore", under="ignore"):
-        lam = dtype.type(scale_value)
-    if not (np.isfinite(lam) and lam > 0):
-        raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
+    lam = _scale_lambda(dtype, scale_value)
+    w = band_halfwidth(dtype, lam)
     if on_device:
         t = thresholds
         if t.dtype != dtype or not _c_contiguous(t):  # float16 or float32 -> float64: exact
@@ -76,7 +77,18 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
     scale_dtype = None if isinstance(scale, (int, float)) and not isinstance(scale, np.generic) \
         else np.dtype(scale.dtype)
     return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic, count, on_device,
-                   None if count else np.dtype(thresholds.dtype), scale_dtype)
+                   None if count else np.dtype(thresholds.dtype), scale_dtype, w)
+
+
+@functools.lru_cache(maxsize=256)
+def _scale_lambda(dtype: np.dtype, value: float):
+    """Lambda, a positive finite scale value in the computation dtype (memoized: the rounding
+    check costs microseconds, and a loop usually has one scale)."""
+    with np.errstate(over="ignore", under="ignore"):
+        lam = dtype.type(value)
+    if not (np.isfinite(lam) and lam > 0):
+        raise ValueError(f"scale={value!r} is not a positive finite {dtype.name}")
+    return lam
 
 
 def _checked_on_device(image, thresholds) -> bool:
@@ -93,11 +105,62 @@ def _checked_on_device(image, thresholds) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Repeated device calls
+
+# _prepare's result for a CuPy call, by everything its checks read but the scale's value (which
+# is checked at every call): a repeated call (a training loop) then costs a dictionary lookup
+# instead of ~7-30 us of checks on the H200 machines' hosts, where the 1024^2 forward+VJP is
+# mostly host time. Only calls whose checks depend on nothing else are kept: a C-contiguous CuPy
+# image with float CuPy thresholds (whose values the kernel checks), both on the current
+# device, a float scale (Python or NumPy float32/float64) and int/None/str static arguments.
+_DEVICE_CALLS: dict = {}
+_DEVICE_CALLS_MAX = 256
+_FLOAT_SCALES = (float, np.float32, np.float64)
+
+
+def _device_key(image, thresholds, scale, ndim, connectivity, boundary):
+    """The key of a call that _DEVICE_CALLS may serve, or None."""
+    cupy = _cupy()
+    if (cupy is None or type(image) is not cupy.ndarray or type(thresholds) is not cupy.ndarray
+            or type(scale) not in _FLOAT_SCALES or type(connectivity) is not int
+            or not (ndim is None or type(ndim) is int) or type(boundary) is not str):
+        return None
+    device = image.data.device_id
+    if (device != _current_device() or thresholds.data.device_id != device
+            or not (_c_contiguous(image) and _c_contiguous(thresholds))):
+        return None
+    return (image.shape, image.dtype, device, thresholds.shape, thresholds.dtype, type(scale),
+            ndim, connectivity, boundary)
+
+
+def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
+    """The _Config of a repeated CuPy call (see _DEVICE_CALLS), or None: _prepare's turn. The
+    first call of a key runs _prepare and keeps its result when the kernels check the
+    thresholds' values (float CuPy thresholds used as they are) and the batch is not empty."""
+    key = _device_key(image, thresholds, scale, ndim, connectivity, boundary)
+    if key is None:
+        return None
+    kept = _DEVICE_CALLS.get(key)
+    value = float(scale)
+    if kept is None or not 0.0 < value < math.inf:  # NaN fails too: _prepare raises
+        if kept is None:
+            cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+            if cfg.check and cfg.t is thresholds:
+                plan = _soft_ecc_cupy.device_plan(image, cfg.ndim, cfg.tconn, cfg.periodic,
+                                                  cfg.t.size, cfg.dtype)
+                if plan is not None:
+                    if len(_DEVICE_CALLS) >= _DEVICE_CALLS_MAX:
+                        _DEVICE_CALLS.clear()
+                    cfg = cfg._replace(plan=plan)
+                    _DEVICE_CALLS[key] = cfg._replace(image=None, t=None)  # no array kept alive
+            return cfg
+        return None
+    lam = _scale_lambda(kept.dtype, value)
+    return _Config(image, thresholds, lam, *kept[3:12], band_halfwidth(kept.dtype, lam), kept.plan)
+
+
+# ---------------------------------------------------------------------------------------------
 # Pixels
-
-
-def _halfwidth(cfg: _Config) -> float:
-    return band_halfwidth(cfg.dtype, cfg.scale)
 
 
 def _pixels(cfg: _Config):
@@ -112,7 +175,7 @@ def _pixels(cfg: _Config):
         keep = ~(np.isnan(f) | (f == np.inf))
         index, f = index[keep], f[keep]
     c = c_all[index].astype(np.float64)
-    return index, _band_numpy.bands(index // per_image, c, f, cfg.t, _halfwidth(cfg))
+    return index, _band_numpy.bands(index // per_image, c, f, cfg.t, cfg.w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,10 +188,12 @@ def _shape_info(cfg: _Config):
 
 
 def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
-    cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+    cfg = _device_call(image, thresholds, scale, ndim, connectivity, boundary)
+    if cfg is None:
+        cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     if is_cupy_array(cfg.image):
-        return _soft_ecc_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, _halfwidth(cfg),
-                                               cfg.ndim, cfg.tconn, cfg.periodic, cfg.check), cfg
+        return _soft_ecc_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim,
+                                               cfg.tconn, cfg.periodic, cfg.check, cfg.plan), cfg
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
     check_result_memory(batch, (T,), 24)  # float64 sums, the saturated counts, the result
@@ -149,8 +214,8 @@ def _backward(cfg: _Config, g, needs):
         t_out = real if (cfg.t_dtype == real and not chain) else np.float64
         s_out = real if cfg.scale_dtype in (None, real) else np.float64
         d_image, d_t, d_scale = _soft_ecc_cupy.soft_ecc_backward(
-            cfg.image, cfg.t, cfg.scale, _halfwidth(cfg), cfg.ndim, cfg.tconn, g,
-            (need_image, need_t or chain, need_scale), cfg.periodic, t_out, s_out)
+            cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim, cfg.tconn, g,
+            (need_image, need_t or chain, need_scale), cfg.periodic, t_out, s_out, cfg.plan)
     else:
         g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
         index, px = _pixels(cfg)
@@ -285,9 +350,10 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     7 N in 3D), on top of the rounding of the evaluated entries and of the sums. The band
     entries are summed in float64 before the cast to the computation dtype.
 
-    *GPU.* Float CuPy thresholds are checked (finite, sorted) by a kernel whose flags are
-    read once the op's kernels are queued, so the call makes no host copy of them that would
-    wait for the stream's earlier work; a failed check still raises before the call returns.
+    *GPU.* Float CuPy thresholds are checked (finite, sorted) by the forward kernel's first
+    block, which writes its flags into page-locked host memory, read as soon as they land: the
+    call makes no host copy of the thresholds that would wait for the stream's earlier work,
+    and a failed check still raises before the call returns.
     CuPy inputs run the kernels of ``cuda_src/ecc_soft.cuh``: one pass over the image that
     finds each pixel's contribution (the tile sweep of :func:`ecc`) and, for the pixels with
     c != 0, their band edges (the same float64 edges as above, by binary search), the 32

@@ -5,9 +5,10 @@ tile sweep and evaluate the band-limited sigmoid sums of the critical pixels in 
 the forward's last block per image writes the curve, the backward's last block the thresholds'
 and the scale's cotangents, each in the dtype that cutopo.vjp hands back (no cast after). Both
 leave their workspace zeroed again, so each plan keeps one per thread and stream. A forward
-is one launch (two with device thresholds, which a one-block kernel checks first), a backward
-one. Everything that depends only on the geometry is planned once per (device, input dtype,
-batch, shape, construction, T, computation dtype) and memoized (:class:`SoftEccPlan`).
+is one launch (its block 0 checks device thresholds and writes the flags into page-locked host
+memory, read before the call returns), a backward one. Everything that depends only on the
+geometry is planned once per (device, input dtype, batch, shape, construction, T, computation
+dtype) and memoized (:class:`SoftEccPlan`).
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import numpy as np
 
 from . import _ecc_cupy
 from ._band_cupy import _shared_plan, _thresholds_on_device, raise_failed_thresholds
+from ._checks import check_thresholds
 from ._cuda.compile import register_instances
-from ._cuda.deferred import PinnedWord, reading
-from ._cuda.launch import NULL, PreparedLaunch, Signature, _c_contiguous, _current_device
+from ._cuda.deferred import PinnedWord
+from ._cuda.launch import HOST_WORD, NULL, PreparedLaunch, Signature, _c_contiguous, _current_device
 
 FAMILY = "ecc"
 THREADS = 256                  # band::THREADS
@@ -56,18 +58,12 @@ def _sweep_sig(kind, in_dtype, real, ndim, tconn, periodic) -> Signature:
     name = (f"cutopo::ecc::band::soft_ecc_fused_{kind}<{in_ctype}, {_key_ctype(in_ctype)}, "
             f"{_REAL[np.dtype(real)]}, {ndim}, {_cbool(tconn)}, {_cbool(periodic)}>")
     geometry = ("int64", "int64", "int64", "int32", "int32", "int32", r, "float64", "int32")
-    if kind == "forward":  # image, thresholds, workspace, out
-        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}") + geometry
+    if kind == "forward":  # image, thresholds, workspace, out, check word, its token
+        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}", HOST_WORD, "int64") + geometry
     else:  # image, thresholds, g, d_image, workspace, d_t (real, double), d_scale (real, double)
         params = (f"ptr:{view}", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", "ptr:float64", f"ptr:{r}",
                   "ptr:float64", f"ptr:{r}", "ptr:float64") + geometry
     return Signature(FAMILY, name, params)
-
-
-def _check_sig(real) -> Signature:
-    r = np.dtype(real)
-    return Signature(FAMILY, f"cutopo::ecc::band::soft_ecc_check_thresholds<{_REAL[r]}>",
-                     (f"ptr:{r.name}", "int32", "ptr:uint64"))
 
 
 def _instances():
@@ -76,8 +72,6 @@ def _instances():
     boundary) for float32, and the 64-bit-key 3D instances. All 208 instances would take
     minutes; they differ only in the types and flags that these cover."""
     f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
-    for real in _REAL:
-        yield _check_sig(real).name
     kinds = ("forward", "backward")
     for in_dtype in _ecc_cupy._INPUT_CTYPE:
         if in_dtype == np.bool_:
@@ -102,8 +96,8 @@ register_instances(FAMILY, _instances)
 
 
 def forward_workspace_words(rows: int, T: int) -> int:
-    """Words of band::ForwardWorkspace: status, the per-image counters, acc and sat."""
-    return 1 + (rows + 1) // 2 + 2 * rows * T
+    """Words of band::ForwardWorkspace: the per-image counters, acc and sat."""
+    return (rows + 1) // 2 + 2 * rows * T
 
 
 def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes):
@@ -127,11 +121,11 @@ class SoftEccPlan:
         shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes)
         (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(fsig, nimg, spatial, ndim, smem,
                                                           _ecc_cupy.TILE_X["unsigned int"])
-        # (image, thresholds, workspace, out, ..., lam, w, shared): arrays and scale per call
+        # (image, thresholds, workspace, out, word, token, ..., lam, w, shared): arrays, the
+        # check word and its token, and the scale per call
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS,
-                                       (None,) * 4 + (nz, ny, nx, zchunk, per_image, T, None, None,
+                                       (None,) * 6 + (nz, ny, nx, zchunk, per_image, T, None, None,
                                                       int(shared)), shared_mem=smem)
-        self._check = _check_launch(_current_device(), real, T)
 
         self._bsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic)
         bshared, self._bsmem = _dynamic_shared(T, real, True, False, ndim, key_bytes)
@@ -143,13 +137,6 @@ class SoftEccPlan:
         self._warm_backward = set()  # keys of the backward launches that have run once
         self._warm = False
         self._local = threading.local()
-
-    def flags(self) -> PinnedWord:
-        """This thread's reusable page-locked slot for the thresholds' check flags."""
-        word = getattr(self._local, "word", None)
-        if word is None:
-            word = self._local.word = PinnedWord()
-        return word
 
     def workspace(self, kind: str, words: int, dtype):
         """A zeroed workspace of ``words`` elements for ``kind`` ("forward", "backward"): this
@@ -171,23 +158,24 @@ class SoftEccPlan:
 
     def forward(self, x, t, out, lam, w, check: bool) -> None:
         """Launch the forward into ``out`` (nimg * T, the computation dtype); with ``check``,
-        the thresholds' flags are read before return and a failed check raises.
+        block 0 checks the thresholds, whose flags are read before return (a failed check
+        raises).
 
         ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
-        the workspace is this plan's. So after the first call, whose launches check every
-        argument, the launches skip the checks (PreparedLaunch.call_prechecked)."""
+        the workspace is this plan's. So after the first call, whose launch checks every
+        argument, the launch skips the checks (PreparedLaunch.call_prechecked)."""
         ws = self.workspace("forward", self.words, np.uint64)
-        check_t, forward = ((self._check.call_prechecked, self._forward.call_prechecked)
-                            if self._warm else (self._check, self._forward))
+        forward = self._forward.call_prechecked if self._warm else self._forward
         if not check:
-            forward(x, t, ws, out, lam, w)
+            forward(x, t, ws, out, NULL, 0, lam, w)
             self._warm = True
             return
-        check_t(t, ws)  # into ws[0], which the forward does not touch
-        with reading(self.flags().queue(ws), raise_failed_thresholds):
-            forward(x, t, ws, out, lam, w)
+        word = check_word()
+        token = word.arm()
+        forward(x, t, ws, out, word, token, lam, w)
         self._warm = True
+        raise_failed_thresholds(word.read())
 
     def backward_launch(self, need_image, t_dtype, s_dtype) -> PreparedLaunch:
         """The backward launch writing d_image (if ``need_image``), d_t in ``t_dtype`` and d_scale
@@ -218,10 +206,16 @@ class SoftEccPlan:
             self._warm_backward.add(key)
 
 
-@functools.lru_cache(maxsize=64)
-def _check_launch(device_id, real, T) -> PreparedLaunch:
-    """soft_ecc_check_thresholds on a device (called with (t, status))."""
-    return PreparedLaunch(_check_sig(real), 1, THREADS, (None, T, None))
+_WORDS = threading.local()
+
+
+def check_word() -> PinnedWord:
+    """This thread's page-locked word for the thresholds' check flags (one per thread serves
+    every plan: a forward arms, launches and reads it before it returns)."""
+    word = getattr(_WORDS, "word", None)
+    if word is None:
+        word = _WORDS.word = PinnedWord()
+    return word
 
 
 @functools.lru_cache(maxsize=64)
@@ -237,45 +231,52 @@ def _on_device_of(array):
     return array.device
 
 
-def _plan_and_view(image, ndim, tconn, periodic, T, real):
-    """(the plan, or None for an empty batch; the image as the kernels read it)."""
-    import cupy
-
+def device_plan(image, ndim, tconn, periodic, T, real):
+    """The plan of a CuPy image on the current device (None for an empty batch)."""
     nimg = math.prod(image.shape[:image.ndim - ndim])
     if nimg == 0:
-        return None, image
-    plan = soft_ecc_plan(_current_device(), image.dtype, nimg,
+        return None
+    return soft_ecc_plan(_current_device(), image.dtype, nimg,
                          tuple(image.shape[image.ndim - ndim:]), bool(tconn), bool(periodic), T,
                          np.dtype(real))
+
+
+def _plan_and_view(image, ndim, tconn, periodic, T, real, plan=None):
+    """(the plan, or None for an empty batch; the image as the kernels read it). ``plan``: the
+    image's plan, already looked up (cutopo._soft_ecc._device_call)."""
+    import cupy
+
+    if plan is None:
+        plan = device_plan(image, ndim, tconn, periodic, T, real)
+        if plan is None:
+            return None, image
     if not _c_contiguous(image):
         image = cupy.ascontiguousarray(image)
     return plan, _ecc_cupy._image_view(image)
 
 
-def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False):
+def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False, plan=None):
     """(*batch, T) curve in the dtype of ``t``. ``t``: host thresholds (checked) or device ones
     (C-contiguous, on the image's device; checked on the device with ``check``); ``lam`` the
-    scale in that dtype, ``w`` the band half-width."""
+    scale in that dtype, ``w`` the band half-width; ``plan`` the image's, if looked up."""
     import cupy
 
     real, T = t.dtype, t.size
     with _on_device_of(image):
-        plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real)
+        plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
         out = cupy.empty(image.shape[:image.ndim - ndim] + (T,), dtype=real)
         if plan is not None:
             plan.forward(x, _thresholds_on_device(t), out, lam, w, check)
-        elif check:  # an empty batch: the thresholds' check alone
-            status = cupy.empty(1, dtype=np.uint64)
-            _check_launch(_current_device(), real, T)(_thresholds_on_device(t), status)
-            raise_failed_thresholds(status.get())
+        elif check:  # an empty batch: no kernel, so the host checks the thresholds
+            check_thresholds(t, image)
     return out
 
 
 def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
-                      t_dtype=np.float64, s_dtype=np.float64):
+                      t_dtype=np.float64, s_dtype=np.float64, plan=None):
     """(d_image in the dtype of t or None, d_t (T,) in ``t_dtype`` or None, d_scale 0-d in
     ``s_dtype`` or None) for the cotangent ``g`` (*batch, T); ``t_dtype`` and ``s_dtype`` are
-    the dtype of t or float64."""
+    the dtype of t or float64; ``plan`` the image's, if looked up."""
     import cupy
 
     need_image, need_t, need_scale = needs
@@ -283,7 +284,7 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
     t_dtype = np.dtype(t_dtype) if need_t else None
     s_dtype = np.dtype(s_dtype) if need_scale else None
     with _on_device_of(image):
-        plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real)
+        plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
         if g.dtype != real or not _c_contiguous(g):
             g = cupy.ascontiguousarray(g.astype(real, copy=False))
         d_image = cupy.empty(image.shape, dtype=real) if need_image else None

@@ -105,6 +105,8 @@ def _is_array(x) -> bool:
 
 
 def _is_float_argument(x) -> bool:
+    if getattr(getattr(x, "dtype", None), "kind", None) == "f":  # the usual case, decided first
+        return True
     if isinstance(x, (bool, np.bool_)):
         return False
     if isinstance(x, (float, np.floating)):
@@ -117,9 +119,10 @@ def _is_float_argument(x) -> bool:
     return dtype is not None and is_float_dtype(dtype)
 
 
-def _normalise_wrt(spec: OpSpec, wrt) -> set[int]:
+def _normalise_wrt(spec: OpSpec, wrt) -> set[int] | None:
+    """The indices of the arguments in ``wrt``; None for all of them (``wrt=None``)."""
     if wrt is None:
-        return set(range(len(spec.arg_names)))
+        return None
     if isinstance(wrt, (str, int)):
         wrt = (wrt,)
     chosen = set()
@@ -149,6 +152,8 @@ def _as_cotangent(g, like, name):
                                  f"{len(like)} arrays, got {type(g).__name__}")
         parts = [_as_cotangent(gi, li, f"{name}[{i}]") for i, (gi, li) in enumerate(zip(g, like))]
         return parts if isinstance(like, list) else tuple(parts)
+    if type(g) is type(like) and g.dtype == like.dtype and g.shape == like.shape:
+        return g  # already the argument's array type, dtype and shape (the usual case)
     xp = array_module(like)
     if xp is np and is_cupy_array(g):
         g = g.get()  # a host argument (e.g. NumPy thresholds) of an op run on the device
@@ -197,15 +202,20 @@ def vjp(op, *args, wrt=None, **kwargs):
         raise TypeError(f"{spec.name} takes {len(spec.arg_names)} positional arguments "
                         f"({', '.join(spec.arg_names)}), got {len(args)}")
     chosen = _normalise_wrt(spec, wrt)
-    needs = tuple(i in chosen and name in spec.differentiable and _is_float_argument(a)
-                  for i, (name, a) in enumerate(zip(spec.arg_names, args)))
+    differentiable = spec.differentiable
+    needs = tuple([(chosen is None or i in chosen) and name in differentiable
+                   and _is_float_argument(a)
+                   for i, (name, a) in enumerate(zip(spec.arg_names, args))])
     out, residuals = spec.forward(*args, **kwargs)
     # The pullback keeps what it needs of the output, not the output: a caller that drops it
     # gets its memory back (a 2.2e9-trajectory integrate's is 17.7 GB).
-    out_is_cupy = is_cupy_array(out)
-    out_dtype, out_shape, xp = out.dtype, out.shape, array_module(out)
+    xp = array_module(out)
+    out_is_cupy = xp is not np
+    array_type, out_dtype, out_shape = xp.ndarray, out.dtype, out.shape
 
     def pullback(cotangent):
+        if type(cotangent) is array_type and cotangent.dtype == out_dtype and cotangent.shape == out_shape:
+            return _pull(cotangent)  # already the output's array type, dtype and shape
         if is_cupy_array(cotangent) != out_is_cupy:
             raise TypeError(f"cotangent must be a {'CuPy' if out_is_cupy else 'NumPy'} array like "
                             f"the output of {spec.name}")
@@ -215,7 +225,9 @@ def vjp(op, *args, wrt=None, **kwargs):
                              f"has shape {out_shape}")
         if cotangent.dtype.kind not in "iub" and not is_float_dtype(cotangent.dtype):
             raise TypeError(f"cotangent: dtype {cotangent.dtype} is not real")
-        cotangent = cotangent.astype(out_dtype, copy=False)
+        return _pull(cotangent.astype(out_dtype, copy=False))
+
+    def _pull(cotangent):
         grads = spec.backward(residuals, cotangent, needs)
         if len(grads) != len(args):
             raise AssertionError(f"internal: {spec.name} backward returned {len(grads)} cotangents")
@@ -223,10 +235,12 @@ def vjp(op, *args, wrt=None, **kwargs):
         for need, g, a, name in zip(needs, grads, args, spec.arg_names):
             if not need:
                 result.append(None)
-            elif isinstance(a, np.floating):  # a NumPy scalar keeps its own dtype
-                result.append(xp.asarray(g).astype(a.dtype, copy=False).reshape(()))
-            elif isinstance(a, float):
-                result.append(xp.asarray(g, dtype=out_dtype).reshape(()))
+            elif isinstance(a, (float, np.floating)):
+                # a NumPy scalar keeps its own dtype; a Python float gets the output's
+                dtype = a.dtype if isinstance(a, np.floating) else out_dtype
+                if not (type(g) is array_type and g.dtype == dtype and g.shape == ()):
+                    g = xp.asarray(g).astype(dtype, copy=False).reshape(())
+                result.append(g)
             else:
                 result.append(_as_cotangent(g, a, name))
         return tuple(result)

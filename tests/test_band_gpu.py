@@ -315,6 +315,114 @@ def test_soft_ecc_empty_batch(rng):
     assert float(cp.abs(d_t).sum()) == 0.0 and float(d_s) == 0.0
 
 
+def test_soft_ecc_empty_batch_checks_device_thresholds(rng):
+    """No kernel runs for an empty batch: its device thresholds are checked on the host."""
+    cp = _cp()
+    img = cp.asarray(rng.random((0, 9, 9)).astype(np.float32))
+    with pytest.raises(ValueError, match="sorted in non-decreasing order"):
+        cutopo.soft_ecc(img, cp.asarray([0.5, 0.25], dtype=cp.float32), 3.0, ndim=2)
+    with pytest.raises(ValueError, match="thresholds must be finite"):
+        cutopo.soft_ecc(img, cp.asarray([0.5, np.nan], dtype=cp.float32), 3.0, ndim=2)
+
+
+def test_soft_ecc_check_word_takes_only_its_own_launch(rng):
+    """The forward's block 0 writes (token << 2) | flags into the thread's page-locked word: a
+    value left there by an earlier, abandoned launch (an older token, failed flags) is not read
+    as this launch's, and an abandoned launch's late flags do not leak into the next call."""
+    from cutopo import _soft_ecc_cupy
+
+    cp = _cp()
+    img = _image(rng, (21, 30), np.float32, levels=13)
+    t = np.linspace(-0.1, 1.1, 17).astype(np.float32)
+    want = cutopo.soft_ecc(img, t, 12.0)
+    cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), 12.0)  # makes the plan and its word
+    plan = _soft_ecc_cupy.soft_ecc_plan(cp.cuda.runtime.getDevice(), np.dtype(np.float32), 1,
+                                        (21, 30), False, False, t.size, np.dtype(np.float32))
+    word = _soft_ecc_cupy.check_word()
+    token = word._token
+    word._host[0] = ((token + 1) << 2) | 3  # what a stale launch with the next token would...
+    word._token = token + 1                 # ...have written had it been armed twice
+    got = cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), 12.0)  # arms token + 2
+    assert word._token == token + 2 and int(word._host[0]) == (token + 2) << 2
+    _close(got, want, _sum_abs_c(img, 2, 1), np.float32, "after a stale word")
+    # an abandoned launch on bad thresholds (armed, launched, never read), then a good call
+    bad = cp.asarray(t[::-1].copy())
+    out = cp.empty((1, t.size), dtype=cp.float32)
+    x = cp.asarray(img).reshape(1, 21, 30)
+    plan._forward(x, bad, plan.workspace("forward", plan.words, np.uint64), out, word, word.arm(),
+                  np.float32(12.0), 0.1)
+    got = cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), 12.0)
+    _close(got, want, _sum_abs_c(img, 2, 1), np.float32, "after an abandoned launch")
+    with pytest.raises(ValueError, match="sorted in non-decreasing order"):
+        cutopo.soft_ecc(cp.asarray(img), bad, 12.0)
+
+
+def test_soft_ecc_device_thresholds_refuse_graph_capture(rng):
+    """Inside a stream capture the kernel does not run, so its check cannot be read: a clear
+    error, not a hang; host thresholds are captured (no check to read)."""
+    cp = _cp()
+    img = cp.asarray(_image(rng, (19, 23), np.float32, levels=9))
+    t = np.linspace(0, 1, 9).astype(np.float32)
+    t_dev = cp.asarray(t)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cutopo.soft_ecc(img, t_dev, 5.0)  # warm: plans, tables, and a free block of the pool
+        cutopo.soft_ecc(img, t, 5.0)      # (CuPy's pool keeps free blocks per stream)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="CUDA graph capture"):
+                cutopo.soft_ecc(img, t_dev, 5.0)
+        finally:
+            stream.end_capture()
+        stream.begin_capture()
+        out = cutopo.soft_ecc(img, t, 5.0)
+        graph = stream.end_capture()
+        out.fill(np.nan)
+        graph.launch()
+        stream.synchronize()
+    _close(out, cutopo.soft_ecc(img.get(), t, 5.0), _sum_abs_c(img.get(), 2, 1), np.float32,
+           "graph replay")
+
+
+def test_soft_ecc_repeated_calls_keep_every_check(rng):
+    """Repeated calls of one geometry skip _prepare (cutopo._soft_ecc._DEVICE_CALLS) but not
+    the checks that depend on the call: the scale's value, arguments of other types or layouts,
+    the thresholds' values; the kept entries hold no array of the call that made them."""
+    from cutopo import _soft_ecc
+
+    cp = _cp()
+    img_h = _image(rng, (2, 17, 26), np.float32, levels=11)
+    img, t = cp.asarray(img_h), cp.linspace(-0.1, 1.1, 21, dtype=cp.float32)
+    t_h = t.get()
+    S = _sum_abs_c(img_h, 2, 1)[..., None]
+    for scale in (7.0, 19.5, np.float32(3.0), np.float64(11.0)):
+        for _ in range(2):
+            got = cutopo.soft_ecc(img, t, scale, ndim=2)
+            want = cutopo.soft_ecc(img_h, t_h, scale, ndim=2)
+            assert got.dtype == want.dtype
+            _close(got, want, S, want.dtype, f"scale {scale!r}")
+    assert _soft_ecc._DEVICE_CALLS
+    assert all(cfg.image is None and cfg.t is None for cfg in _soft_ecc._DEVICE_CALLS.values())
+    for scale, err, match in ((np.nan, ValueError, "scale"), (-1.0, ValueError, "scale"),
+                              (0.0, ValueError, "scale"), (np.inf, ValueError, "scale"),
+                              (1e39, ValueError, "scale"), (np.float32(0.0), ValueError, "scale")):
+        with pytest.raises(err, match=match):
+            cutopo.soft_ecc(img, t, scale, ndim=2)
+    with pytest.raises(TypeError, match="connectivity"):
+        cutopo.soft_ecc(img, t, 7.0, ndim=2, connectivity=True)
+    with pytest.raises(ValueError, match="ndim"):
+        cutopo.soft_ecc(img, t, 7.0, ndim=True)
+    with pytest.raises(ValueError, match="thresholds must be finite"):
+        cutopo.soft_ecc(img, cp.where(t > 0.5, cp.float32(np.inf), t), 7.0, ndim=2)
+    # other layouts of the same values: a strided image and strided thresholds
+    wide = cp.zeros((2, 17, 52), dtype=cp.float32)
+    wide[..., ::2] = img
+    t_wide = cp.repeat(t, 2)[::2]
+    got = cutopo.soft_ecc(wide[..., ::2], t_wide, 7.0, ndim=2)
+    _close(got, cutopo.soft_ecc(img_h, t_h, 7.0, ndim=2), S, np.float32, "strided arguments")
+
+
 def test_soft_ecc_integer_device_thresholds_are_checked_on_the_host(rng):
     """Integer CuPy thresholds take the host check: cast to float32 two unsorted integers can
     become equal (2^24 + 1 > 2^24 both round to 2^24) and pass a device check of the cast."""

@@ -171,6 +171,39 @@ def test_null_pointer_is_a_checked_pointer_value(launch_mod, sig):
     assert int(block.u64[1]) == 0 and int(block.u64[0]) == 0xAB
 
 
+def test_slot_writers_store_what_write_stores(launch_mod):
+    """A prepared launch's call-time slots go through ParameterBlock.writer: the same bytes as
+    ParameterBlock.write for every kind (NULL as 0 in both pointer kinds)."""
+    class Pointer:  # what the writers read of a CuPy array
+        def __init__(self, ptr):
+            self.data = type("Memory", (), {"ptr": ptr})()
+
+    cases = [("ptr:float32", Pointer(0xDEAD0000)), ("ptr:uint64", launch_mod.NULL),
+             (launch_mod.HOST_WORD, launch_mod.NULL), ("int32", np.int32(-7)),
+             ("float32", np.float32(2.5)), ("int64", -(1 << 40)), ("float64", 0.1)]
+    a = launch_mod.ParameterBlock(np.full(len(cases), 0xABABABABABABABAB, dtype=np.uint64))
+    b = launch_mod.ParameterBlock(a.u64)
+    for i, (kind, value) in enumerate(cases):
+        a.write(i, kind, value)
+        view, index, getter = b.writer(i, kind)
+        view[index] = value if getter is None else getter(value)
+    np.testing.assert_array_equal(a.u64, b.u64)
+    assert int(b.u64[0]) == 0xDEAD0000 and int(b.u64[1]) == 0 and int(b.u64[2]) == 0
+
+
+def test_host_word_kind_takes_a_pinned_word_or_null(launch_mod, sig):
+    """The host-word parameter kind (a kernel's check flags written straight into page-locked
+    memory) takes a PinnedWord or NULL, nothing else: an array or an address would reach the
+    kernel as a pointer it writes through."""
+    assert launch_mod._convert(launch_mod.NULL, launch_mod.HOST_WORD, 0, sig) is launch_mod.NULL
+    for bad in (0, 12345, np.zeros(1, dtype=np.uint64), None):
+        with pytest.raises(launch_mod.LaunchError, match="PinnedWord or NULL"):
+            launch_mod._convert(bad, launch_mod.HOST_WORD, 0, sig)
+    block = launch_mod.ParameterBlock(np.full(2, 0xAB, dtype=np.uint64))
+    block.write(0, launch_mod.HOST_WORD, launch_mod.NULL)
+    assert int(block.u64[0]) == 0 and int(block.u64[1]) == 0xAB
+
+
 # ---------------------------------------------------------------------------------------------
 # _ecc_cupy pure helpers
 

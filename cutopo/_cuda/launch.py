@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import threading
 
@@ -24,9 +25,15 @@ import numpy as np
 
 from .._array import _cupy
 from .compile import get_function
+from .deferred import PinnedWord
 
-# Declared parameter kinds: "ptr:<numpy dtype>" for arrays, a numpy dtype name for scalars.
+# Declared parameter kinds: "ptr:<numpy dtype>" for arrays, a numpy dtype name for scalars, and
+# HOST_WORD for a page-locked host word that the kernel writes (a PinnedWord, or NULL).
 _SCALAR_KINDS = {"int32", "int64", "float32", "float64"}
+HOST_WORD = "host:uint64"
+# The device addresses a launch packs: an array's (NULL: 0) and a host word's (NULL: 0)
+_ARRAY_POINTER = operator.attrgetter("data.ptr")
+_WORD_POINTER = operator.attrgetter("device_ptr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +49,17 @@ class LaunchError(RuntimeError):
     pass
 
 
+class _NullData:
+    ptr = 0
+
+
 class _NullPointer:
-    """The type of :data:`NULL`."""
+    """The type of :data:`NULL`. It packs as 0 through the attributes a launch reads of an
+    array (``data.ptr``) and of a host word (``device_ptr``)."""
 
     __slots__ = ()
+    data = _NullData()
+    device_ptr = 0
 
     def __repr__(self) -> str:
         return "NULL"
@@ -125,6 +139,11 @@ def _convert(value, kind: str, index: int, sig: Signature, device=None):
     dtype = _pointer_dtype(kind)
     if dtype is not None:
         return _check_array(value, dtype, index, sig, device)
+    if kind == HOST_WORD:
+        if value is NULL or isinstance(value, PinnedWord):
+            return value
+        raise LaunchError(f"{sig.name}: argument {index} must be a PinnedWord or NULL, got "
+                          f"{type(value).__name__}")
     scalar = _scalar_kind(kind)
     if scalar is None:
         raise LaunchError(f"{sig.name}: unknown parameter kind {kind!r}")
@@ -186,7 +205,8 @@ def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: in
     if grid <= 0:
         return  # nothing to do; CuPy would clamp the grid to 1 block
     kernel = _checked_kernel(sig, grid, shared_mem, options, device)
-    converted = tuple(np.uint64(0) if a is NULL else a for a in converted)  # 8 bytes, by value
+    converted = tuple(np.uint64(0) if a is NULL else  # 8 bytes, by value
+                      np.uint64(a.device_ptr) if isinstance(a, PinnedWord) else a for a in converted)
     kernel((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
     _after_launch(sig)
 
@@ -210,11 +230,25 @@ class ParameterBlock:
         self.pointers = np.arange(self.u64.size, dtype=np.uint64) * np.uint64(8) + np.uint64(base)
         self.address = self.pointers.ctypes.data
 
+    def writer(self, i: int, kind: str):
+        """(view, index, getter) that store a converted value of ``kind`` in slot i as
+        ``view[index] = getter(value)`` (getter None: the value itself): a prepared launch's
+        call-time slots are written this way, without write()'s dispatch on the kind."""
+        if kind.startswith("ptr:"):
+            return self.u64, i, _ARRAY_POINTER
+        if kind == HOST_WORD:
+            return self.u64, i, _WORD_POINTER
+        if kind in ("int32", "float32"):
+            return (self.i32 if kind == "int32" else self.f32), 2 * i, None
+        return (self.i64 if kind == "int64" else self.f64), i, None
+
     def write(self, i: int, kind: str, value) -> None:
         """Store the converted ``value`` (a checked CuPy array or a NumPy scalar of the kind's
         C type) in slot i."""
         if kind.startswith("ptr:"):
             self.u64[i] = 0 if value is NULL else value.data.ptr
+        elif kind == HOST_WORD:
+            self.u64[i] = 0 if value is NULL else value.device_ptr
         elif kind == "int32":
             self.i32[2 * i] = value
         elif kind == "float32":
@@ -257,9 +291,11 @@ class PreparedLaunch:
         self._local = threading.local()
 
     def _block(self) -> ParameterBlock:
+        """This thread's parameter block, with its writers of the call-time slots."""
         block = getattr(self._local, "block", None)
         if block is None:
             block = self._local.block = ParameterBlock(self._template)
+            self._local.writers = [block.writer(i, kind) for i, _, kind in self._slot_kinds]
         return block
 
     def _launch(self, block: ParameterBlock) -> None:
@@ -298,8 +334,8 @@ class PreparedLaunch:
         ``__call__``.
         """
         block = self._block()
-        for (i, _, kind), a in zip(self._slot_kinds, values):
-            block.write(i, kind, a)
+        for (view, index, getter), a in zip(self._local.writers, values):
+            view[index] = a if getter is None else getter(a)
         if self.kernel is not None:
             self._launch(block)
 
