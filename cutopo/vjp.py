@@ -214,7 +214,8 @@ def vjp(op, *args, wrt=None, **kwargs):
     array_type, out_dtype, out_shape = xp.ndarray, out.dtype, out.shape
 
     def pullback(cotangent):
-        if type(cotangent) is array_type and cotangent.dtype == out_dtype and cotangent.shape == out_shape:
+        if (type(cotangent) is array_type and cotangent.dtype == out_dtype
+                and cotangent.shape == out_shape):
             return _pull(cotangent)  # already the output's array type, dtype and shape
         if is_cupy_array(cotangent) != out_is_cupy:
             raise TypeError(f"cotangent must be a {'CuPy' if out_is_cupy else 'NumPy'} array like "
