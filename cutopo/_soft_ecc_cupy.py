@@ -134,8 +134,6 @@ class SoftEccPlan:
         self._bgeometry = (nz, ny, nx, bzchunk, bper_image, T, None, None, int(bshared))
         self._bgrid = nimg * bper_image
         self._backward = {}
-        self._warm_backward = set()  # keys of the backward launches that have run once
-        self._warm = False
         self._local = threading.local()
 
     def workspace(self, kind: str, words: int, dtype):
@@ -164,17 +162,13 @@ class SoftEccPlan:
         ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
         the workspace is this plan's. So after the first call, whose launch checks every
-        argument, the launch skips the checks (PreparedLaunch.call_prechecked)."""
+        argument, the launch skips the checks (PreparedLaunch.call_checked_once)."""
         ws = self.workspace("forward", self.words, np.uint64)
-        forward = self._forward.call_prechecked if self._warm else self._forward
         if not check:
-            forward(x, t, ws, out, NULL, 0, lam, w)
-            self._warm = True
+            self._forward.call_checked_once(x, t, ws, out, NULL, 0, lam, w)
             return
         word = check_word()
-        token = word.arm()
-        forward(x, t, ws, out, word, token, lam, w)
-        self._warm = True
+        self._forward.call_checked_once(x, t, ws, out, word, word.arm(), lam, w)
         raise_failed_thresholds(word.read())
 
     def backward_launch(self, need_image, t_dtype, s_dtype) -> PreparedLaunch:
@@ -197,13 +191,7 @@ class SoftEccPlan:
     def backward(self, need_image, t_dtype, s_dtype, arrays, lam, w) -> None:
         """Launch the backward (see backward_launch) on ``arrays``, which soft_ecc_backward
         makes as forward's are made: checked at the launch's first call only."""
-        key = (need_image, t_dtype, s_dtype)
-        launch_ = self.backward_launch(need_image, t_dtype, s_dtype)
-        if key in self._warm_backward:
-            launch_.call_prechecked(*arrays, lam, w)
-        else:
-            launch_(*arrays, lam, w)
-            self._warm_backward.add(key)
+        self.backward_launch(need_image, t_dtype, s_dtype).call_checked_once(*arrays, lam, w)
 
 
 _WORDS = threading.local()

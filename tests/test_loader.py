@@ -171,24 +171,33 @@ def test_null_pointer_is_a_checked_pointer_value(launch_mod, sig):
     assert int(block.u64[1]) == 0 and int(block.u64[0]) == 0xAB
 
 
-def test_slot_writers_store_what_write_stores(launch_mod):
-    """A prepared launch's call-time slots go through ParameterBlock.writer: the same bytes as
-    ParameterBlock.write for every kind (NULL as 0 in both pointer kinds)."""
+def test_slot_writers_store_the_kernel_parameter_bytes(launch_mod):
+    """ParameterBlock.writer (a prepared launch's call-time slots; write() goes through it too)
+    stores each kind as cuLaunchKernel reads it: pointers and 8-byte scalars fill the slot,
+    4-byte scalars its low half (the high half keeps the template's bytes), NULL is 0 in both
+    pointer kinds."""
+    import struct
+
     class Pointer:  # what the writers read of a CuPy array
         def __init__(self, ptr):
             self.data = type("Memory", (), {"ptr": ptr})()
 
-    cases = [("ptr:float32", Pointer(0xDEAD0000)), ("ptr:uint64", launch_mod.NULL),
-             (launch_mod.HOST_WORD, launch_mod.NULL), ("int32", np.int32(-7)),
-             ("float32", np.float32(2.5)), ("int64", -(1 << 40)), ("float64", 0.1)]
-    a = launch_mod.ParameterBlock(np.full(len(cases), 0xABABABABABABABAB, dtype=np.uint64))
-    b = launch_mod.ParameterBlock(a.u64)
-    for i, (kind, value) in enumerate(cases):
-        a.write(i, kind, value)
-        view, index, getter = b.writer(i, kind)
-        view[index] = value if getter is None else getter(value)
-    np.testing.assert_array_equal(a.u64, b.u64)
-    assert int(b.u64[0]) == 0xDEAD0000 and int(b.u64[1]) == 0 and int(b.u64[2]) == 0
+    fill = 0xABABABABABABABAB
+    cases = [("ptr:float32", Pointer(0xDEAD0000), struct.pack("<Q", 0xDEAD0000)),
+             ("ptr:uint64", launch_mod.NULL, struct.pack("<Q", 0)),
+             (launch_mod.HOST_WORD, launch_mod.NULL, struct.pack("<Q", 0)),
+             ("int32", np.int32(-7), struct.pack("<i", -7) + struct.pack("<Q", fill)[4:]),
+             ("float32", np.float32(2.5), struct.pack("<f", 2.5) + struct.pack("<Q", fill)[4:]),
+             ("int64", -(1 << 40), struct.pack("<q", -(1 << 40))),
+             ("float64", 0.1, struct.pack("<d", 0.1))]
+    block = launch_mod.ParameterBlock(np.full(len(cases), fill, dtype=np.uint64))
+    for i, (kind, value, _) in enumerate(cases):
+        if i % 2:
+            block.write(i, kind, value)
+        else:
+            view, index, getter = block.writer(i, kind)
+            view[index] = value if getter is None else getter(value)
+    assert block.u64.tobytes() == b"".join(want for _, _, want in cases)
 
 
 def test_host_word_kind_takes_a_pinned_word_or_null(launch_mod, sig):

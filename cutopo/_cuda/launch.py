@@ -243,20 +243,10 @@ class ParameterBlock:
         return (self.i64 if kind == "int64" else self.f64), i, None
 
     def write(self, i: int, kind: str, value) -> None:
-        """Store the converted ``value`` (a checked CuPy array or a NumPy scalar of the kind's
-        C type) in slot i."""
-        if kind.startswith("ptr:"):
-            self.u64[i] = 0 if value is NULL else value.data.ptr
-        elif kind == HOST_WORD:
-            self.u64[i] = 0 if value is NULL else value.device_ptr
-        elif kind == "int32":
-            self.i32[2 * i] = value
-        elif kind == "float32":
-            self.f32[2 * i] = value
-        elif kind == "int64":
-            self.i64[i] = value
-        else:  # float64
-            self.f64[i] = value
+        """Store the converted ``value`` (a checked CuPy array, a PinnedWord, NULL or a NumPy
+        scalar of the kind's C type) in slot i."""
+        view, index, getter = self.writer(i, kind)
+        view[index] = value if getter is None else getter(value)
 
 
 class PreparedLaunch:
@@ -289,6 +279,7 @@ class PreparedLaunch:
         self._template = template.u64
         self._function = self.kernel.kernel.ptr if self.kernel is not None else 0
         self._local = threading.local()
+        self._checked_once = False  # call_checked_once has checked one call
 
     def _block(self) -> ParameterBlock:
         """This thread's parameter block, with its writers of the call-time slots."""
@@ -338,6 +329,16 @@ class PreparedLaunch:
             view[index] = a if getter is None else getter(a)
         if self.kernel is not None:
             self._launch(block)
+
+    def call_checked_once(self, *values) -> None:
+        """``__call__`` at the first call, ``call_prechecked`` after it: for a caller that has
+        call_prechecked's proof for every call after the first (a memoized plan that makes or
+        checks its arrays itself), whose first call still checks them all."""
+        if self._checked_once:
+            self.call_prechecked(*values)
+        else:
+            self(*values)
+            self._checked_once = True
 
 
 def resident_blocks(sig: Signature, block: int, shared_mem: int = 0,
