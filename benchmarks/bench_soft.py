@@ -205,14 +205,15 @@ class SoftEcc:
         w = band_halfwidth(t.dtype, lam)
 
         def fwd():  # device thresholds, not checked (the check's read cannot be captured)
-            return _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, self.ndim, False)
+            return _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, self.ndim, False, keep=True)
 
-        def bwd():
+        def bwd(kept):  # the forward's kept entries, as cutopo.vjp's pullback reads them
             return _soft_ecc_cupy.soft_ecc_backward(image, t, lam, w, self.ndim, False, g,
                                                     (True, True, True), t_dtype=t.dtype,
-                                                    s_dtype=t.dtype)
+                                                    s_dtype=t.dtype, kept=kept)
 
-        return {"forward": fwd, "VJP": bwd, "forward+VJP": lambda: (fwd(), bwd())}
+        kept = fwd()[1]
+        return {"forward": fwd, "VJP": lambda: bwd(kept), "forward+VJP": lambda: bwd(fwd()[1])}
 
     def baseline_forward(self, xp, image, t, scale, absolute=False):
         ndim = self.ndim

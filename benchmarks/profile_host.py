@@ -189,9 +189,10 @@ def soft_ecc_stages(cp):
                 image, cfg.t, cfg.scale, w, 2, False, g, (True, True, True), t_dtype=cfg.dtype,
                 s_dtype=cfg.dtype)),
             ("fused forward launch, unchecked", lambda: plan._forward(image, t, ws, out, NULL, 0,
-                                                                      cfg.scale, w)),
+                                                                      NULL, cfg.scale, w)),
             ("fused forward launch + check word read", lambda: (
-                plan._forward(image, t, ws, out, word, word.arm(), cfg.scale, w), word.read())),
+                plan._forward(image, t, ws, out, word, word.arm(), NULL, cfg.scale, w),
+                word.read())),
             ("cupy.empty", lambda: cp.empty((1, t.size), dtype=cfg.dtype)),
             ("cupy.zeros", lambda: cp.zeros(258, dtype=np.float64))]
     print("\n## soft_ecc stages (1024^2 float32, T = 256)\n| stage | us per call |\n|---|---|")

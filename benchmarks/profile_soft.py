@@ -44,12 +44,16 @@ def stages(cp, image, ndim):
     out = cp.empty(image.shape[:image.ndim - ndim] + (T,), dtype=np.float32)
     g = cp.asarray(np.random.default_rng(0).standard_normal(out.shape).astype(np.float32))
     ws = cp.zeros(plan.words, dtype=np.uint64)
+    kept = _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, ndim, False, keep=True)[1]
     return {
         f"fused forward ({plan._forward.grid} blocks)": lambda: plan._forward(image, t, ws, out, NULL, 0,
-                                                                            lam, w),
-        "forward (unchecked)": lambda: _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, ndim, False),
-        "VJP (fused backward)": lambda: _soft_ecc_cupy.soft_ecc_backward(
+                                                                            NULL, lam, w),
+        "forward (unchecked, entries kept)": lambda: _soft_ecc_cupy.soft_ecc_forward(
+            image, t, lam, w, ndim, False, keep=True),
+        "VJP (fused backward, sweep)": lambda: _soft_ecc_cupy.soft_ecc_backward(
             image, t, lam, w, ndim, False, g, (True, True, True)),
+        "VJP (fused backward, kept entries)": lambda: _soft_ecc_cupy.soft_ecc_backward(
+            image, t, lam, w, ndim, False, g, (True, True, True), kept=kept),
     }
 
 
@@ -84,9 +88,9 @@ def block_sweep(cp, image, ndim):
     chosen = fwd.grid // plan.nimg
     for bpi in sorted({66, 132, 264, 528, 1056, chosen}):
         args = list(fwd.args)
-        args[10] = bpi  # blocks_per_image
+        args[12] = bpi  # blocks_per_image
         p = PreparedLaunch(fwd.sig, plan.nimg * bpi, 256, tuple(args), shared_mem=fwd.shared_mem)
-        ms = time_graph(cp, lambda p=p: p(image, t, ws, out, NULL, 0, lam, w), 30)
+        ms = time_graph(cp, lambda p=p: p(image, t, ws, out, NULL, 0, NULL, lam, w), 30)
         print(f"  blocks/image {bpi:5d}: {ms:.4f} ms{' (plan)' if bpi == chosen else ''}")
 
 

@@ -195,8 +195,9 @@ __device__ __forceinline__ void for_each_band(bool banded, Real f, int c, int lo
 }
 
 // Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
+// Returns whether the lane's entry has a non-empty band (the entries a backward evaluates).
 template <typename Real>
-__device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Real* t, int T,
+__device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Real* t, int T,
                                              Real lam, double w, bool soft, const Accum& a,
                                              Window<Real>& win) {
     const int lane = threadIdx.x % 32;
@@ -220,6 +221,7 @@ __device__ __forceinline__ void forward_warp(bool valid, Real f, int c, const Re
                 a.add(k, (double)sigmoid<Real>((t[k] - fi) * lam) * (double)ci);
         }
     });
+    return lo < hi;
 }
 
 // Backward of one warp's entries: threshold cotangents (when need_t) through the window into

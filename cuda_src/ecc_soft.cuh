@@ -15,6 +15,13 @@
 // The forward's last block of each image turns the image's accumulators into its curve; the
 // backward's last block of the grid scales the thresholds' cotangent by lambda and writes both
 // scalar-shaped cotangents in the dtypes the caller asked for (the one rounding of each).
+//
+// The forward also keeps the critical pixels whose band is not empty (KeptEntries: flat index
+// and c, in the order the warps met them, so consecutive entries are still neighbours), up to a
+// capacity per image. The backward of an image whose entries all fit reads that list instead
+// of sweeping the image again: at 1024^2 about 5 % of the pixels are critical, and most of
+// the sweep's instructions (tile loads, contributions, queues) are per pixel, not per entry.
+// Its warps take short runs of consecutive entries; an image whose list overflowed is swept.
 // Included at the end of ecc.cu, after ecc_band.cuh.
 #pragma once
 #include "common.cuh"
@@ -60,27 +67,49 @@ struct RowQueues {
     i64 index[WARPS][ROW_SLOTS];
 };
 
-// The workspace of the forward: a counter per image of the blocks done, the band sums (rows, T)
-// float64 and the difference arrays (rows, T) int64. Zeroed when made; the forward's last block
-// of each image zeroes its parts again once read, so the host keeps one workspace per thread
-// and stream (kernels on one stream run in order) and a call needs neither an allocation nor a
-// memset for it.
+// The workspace of the forward: a counter per image of the blocks done, a counter per image of
+// the entries met (KeptEntries), the band sums (rows, T) float64 and the difference arrays
+// (rows, T) int64. Zeroed when made; the forward's last block of each image zeroes its parts
+// again once read, so the host keeps one workspace per thread and stream (kernels on one
+// stream run in order) and a call needs neither an allocation nor a memset for it.
 struct ForwardWorkspace {
     unsigned* done;
+    unsigned long long* met;
     double* acc;
     long long* sat;
 
     __device__ __forceinline__ ForwardWorkspace(unsigned long long* ws, i64 rows, int T) {
         done = reinterpret_cast<unsigned*>(ws);
-        acc = reinterpret_cast<double*>(ws + (rows + 1) / 2);
+        met = ws + (rows + 1) / 2;
+        acc = reinterpret_cast<double*>(met + rows);
         sat = reinterpret_cast<long long*>(acc + rows * T);
     }
 };
 
 // Words of a ForwardWorkspace (the host allocates this many 8-byte words).
 __host__ __device__ inline i64 forward_workspace_words(i64 rows, int T) {
-    return (rows + 1) / 2 + 2 * rows * (i64)T;
+    return (rows + 1) / 2 + rows + 2 * rows * (i64)T;
 }
+
+// The entries a forward keeps for its backward, in one uint64 array made per call: the count
+// of each image's entries (rows words, written by the image's last block; more than ``cap``
+// means the list overflowed and holds only the first ``cap``), then ``cap`` slots per image,
+// each (flat index << 8) | (c & 0xff) (|c| <= 127 in 2D and 3D). Null: nothing kept.
+struct KeptEntries {
+    unsigned long long* data;
+    i64 cap;
+
+    __device__ __forceinline__ unsigned long long* slots(i64 img, i64 rows) const {
+        return data + rows + img * cap;
+    }
+    __device__ __forceinline__ static unsigned long long pack(i64 i, int c) {
+        return ((unsigned long long)i << 8) | (unsigned long long)(c & 0xff);
+    }
+    __device__ __forceinline__ static i64 index(unsigned long long v) { return (i64)(v >> 8); }
+    __device__ __forceinline__ static int contribution(unsigned long long v) {
+        return (int)(signed char)(v & 0xffu);
+    }
+};
 
 // The check of device thresholds, by one block (a block-uniform call): writes
 // (token << 2) | flags into the page-locked host word ``word`` (bit 0: a value is not finite,
@@ -165,6 +194,16 @@ struct RowBands {
     }
 };
 
+// Where a forward block keeps its image's entries: the image's slots of a KeptEntries (null:
+// none kept), their counter in the workspace, the slots' number. In shared memory, set once per
+// block: held in registers through the sweep, the three made the 3D forward spill more.
+struct KeptSink {
+    unsigned long long* slots;
+    unsigned long long* met;
+    i64 cap;
+};
+__shared__ KeptSink forward_kept;
+
 // The band work of the sweep's critical pixels; the running state (the warp's register window,
 // the lane's scale cotangent) is mutable: the sweep holds its sink by const reference.
 template <typename Real>
@@ -177,20 +216,31 @@ struct ForwardWork {
     mutable Window<Real> win;
 
     __device__ __forceinline__ void skipped(i64) const {}
-    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64) const {
-        forward_warp<Real>(valid, f, c, t, T, lam, w, true, a, win);
+    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64 i) const {
+        const bool banded = forward_warp<Real>(valid, f, c, t, T, lam, w, true, a, win);
+        unsigned long long* slots = forward_kept.slots;
+        if (slots == nullptr) return;
+        const unsigned b = __ballot_sync(FULL, banded);  // every lane calls: a warp-uniform loop
+        if (b == 0u) return;
+        const int lane = threadIdx.x % 32;
+        unsigned long long base = 0;
+        if (lane == 0) base = atomicAdd(forward_kept.met, (unsigned long long)__popc(b));
+        base = __shfl_sync(FULL, base, 0) + __popc(b & ((1u << lane) - 1u));
+        if (banded && base < (unsigned long long)forward_kept.cap) slots[base] = KeptEntries::pack(i, c);
     }
 };
 
 // The forward: each block sweeps its tiles of one image (blocks_per_image blocks per image);
 // out (rows, T) is written by the image's last block to finish. ws: a zeroed ForwardWorkspace
 // (the image's last block leaves its parts zeroed again). word: null, or the host word that
-// block 0 writes the thresholds' check into (report_thresholds) with ``token``.
+// block 0 writes the thresholds' check into (report_thresholds) with ``token``. kept: null or
+// a KeptEntries of ``kept_cap`` slots per image, for the backward.
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
 __global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
 soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ thresholds,
                        unsigned long long* __restrict__ ws, Real* __restrict__ out,
-                       unsigned long long* __restrict__ word, long long token, i64 nz, i64 ny,
+                       unsigned long long* __restrict__ word, long long token,
+                       unsigned long long* __restrict__ kept, i64 kept_cap, i64 nz, i64 ny,
                        i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
                        int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -199,13 +249,19 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     __shared__ int is_last;
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
-    const ForwardWorkspace wsp(ws, gridDim.x / blocks_per_image, T);
+    const i64 rows = gridDim.x / blocks_per_image;
+    const ForwardWorkspace wsp(ws, rows, T);
+    if (threadIdx.x == 0) {  // published by setup's barrier
+        forward_kept = KeptSink{kept != nullptr ? KeptEntries{kept, kept_cap}.slots(img, rows) : nullptr,
+                                wsp.met + img, kept_cap};
+    }
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
     if (word != nullptr && blockIdx.x == 0) report_thresholds(s.t, T, word, token);
     double* acc_row = wsp.acc + img * T;
     long long* sat_row = wsp.sat + img * T;
     const RowBands<In, Real, ForwardWork<Real>> bands{
-        &q, image, ForwardWork<Real>{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, {}}, 0};
+        &q, image,
+        ForwardWork<Real>{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, {}}, 0};
     sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
                           ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
     bands.work.win.flush(bands.work.a);
@@ -214,8 +270,8 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     // The image's last block: out = prefix sum of sat + acc, rounded once (the pattern of
     // ecc.cu's histogram tail: the barrier orders the block's additions before thread 0's
     // cumulative fence, and the other blocks' additions are read from L2); then it zeroes the
-    // image's accumulators and counter for the next launch on the workspace (every other block
-    // of the image has finished).
+    // image's accumulators and counters for the next launch on the workspace (every other
+    // block of the image has finished) and hands the count of its entries to ``kept``.
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
@@ -233,7 +289,11 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
             acc_row[k] = 0.0;
             sat_row[k] = 0;
         }
-        if (threadIdx.x == 0) wsp.done[img] = 0u;
+        if (threadIdx.x == 0) {
+            wsp.done[img] = 0u;
+            const unsigned long long met = atomicExch(wsp.met + img, 0ull);
+            if (kept != nullptr) kept[img] = met;
+        }
     }
 }
 
@@ -260,21 +320,44 @@ struct BackwardWork {
     }
 };
 
+// Copies of the backward's global accumulators: block b adds its thresholds' and scale
+// cotangents to copy b % BACKWARD_COPIES, which the last block sums. With one copy, the 1024
+// blocks of a 1024^2 image each added T doubles to the same T addresses, and the atomics'
+// serialisation in L2 held every block at its final fence (a third of the kernel's stall
+// samples once the kept entries made the rest short).
+constexpr int BACKWARD_COPIES = 16;
+
+// Doubles of a backward workspace: the copies' d_t (T each) and d_scale, the blocks' counter.
+__host__ __device__ inline i64 backward_workspace_words(int T) {
+    return (i64)BACKWARD_COPIES * (T + 1) + 1;
+}
+
 // The backward: d_image (rows, N) gets -lambda sum_k g_k c sigma'_k at every pixel (0 where
-// c = 0 or f is not finite); ws (T + 2 doubles, zeroed) gathers the thresholds' cotangent
-// without lambda, the scale's, and (as an unsigned) the count of blocks done. The grid's last
-// block writes d_t = lambda * ws[0:T] and d_scale = ws[T] into whichever of the Real or double
-// outputs is not null (none: not wanted), and leaves ws zeroed again (as the forward's).
-template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
+// c = 0 or f is not finite); ws (backward_workspace_words doubles, zeroed) gathers the
+// thresholds' cotangent without lambda and the scale's, in BACKWARD_COPIES copies, and (as an
+// unsigned) the count of blocks done. The grid's last block writes d_t = lambda * (sum of the
+// copies' d_t) and d_scale = the copies' sum into whichever of the Real or double outputs is
+// not null (none: not wanted), and leaves ws zeroed again (as the forward's).
+//
+// kept: null (the sweep of every image), or the forward's KeptEntries (``kept_cap`` slots per
+// image), which take two launches on ws, in this order: the sweep instance (LISTED false)
+// sweeps only the images whose list overflowed and leaves the cotangents in ws (no final
+// write, its blocks not counted), then the LISTED instance evaluates the listed images'
+// entries (d_image written at those pixels alone: the caller passes it zeroed) and makes the
+// final write. Two instances, not one kernel with both paths: together they made the 2D
+// float32 backward spill ~150 bytes at its 40-register budget, and the sweep 17 % slower.
+template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC, bool LISTED>
 __global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
 soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ thresholds,
                         const Real* __restrict__ g, Real* __restrict__ d_image,
                         double* __restrict__ ws, Real* __restrict__ d_t_real,
                         double* __restrict__ d_t_double, Real* __restrict__ d_scale_real,
-                        double* __restrict__ d_scale_double, i64 nz, i64 ny, i64 nx, int zchunk,
-                        int blocks_per_image, int T, Real lam, double w, int shared) {
+                        double* __restrict__ d_scale_double,
+                        const unsigned long long* __restrict__ kept, i64 kept_cap, i64 nz, i64 ny,
+                        i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
+                        int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
+    __shared__ K tile[LISTED ? 1 : (NDIM == 3 ? 3 : 1)][PLANE];  // (unused when LISTED)
     __shared__ RowQueues q;
     __shared__ double scratch[WARPS];
     __shared__ int is_last;
@@ -282,20 +365,67 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     const int chunk = blockIdx.x % blocks_per_image;
     const bool need_t = d_t_real != nullptr || d_t_double != nullptr;
     const bool need_scale = d_scale_real != nullptr || d_scale_double != nullptr;
-    double* dt_g = ws;
-    double* dscale_g = ws + T;
-    unsigned* done = reinterpret_cast<unsigned*>(ws + T + 1);
-    const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-    const RowBands<In, Real, BackwardWork<Real>> bands{
-        &q, image,
-        BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image, need_t,
-                           {}, 0.0},
-        0};
-    sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
-                          ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
-    bands.work.win.flush(bands.work.a);
-    if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
-    if (need_scale) block_add(bands.work.dscale, dscale_g, scratch);
+    const int copy = blockIdx.x % BACKWARD_COPIES;
+    double* dt_g = ws + (i64)copy * T;
+    double* dscale_g = ws + (i64)BACKWARD_COPIES * T + copy;
+    unsigned* done = reinterpret_cast<unsigned*>(ws + backward_workspace_words(T) - 1);
+    // listed: the image's entries all fit in kept (block-uniform); the host keeps kept_cap
+    // below 2^31 (cutopo/_soft_ecc_cupy.py, KEPT_MAX_BYTES), so 32-bit counters do
+    const unsigned long long count = kept != nullptr ? kept[img] : 0ull;
+    const bool listed = kept != nullptr && count <= (unsigned long long)kept_cap && kept_cap < (1LL << 31);
+    if (!LISTED && listed) return;  // the LISTED launch's image
+    bool busy = !LISTED;            // this block has work: an image to sweep, or entries below
+    unsigned n_kept = 0, per_warp = 0, warps = 0;
+    if (LISTED && listed) {
+        n_kept = (unsigned)count;
+        // Entries per warp batch: the image's entries spread over all of its warps, at most
+        // 32. A warp walks its batch one entry after the other, so a short batch is a short
+        // chain, and about the sweep's share keeps a batch within a few of the forward's warps,
+        // whose entries are neighbours (the register window seldom moves).
+        warps = (unsigned)min((i64)blocks_per_image * WARPS, (i64)1 << 24);
+        per_warp = min(max((n_kept + warps - 1) / warps, 1u), 32u);
+        busy = (unsigned long long)chunk * WARPS * per_warp < n_kept;
+    }
+    if (busy) {
+        const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
+        const RowBands<In, Real, BackwardWork<Real>> bands{
+            &q, image,
+            BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
+                               need_t, {}, 0.0},
+            0};
+        if constexpr (LISTED) {
+            const i64 rows = gridDim.x / blocks_per_image;
+            const unsigned long long* e = KeptEntries{const_cast<unsigned long long*>(kept),
+                                                      kept_cap}.slots(img, rows);
+            const int lane = threadIdx.x % 32;
+            const unsigned long long first =
+                ((unsigned long long)chunk * WARPS + threadIdx.x / 32) * per_warp;
+            // below 2^32: j < n_kept < 2^31 and the step is at most 2^29 (one round unless
+            // per_warp is 32). Warp-uniform bounds: every lane of a warp takes part.
+            for (unsigned j = first < n_kept ? (unsigned)first : n_kept; j < n_kept;
+                 j += warps * per_warp) {
+                const bool mine = lane < (int)per_warp && j + lane < n_kept;
+                int c = 0;
+                i64 i = 0;
+                Real f = 0;
+                if (mine) {
+                    const unsigned long long v = e[j + lane];
+                    i = KeptEntries::index(v);
+                    c = KeptEntries::contribution(v);
+                    f = convert<Real>(image[i]);
+                }
+                bands.work.entries(mine, mine && !no_entry(f), f, c, i);
+            }
+        } else {
+            sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
+                                  blocks_per_image, ValueKey<In, K>{image}, bands, AllPixels(),
+                                  Boundary<PERIODIC>(), bands);
+        }
+        bands.work.win.flush(bands.work.a);
+        if (shared && need_t) flush(s.acc, nullptr, dt_g, nullptr, T);
+        if (need_scale) block_add(bands.work.dscale, dscale_g, scratch);
+    }
+    if (!LISTED && kept != nullptr) return;  // the LISTED launch makes the final write
 
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -306,17 +436,24 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     if (is_last) {
         __threadfence();
         for (int k = threadIdx.x; k < T && need_t; k += THREADS) {
-            const double v = __ldcg(dt_g + k) * (double)lam;
+            double v = 0.0;
+            for (int c = 0; c < BACKWARD_COPIES; ++c) {
+                v += __ldcg(ws + (i64)c * T + k);
+                ws[(i64)c * T + k] = 0.0;
+            }
+            v *= (double)lam;
             if (d_t_real) d_t_real[k] = (Real)v;
             if (d_t_double) d_t_double[k] = v;
-            dt_g[k] = 0.0;
         }
         if (threadIdx.x == 0) {
             if (need_scale) {
-                const double v = __ldcg(dscale_g);
+                double v = 0.0;
+                for (int c = 0; c < BACKWARD_COPIES; ++c) {
+                    v += __ldcg(ws + (i64)BACKWARD_COPIES * T + c);
+                    ws[(i64)BACKWARD_COPIES * T + c] = 0.0;
+                }
                 if (d_scale_real) *d_scale_real = (Real)v;
                 if (d_scale_double) *d_scale_double = v;
-                *dscale_g = 0.0;
             }
             *done = 0u;
         }

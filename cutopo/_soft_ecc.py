@@ -40,6 +40,7 @@ class _Config(NamedTuple):
     scale_dtype: np.dtype | None = None  # the scale argument's (None: a Python number)
     w: float = 0.0      # the band half-width B / scale (band_halfwidth)
     plan: object = None  # the CuPy path's SoftEccPlan, when _device_call made this
+    kept: object = None  # the CuPy forward's kept entries (residual for the backward), or None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,13 +188,18 @@ def _shape_info(cfg: _Config):
     return batch, math.prod(batch)
 
 
-def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box"):
+def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="box",
+             _keep=True):
+    """(curve, residuals); ``_keep=False`` (the plain call, which has no backward) keeps no
+    entries on the GPU."""
     cfg = _device_call(image, thresholds, scale, ndim, connectivity, boundary)
     if cfg is None:
         cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     if is_cupy_array(cfg.image):
-        return _soft_ecc_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim,
-                                               cfg.tconn, cfg.periodic, cfg.check, cfg.plan), cfg
+        out, kept = _soft_ecc_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim,
+                                                    cfg.tconn, cfg.periodic, cfg.check, cfg.plan,
+                                                    _keep)
+        return out, (cfg if kept is None else cfg._replace(kept=kept))
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size
     check_result_memory(batch, (T,), 24)  # float64 sums, the saturated counts, the result
@@ -215,7 +221,8 @@ def _backward(cfg: _Config, g, needs):
         s_out = real if cfg.scale_dtype in (None, real) else np.float64
         d_image, d_t, d_scale = _soft_ecc_cupy.soft_ecc_backward(
             cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim, cfg.tconn, g,
-            (need_image, need_t or chain, need_scale), cfg.periodic, t_out, s_out, cfg.plan)
+            (need_image, need_t or chain, need_scale), cfg.periodic, t_out, s_out, cfg.plan,
+            cfg.kept)
     else:
         g = np.asarray(g, dtype=cfg.dtype).reshape(-1)
         index, px = _pixels(cfg)
@@ -359,7 +366,12 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     c != 0, their band edges (the same float64 edges as above, by binary search), the 32
     lanes of a warp evaluating the band of one pixel at a time over consecutive thresholds
     into per-block float64 accumulators; the last block of each image writes its curve, and
-    the backward's last block the cotangents of the thresholds and the scale. The
+    the backward's last block the cotangents of the thresholds and the scale. A forward made
+    by :func:`cutopo.vjp` (or a framework adapter) also keeps, as a residual, the critical
+    pixels with a non-empty band (8 bytes each, room for one per 8 pixels of each image and
+    at most 64 MiB per call); the backward evaluates that list instead of sweeping the image
+    again, and sweeps only the images whose list overflowed (noise-like images, where most
+    pixels are critical). The plain call keeps nothing. The
     entries are the same as on the CPU; the sums are formed in a different order and the
     sigmoids by CUDA's ``exp``, so the results agree to the rounding of the computation
     dtype relative to ``sum |c|``, not bit for bit.
@@ -402,4 +414,4 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
        Classification", ICLR 2024 (the sigmoid-relaxed Euler characteristic).
     """
     return _forward(image, thresholds, scale, ndim=ndim, connectivity=connectivity,
-                    boundary=boundary)[0]
+                    boundary=boundary, _keep=False)[0]

@@ -9,6 +9,11 @@ is one launch (its block 0 checks device thresholds and writes the flags into pa
 memory, read before the call returns), a backward one. Everything that depends only on the
 geometry is planned once per (device, input dtype, batch, shape, construction, T, computation
 dtype) and memoized (:class:`SoftEccPlan`).
+
+A forward made for a backward also keeps its entries (the critical pixels with a non-empty
+band: index and contribution, 8 bytes each) in a buffer of one slot per KEPT_PIXELS_PER_SLOT
+pixels (at most KEPT_MAX_BYTES per call); the backward of an image whose entries fit reads
+them instead of sweeping the image again, and sweeps the others.
 """
 from __future__ import annotations
 
@@ -39,6 +44,12 @@ QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
 # Workspaces up to this size are kept per plan, thread and stream (the kernels leave them
 # zeroed); larger ones are made zeroed at every call.
 KEEP_WORKSPACE_BYTES = 1 << 20
+# The forward's kept entries (band::KeptEntries): slots per image = its pixels / this (smooth
+# images have 2-5 % critical pixels, white noise about half: its backward sweeps), and at most
+# this many bytes per call (a larger batch or image keeps fewer slots per image).
+KEPT_PIXELS_PER_SLOT = 8
+BACKWARD_COPIES = 16  # band::BACKWARD_COPIES
+KEPT_MAX_BYTES = 64 << 20
 
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -51,45 +62,51 @@ def _key_ctype(in_ctype: str) -> str:
     return _ecc_cupy._VALUE_KEY.get(in_ctype, "unsigned int")
 
 
-def _sweep_sig(kind, in_dtype, real, ndim, tconn, periodic) -> Signature:
+def _sweep_sig(kind, in_dtype, real, ndim, tconn, periodic, listed=False) -> Signature:
+    """A sweep kernel's signature; ``listed``: the backward instance over kept entries."""
     in_ctype = _ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]
     view = _ecc_cupy._INPUT_VIEW.get(np.dtype(in_dtype), np.dtype(in_dtype)).name
     r = np.dtype(real).name
+    listed_arg = f", {_cbool(listed)}" if kind == "backward" else ""
     name = (f"cutopo::ecc::band::soft_ecc_fused_{kind}<{in_ctype}, {_key_ctype(in_ctype)}, "
-            f"{_REAL[np.dtype(real)]}, {ndim}, {_cbool(tconn)}, {_cbool(periodic)}>")
+            f"{_REAL[np.dtype(real)]}, {ndim}, {_cbool(tconn)}, {_cbool(periodic)}{listed_arg}>")
     geometry = ("int64", "int64", "int64", "int32", "int32", "int32", r, "float64", "int32")
-    if kind == "forward":  # image, thresholds, workspace, out, check word, its token
-        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}", HOST_WORD, "int64") + geometry
-    else:  # image, thresholds, g, d_image, workspace, d_t (real, double), d_scale (real, double)
+    kept = ("ptr:uint64", "int64")  # band::KeptEntries and its slots per image
+    if kind == "forward":  # image, thresholds, workspace, out, check word, its token, kept
+        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}", HOST_WORD, "int64") + kept
+    else:  # image, thresholds, g, d_image, workspace, d_t (real, double), d_scale (real, double),
+        # kept
         params = (f"ptr:{view}", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", "ptr:float64", f"ptr:{r}",
-                  "ptr:float64", f"ptr:{r}", "ptr:float64") + geometry
+                  "ptr:float64", f"ptr:{r}", "ptr:float64") + kept
+    params += geometry
     return Signature(FAMILY, name, params)
 
 
 def _instances():
     """What the offline compile check builds: every input and computation dtype in one
     configuration (2D, V construction, box), every configuration (rank, construction,
-    boundary) for float32, and the 64-bit-key 3D instances. All 208 instances would take
-    minutes; they differ only in the types and flags that these cover."""
+    boundary) for float32, and the 64-bit-key 3D instances, each as the forward and the two
+    backward instances (sweep, kept entries). All 312 instances would take minutes; they
+    differ only in the types and flags that these cover."""
     f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
-    kinds = ("forward", "backward")
+    kinds = (("forward", False), ("backward", False), ("backward", True))
     for in_dtype in _ecc_cupy._INPUT_CTYPE:
         if in_dtype == np.bool_:
             continue  # read as uint8: the same instances
         for real in _REAL:
             if in_dtype == np.float64 and real == f32:
                 continue  # float64 images always compute in float64
-            for kind in kinds:
-                yield _sweep_sig(kind, in_dtype, real, 2, False, False).name
+            for kind, listed in kinds:
+                yield _sweep_sig(kind, in_dtype, real, 2, False, False, listed).name
     for ndim in (2, 3):
         for tconn in (False, True):
             for periodic in (False, True):
                 if (ndim, tconn, periodic) != (2, False, False):
-                    for kind in kinds:
-                        yield _sweep_sig(kind, f32, f32, ndim, tconn, periodic).name
+                    for kind, listed in kinds:
+                        yield _sweep_sig(kind, f32, f32, ndim, tconn, periodic, listed).name
     for in_dtype in (np.dtype(np.int32), f64):
-        for kind in kinds:
-            yield _sweep_sig(kind, in_dtype, f64, 3, True, True).name
+        for kind, listed in kinds:
+            yield _sweep_sig(kind, in_dtype, f64, 3, True, True, listed).name
 
 
 register_instances(FAMILY, _instances)
@@ -97,7 +114,20 @@ register_instances(FAMILY, _instances)
 
 def forward_workspace_words(rows: int, T: int) -> int:
     """Words of band::ForwardWorkspace: the per-image counters, acc and sat."""
-    return (rows + 1) // 2 + 2 * rows * T
+    return (rows + 1) // 2 + rows + 2 * rows * T
+
+
+def backward_workspace_words(T: int) -> int:
+    """Doubles of a backward workspace (band::backward_workspace_words): BACKWARD_COPIES copies
+    of d_t and d_scale, the blocks' counter."""
+    return BACKWARD_COPIES * (T + 1) + 1
+
+
+def kept_capacity(nimg: int, pixels: int) -> int:
+    """Slots per image of a forward's kept entries (0: none kept)."""
+    per_image = -(-pixels // KEPT_PIXELS_PER_SLOT)
+    fit = (KEPT_MAX_BYTES // 8 - nimg) // nimg  # the counts, then the slots
+    return max(0, min(per_image, fit))
 
 
 def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes):
@@ -116,18 +146,20 @@ class SoftEccPlan:
         key_bytes = 8 if _key_ctype(_ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]).endswith("long") else 4
         self.nimg, self.T, self.real = nimg, T, real
         self.words = forward_workspace_words(nimg, T)
+        self.kept_cap = kept_capacity(nimg, math.prod(spatial))
 
         fsig = _sweep_sig("forward", in_dtype, real, ndim, tconn, periodic)
         shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes)
         (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(fsig, nimg, spatial, ndim, smem,
                                                           _ecc_cupy.TILE_X["unsigned int"])
-        # (image, thresholds, workspace, out, word, token, ..., lam, w, shared): arrays, the
-        # check word and its token, and the scale per call
+        # (image, thresholds, workspace, out, word, token, kept, cap, ..., lam, w, shared):
+        # arrays, the check word and its token, the kept entries and the scale per call
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS,
-                                       (None,) * 6 + (nz, ny, nx, zchunk, per_image, T, None, None,
-                                                      int(shared)), shared_mem=smem)
+                                       (None,) * 7 + (self.kept_cap, nz, ny, nx, zchunk, per_image,
+                                                      T, None, None, int(shared)), shared_mem=smem)
 
         self._bsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic)
+        self._lsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic, listed=True)
         bshared, self._bsmem = _dynamic_shared(T, real, True, False, ndim, key_bytes)
         _, bzchunk, bper_image = _ecc_cupy._plan(self._bsig, nimg, spatial, ndim, self._bsmem,
                                                  _ecc_cupy.TILE_X["unsigned int"])
@@ -154,28 +186,37 @@ class SoftEccPlan:
             ws = kept[key] = cupy.zeros(words, dtype=dtype)
         return ws
 
-    def forward(self, x, t, out, lam, w, check: bool) -> None:
+    def forward(self, x, t, out, lam, w, check: bool, keep: bool = False):
         """Launch the forward into ``out`` (nimg * T, the computation dtype); with ``check``,
         block 0 checks the thresholds, whose flags are read before return (a failed check
-        raises).
+        raises). With ``keep``, returns the kept entries for :meth:`backward` (None when the
+        plan keeps none).
 
         ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
         the workspace is this plan's. So after the first call, whose launch checks every
         argument, the launch skips the checks (PreparedLaunch.call_checked_once)."""
-        ws = self.workspace("forward", self.words, np.uint64)
-        if not check:
-            self._forward.call_checked_once(x, t, ws, out, NULL, 0, lam, w)
-            return
-        word = check_word()
-        self._forward.call_checked_once(x, t, ws, out, word, word.arm(), lam, w)
-        raise_failed_thresholds(word.read())
+        import cupy
 
-    def backward_launch(self, need_image, t_dtype, s_dtype) -> PreparedLaunch:
+        ws = self.workspace("forward", self.words, np.uint64)
+        kept = None
+        if keep and self.kept_cap > 0:  # no fill: the kernel writes every word it reads back
+            kept = cupy.empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
+        kept_arg = NULL if kept is None else kept
+        if not check:
+            self._forward.call_checked_once(x, t, ws, out, NULL, 0, kept_arg, lam, w)
+            return kept
+        word = check_word()
+        self._forward.call_checked_once(x, t, ws, out, word, word.arm(), kept_arg, lam, w)
+        raise_failed_thresholds(word.read())
+        return kept
+
+    def backward_launch(self, need_image, t_dtype, s_dtype, listed=False) -> PreparedLaunch:
         """The backward launch writing d_image (if ``need_image``), d_t in ``t_dtype`` and d_scale
-        in ``s_dtype`` (each the computation dtype, float64, or None: not wanted). Called with
-        (image, thresholds, g, [d_image], ws, [d_t], [d_scale], lam, w)."""
-        key = (need_image, t_dtype, s_dtype)
+        in ``s_dtype`` (each the computation dtype, float64, or None: not wanted); ``listed``:
+        the instance over kept entries. Called with (image, thresholds, g, [d_image], ws, [d_t],
+        [d_scale], kept or NULL, lam, w)."""
+        key = (need_image, t_dtype, s_dtype, listed)
         launch_ = self._backward.get(key)
         if launch_ is None:
             def outputs(dtype):  # (real slot, double slot): None = passed at call time
@@ -183,15 +224,20 @@ class SoftEccPlan:
                     return (NULL, NULL)
                 return (None, NULL) if dtype == self.real else (NULL, None)
             args = ((None, None, None, None if need_image else NULL, None) + outputs(t_dtype)
-                    + outputs(s_dtype) + self._bgeometry)
-            launch_ = PreparedLaunch(self._bsig, self._bgrid, THREADS, args, shared_mem=self._bsmem)
+                    + outputs(s_dtype) + (None, self.kept_cap) + self._bgeometry)
+            launch_ = PreparedLaunch(self._lsig if listed else self._bsig, self._bgrid, THREADS,
+                                     args, shared_mem=self._bsmem)
             self._backward[key] = launch_
         return launch_
 
     def backward(self, need_image, t_dtype, s_dtype, arrays, lam, w) -> None:
         """Launch the backward (see backward_launch) on ``arrays``, which soft_ecc_backward
-        makes as forward's are made: checked at the launch's first call only."""
+        makes as forward's are made: checked at the launch's first call only. With kept
+        entries (the last array), the sweep of the images whose list overflowed, then the
+        listed images' entries and the final write (band::soft_ecc_fused_backward)."""
         self.backward_launch(need_image, t_dtype, s_dtype).call_checked_once(*arrays, lam, w)
+        if arrays[-1] is not NULL:
+            self.backward_launch(need_image, t_dtype, s_dtype, True).call_checked_once(*arrays, lam, w)
 
 
 _WORDS = threading.local()
@@ -243,28 +289,32 @@ def _plan_and_view(image, ndim, tconn, periodic, T, real, plan=None):
     return plan, _ecc_cupy._image_view(image)
 
 
-def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False, plan=None):
-    """(*batch, T) curve in the dtype of ``t``. ``t``: host thresholds (checked) or device ones
-    (C-contiguous, on the image's device; checked on the device with ``check``); ``lam`` the
-    scale in that dtype, ``w`` the band half-width; ``plan`` the image's, if looked up."""
+def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False, plan=None,
+                     keep=False):
+    """((*batch, T) curve in the dtype of ``t``, the kept entries for soft_ecc_backward or
+    None). ``t``: host thresholds (checked) or device ones (C-contiguous, on the image's
+    device; checked on the device with ``check``); ``lam`` the scale in that dtype, ``w`` the
+    band half-width; ``plan`` the image's, if looked up; ``keep``: keep the entries."""
     import cupy
 
     real, T = t.dtype, t.size
+    kept = None
     with _on_device_of(image):
         plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
         out = cupy.empty(image.shape[:image.ndim - ndim] + (T,), dtype=real)
         if plan is not None:
-            plan.forward(x, _thresholds_on_device(t), out, lam, w, check)
+            kept = plan.forward(x, _thresholds_on_device(t), out, lam, w, check, keep)
         elif check:  # an empty batch: no kernel, so the host checks the thresholds
             check_thresholds(t, image)
-    return out
+    return out, kept
 
 
 def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
-                      t_dtype=np.float64, s_dtype=np.float64, plan=None):
+                      t_dtype=np.float64, s_dtype=np.float64, plan=None, kept=None):
     """(d_image in the dtype of t or None, d_t (T,) in ``t_dtype`` or None, d_scale 0-d in
     ``s_dtype`` or None) for the cotangent ``g`` (*batch, T); ``t_dtype`` and ``s_dtype`` are
-    the dtype of t or float64; ``plan`` the image's, if looked up."""
+    the dtype of t or float64; ``plan`` the image's, if looked up; ``kept`` the forward's
+    entries (soft_ecc_forward with ``keep``) or None."""
     import cupy
 
     need_image, need_t, need_scale = needs
@@ -275,7 +325,9 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
         if g.dtype != real or not _c_contiguous(g):
             g = cupy.ascontiguousarray(g.astype(real, copy=False))
-        d_image = cupy.empty(image.shape, dtype=real) if need_image else None
+        d_image = None
+        if need_image:  # the kernel writes only the kept entries' pixels of a listed image
+            d_image = (cupy.zeros if kept is not None else cupy.empty)(image.shape, dtype=real)
         d_t = cupy.empty(T, dtype=t_dtype) if need_t else None
         d_scale = cupy.empty((), dtype=s_dtype) if need_scale else None
         if plan is None:  # an empty batch
@@ -283,8 +335,9 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
                 if d is not None:
                     d.fill(0)
             return d_image, d_t, d_scale
-        ws = plan.workspace("backward", T + 2, np.float64)  # d_t, d_scale, the blocks' counter
+        ws = plan.workspace("backward", backward_workspace_words(T), np.float64)
         arrays = [x, _thresholds_on_device(t), g] + ([d_image] if need_image else []) + [ws]
         arrays += [d for d in (d_t, d_scale) if d is not None]
+        arrays.append(NULL if kept is None else kept)
         plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w)
     return d_image, d_t, d_scale

@@ -33,8 +33,8 @@ def _image(rng, shape, dtype=np.float32, levels=None, specials=False):
     return img
 
 
-def _sum_abs_c(image, ndim, conn):
-    c = _ecc_numpy.euler_contributions(image, ndim, conn == ndim, False)
+def _sum_abs_c(image, ndim, conn, periodic=False):
+    c = _ecc_numpy.euler_contributions(image, ndim, conn == ndim, periodic)
     return np.abs(c.reshape(c.shape[:c.ndim - ndim] + (-1,))).sum(axis=-1)
 
 
@@ -330,6 +330,7 @@ def test_soft_ecc_check_word_takes_only_its_own_launch(rng):
     value left there by an earlier, abandoned launch (an older token, failed flags) is not read
     as this launch's, and an abandoned launch's late flags do not leak into the next call."""
     from cutopo import _soft_ecc_cupy
+    from cutopo._cuda.launch import NULL
 
     cp = _cp()
     img = _image(rng, (21, 30), np.float32, levels=13)
@@ -350,7 +351,7 @@ def test_soft_ecc_check_word_takes_only_its_own_launch(rng):
     out = cp.empty((1, t.size), dtype=cp.float32)
     x = cp.asarray(img).reshape(1, 21, 30)
     plan._forward(x, bad, plan.workspace("forward", plan.words, np.uint64), out, word, word.arm(),
-                  np.float32(12.0), 0.1)
+                  NULL, np.float32(12.0), 0.1)
     got = cutopo.soft_ecc(cp.asarray(img), cp.asarray(t), 12.0)
     _close(got, want, _sum_abs_c(img, 2, 1), np.float32, "after an abandoned launch")
     with pytest.raises(ValueError, match="sorted in non-decreasing order"):
@@ -421,6 +422,162 @@ def test_soft_ecc_repeated_calls_keep_every_check(rng):
     t_wide = cp.repeat(t, 2)[::2]
     got = cutopo.soft_ecc(wide[..., ::2], t_wide, 7.0, ndim=2)
     _close(got, cutopo.soft_ecc(img_h, t_h, 7.0, ndim=2), S, np.float32, "strided arguments")
+
+
+def _waves(rng, shape, ndim, dtype):
+    """A few random low-frequency waves per image: smooth, with few critical pixels (all of a
+    forward's entries then fit in its kept list)."""
+    spatial = shape[len(shape) - ndim:]
+    grids = np.meshgrid(*[np.arange(n, dtype=np.float64) for n in spatial], indexing="ij")
+    out = np.empty(shape)
+    for idx in np.ndindex(*shape[:len(shape) - ndim]):
+        f = np.zeros(spatial)
+        for _ in range(3):
+            k = rng.uniform(0.05, 0.35, size=ndim) * rng.choice([-1.0, 1.0], size=ndim)
+            f += np.cos(sum(ka * g for ka, g in zip(k, grids)) + rng.uniform(0, 2 * np.pi))
+        out[idx] = f
+    return out.astype(dtype)
+
+
+def _kept_lists(res, image, ndim, tconn, periodic, T, dtype):
+    """(counts per image, sorted (index, c) per image) of a CuPy forward's kept entries."""
+    from cutopo import _soft_ecc_cupy
+
+    plan = _soft_ecc_cupy.device_plan(image, ndim, tconn, periodic, T, dtype)
+    nimg, cap = plan.nimg, plan.kept_cap
+    kept = _cp().asnumpy(res.kept)
+    assert kept.shape == (nimg * (1 + cap),)
+    counts = kept[:nimg].astype(np.int64)
+    slots = kept[nimg:].reshape(nimg, cap)
+    lists = []
+    for b in range(nimg):
+        v = slots[b, :min(counts[b], cap)]
+        c = (v & 0xff).astype(np.uint8).view(np.int8).astype(np.int64)
+        lists.append(sorted(zip((v >> 8).astype(np.int64).tolist(), c.tolist())))
+    return counts, cap, lists
+
+
+@pytest.mark.parametrize("ndim,shape", [(2, (3, 40, 52)), (3, (3, 12, 14, 16))])
+@pytest.mark.parametrize("conn_is_ndim", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("boundary", ["box", "periodic"])
+def test_soft_ecc_kept_entries(rng, ndim, shape, conn_is_ndim, dtype, boundary):
+    """A forward made for a backward keeps the critical pixels with a non-empty band, exactly
+    those of the NumPy path (index and contribution), and the backward of an image whose list
+    fits reads it instead of sweeping; an image whose list overflows (white noise in the middle
+    of the batch) is swept. Both give the NumPy path's cotangents, and pixels off the list get
+    exactly zero."""
+    from cutopo import _soft_ecc
+
+    cp = _cp()
+    conn = ndim if conn_is_ndim else 1
+    img = _waves(rng, shape, ndim, dtype)
+    img[1] = rng.random(shape[1:]).astype(dtype) * 4 - 2  # noise: about half its pixels critical
+    img.reshape(-1)[rng.choice(img.size, 2, replace=False)] = [np.nan, -np.inf]
+    t = np.linspace(-2.5, 2.5, int(rng.integers(30, 80))).astype(dtype)
+    scale = float(rng.uniform(5, 30))
+    kw = dict(ndim=ndim, connectivity=conn, boundary=boundary)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, scale, **kw)
+    poison_pool()
+    x = cp.asarray(img)
+    out_g, res = _soft_ecc._forward(x, cp.asarray(t), scale, **kw)
+    _, pb_g = cutopo.vjp(cutopo.soft_ecc, x, cp.asarray(t), scale, **kw)
+
+    cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, boundary)
+    index, px = _soft_ecc._pixels(cfg)
+    banded = px.lo < px.hi
+    counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, cfg.periodic, t.size, cfg.dtype)
+    per_image = int(np.prod(shape[1:]))
+    for b in range(shape[0]):
+        sel = banded & (index // per_image == b)
+        want = sorted(zip(index[sel].tolist(), px.c[sel].astype(np.int64).tolist()))
+        assert counts[b] == len(want), f"image {b}: {counts[b]} kept, {len(want)} expected"
+        if b == 1:
+            assert counts[b] > cap, "the noise image's list should overflow"
+        else:
+            assert counts[b] <= cap, "a smooth image's list should fit"
+            assert lists[b] == want, f"image {b}: kept entries differ"
+
+    S = _sum_abs_c(img, ndim, conn, boundary == "periodic")[..., None]
+    _close(out_g, out_c, S, dtype, "forward")
+    g = rng.standard_normal(out_c.shape).astype(dtype)
+    d_c = pb_c(g)
+    poison_pool()
+    d_g = pb_g(cp.asarray(g))
+    lam_g = scale * np.abs(g).sum()
+    _close(d_g[0], d_c[0], lam_g, dtype, "d_image")
+    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), dtype, "d_thresholds")
+    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), dtype, "d_scale")
+    off = np.ones(img.size, dtype=bool)
+    off[index[banded]] = False
+    assert np.all(cp.asnumpy(d_g[0]).reshape(-1)[off] == 0)
+
+
+@pytest.fixture
+def fresh_soft_ecc_plans():
+    """Plans made after a test changes the kept entries' sizes, none of them kept after it."""
+    from cutopo import _soft_ecc, _soft_ecc_cupy
+
+    def clear():
+        _soft_ecc_cupy.soft_ecc_plan.cache_clear()
+        _soft_ecc._DEVICE_CALLS.clear()
+
+    clear()
+    yield
+    clear()
+
+
+@pytest.mark.parametrize("pixels_per_slot,max_bytes", [(10 ** 9, 64 << 20), (8, 8)])
+def test_soft_ecc_kept_entries_capacity(rng, monkeypatch, fresh_soft_ecc_plans, pixels_per_slot,
+                                        max_bytes):
+    """One slot per image (every list overflows: the backward sweeps) and no room at all
+    (nothing kept: the forward gets a null list) give the NumPy path's results too."""
+    from cutopo import _soft_ecc, _soft_ecc_cupy
+
+    cp = _cp()
+    monkeypatch.setattr(_soft_ecc_cupy, "KEPT_PIXELS_PER_SLOT", pixels_per_slot)
+    monkeypatch.setattr(_soft_ecc_cupy, "KEPT_MAX_BYTES", max_bytes)
+    img = _waves(rng, (2, 37, 45), 2, np.float32)
+    t = np.linspace(-2.5, 2.5, 40).astype(np.float32)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, 9.0, ndim=2)
+    x = cp.asarray(img)
+    _, res = _soft_ecc._forward(x, cp.asarray(t), 9.0, ndim=2)
+    if max_bytes == 8:
+        assert res.kept is None
+    else:
+        counts, cap, _ = _kept_lists(res, x, 2, False, False, t.size, np.dtype(np.float32))
+        assert cap == 1 and np.all(counts > 1)
+    out_g, pb_g = cutopo.vjp(cutopo.soft_ecc, x, cp.asarray(t), 9.0, ndim=2)
+    S = _sum_abs_c(img, 2, 1)[..., None]
+    _close(out_g, out_c, S, np.float32, "forward")
+    g = rng.standard_normal(out_c.shape).astype(np.float32)
+    d_c = pb_c(g)
+    poison_pool()
+    d_g = pb_g(cp.asarray(g))
+    lam_g = 9.0 * np.abs(g).sum()
+    _close(d_g[0], d_c[0], lam_g, np.float32, "d_image")
+    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), np.float32, "d_thresholds")
+    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), np.float32, "d_scale")
+
+
+def test_soft_ecc_plain_call_keeps_no_entries(rng, monkeypatch):
+    """The plain forward (no backward to come) keeps no entries; cutopo.vjp's forward does."""
+    from cutopo import _soft_ecc_cupy
+
+    cp = _cp()
+    seen = []
+    real = _soft_ecc_cupy.SoftEccPlan.forward
+
+    def forward(self, *args, **kwargs):
+        seen.append(args[6] if len(args) > 6 else kwargs.get("keep", False))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(_soft_ecc_cupy.SoftEccPlan, "forward", forward)
+    x = cp.asarray(_waves(rng, (20, 30), 2, np.float32))
+    t = cp.linspace(-2, 2, 9, dtype=cp.float32)
+    cutopo.soft_ecc(x, t, 5.0)
+    cutopo.vjp(cutopo.soft_ecc, x, t, 5.0)
+    assert seen == [False, True]
 
 
 def test_soft_ecc_integer_device_thresholds_are_checked_on_the_host(rng):
