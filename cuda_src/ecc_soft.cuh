@@ -342,9 +342,9 @@ __host__ __device__ inline i64 backward_workspace_words(int T) {
 // kept: null (the sweep of every image), or the forward's KeptEntries (``kept_cap`` slots per
 // image), which take two launches on ws, in this order: the sweep instance (LISTED false)
 // sweeps only the images whose list overflowed and leaves the cotangents in ws (no final
-// write, its blocks not counted), then the LISTED instance evaluates the listed images'
-// entries (d_image written at those pixels alone: the caller passes it zeroed) and makes the
-// final write. Two instances, not one kernel with both paths: together they made the 2D
+// write, its blocks not counted) and zeroes the other images' d_image, then the LISTED
+// instance evaluates the listed images' entries (d_image written at those pixels alone) and
+// makes the final write. Two instances, not one kernel with both paths: together they made the 2D
 // float32 backward spill ~150 bytes at its 40-register budget, and the sweep 17 % slower.
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC, bool LISTED>
 __global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
@@ -373,7 +373,16 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     // below 2^31 (cutopo/_soft_ecc_cupy.py, KEPT_MAX_BYTES), so 32-bit counters do
     const unsigned long long count = kept != nullptr ? kept[img] : 0ull;
     const bool listed = kept != nullptr && count <= (unsigned long long)kept_cap && kept_cap < (1LL << 31);
-    if (!LISTED && listed) return;  // the LISTED launch's image
+    if (!LISTED && listed) {  // the LISTED launch's image: its d_image zeroed here, in order
+        if (d_image != nullptr) {  // before that launch writes the listed pixels
+            const i64 n = nz * ny * nx;
+            const i64 per_block = (n + blocks_per_image - 1) / blocks_per_image;
+            const i64 end = img * n + min(n, (chunk + 1) * per_block);
+            for (i64 p = img * n + chunk * per_block + threadIdx.x; p < end; p += THREADS)
+                d_image[p] = Real(0);
+        }
+        return;
+    }
     bool busy = !LISTED;            // this block has work: an image to sweep, or entries below
     unsigned n_kept = 0, per_warp = 0, warps = 0;
     if (LISTED && listed) {

@@ -48,8 +48,9 @@ KEEP_WORKSPACE_BYTES = 1 << 20
 # images have 2-5 % critical pixels, white noise about half: its backward sweeps), and at most
 # this many bytes per call (a larger batch or image keeps fewer slots per image).
 KEPT_PIXELS_PER_SLOT = 8
-BACKWARD_COPIES = 16  # band::BACKWARD_COPIES
 KEPT_MAX_BYTES = 64 << 20
+# Copies of the backward's global d_t and d_scale (band::BACKWARD_COPIES).
+BACKWARD_COPIES = 16
 
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -325,9 +326,7 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
         if g.dtype != real or not _c_contiguous(g):
             g = cupy.ascontiguousarray(g.astype(real, copy=False))
-        d_image = None
-        if need_image:  # the kernel writes only the kept entries' pixels of a listed image
-            d_image = (cupy.zeros if kept is not None else cupy.empty)(image.shape, dtype=real)
+        d_image = cupy.empty(image.shape, dtype=real) if need_image else None
         d_t = cupy.empty(T, dtype=t_dtype) if need_t else None
         d_scale = cupy.empty((), dtype=s_dtype) if need_scale else None
         if plan is None:  # an empty batch
