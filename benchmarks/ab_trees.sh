@@ -4,12 +4,14 @@
 # between calls on the device machines; compare only within one run).
 #
 # Usage (repository root):
-#   git archive REF cutopo cuda_src | (mkdir -p ab/old && tar -x -C ab/old)   # on the build machine
+#   git archive REF cutopo cuda_src benchmarks | (mkdir -p ab/old && tar -x -C ab/old)   # here
 #   bash benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/profile_cpab.py --case 2d
 #
 # Each tree must hold cutopo/ and cuda_src/ side by side (cutopo finds its CUDA sources next to
 # the package). COMMAND must run a script file: "python -c" and "python -m" put the working
-# directory first on sys.path, so both runs would import this checkout's cutopo. Output lines
+# directory first on sys.path, so both runs would import this checkout's cutopo. A tree that
+# holds its own copy of the script (a relative path, as above) runs that copy: benchmarks that
+# call private functions (bench_soft.py's kernel-only stages) change with the tree. Output lines
 # are prefixed with "[tree round]". ab/ is untracked and not ignored, so it travels to the
 # device with the working tree; delete it before committing.
 set -uo pipefail
@@ -31,6 +33,11 @@ done
 for ((r = 1; r <= rounds; r++)); do
     for tree in "$a" "$b"; do
         label="$(basename "$tree") $r"
-        PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$@" 2>&1 | sed "s|^|[$label] |"
+        cmd=("$@")
+        # the tree's own copy of a relative script path, where it has one
+        if [ $# -ge 2 ] && [[ "$2" != /* ]] && [ -f "$tree/$2" ]; then
+            cmd[1]="$tree/$2"
+        fi
+        PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "${cmd[@]}" 2>&1 | sed "s|^|[$label] |"
     done
 done
