@@ -48,6 +48,15 @@ def _close(gpu, cpu, scale, dtype, what):
     assert np.all(err <= tol), f"{what}: max error {err.max():.3g}, tolerance {np.min(tol):.3g}"
 
 
+def _close_cotangents(d_g, d_c, g, S, scale, T, dtype, what=""):
+    """soft_ecc's three cotangents (image, thresholds, scale) against the NumPy path's, each to
+    the size of its own sums: scale * sum |g|, that times sum |c| / T, and sum |g| sum |c|."""
+    lam_g = scale * np.abs(g).sum()
+    _close(d_g[0], d_c[0], lam_g, dtype, f"d_image{what}")
+    _close(d_g[1], d_c[1], lam_g * S.sum() / T, dtype, f"d_thresholds{what}")
+    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), dtype, f"d_scale{what}")
+
+
 # ---------------------------------------------------------------------------------------------
 # soft_ecc
 
@@ -74,10 +83,7 @@ def test_soft_ecc_forward_and_vjp_match_numpy(rng, ndim, shape, conn_is_ndim, dt
     d_c = pb_c(g)
     poison_pool()
     d_g = pb_g(cp.asarray(g))
-    lam_g = scale * np.abs(g).sum()
-    _close(d_g[0], d_c[0], lam_g, dtype, "d_image")
-    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), dtype, "d_thresholds")
-    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), dtype, "d_scale")
+    _close_cotangents(d_g, d_c, g, S, scale, len(t), dtype)
     # Pixels without a contribution get exactly zero (every element is written).
     c = _ecc_numpy.euler_contributions(img, ndim, conn == ndim, False)
     assert np.all(cp.asnumpy(d_g[0])[c == 0] == 0)
@@ -271,10 +277,7 @@ def test_soft_ecc_dense_critical_pixels(rng, ndim, shape, conn_is_ndim, pattern)
     _close(out_g, out_c, S, np.float64, "forward")
     g = rng.standard_normal(out_c.shape)
     d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
-    lam_g = 30.0 * np.abs(g).sum()
-    _close(d_g[0], d_c[0], lam_g, np.float64, "d_image")
-    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), np.float64, "d_thresholds")
-    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), np.float64, "d_scale")
+    _close_cotangents(d_g, d_c, g, S, 30.0, len(t), np.float64)
 
 
 def test_soft_ecc_workspaces_are_left_zeroed(rng):
@@ -297,11 +300,8 @@ def test_soft_ecc_workspaces_are_left_zeroed(rng):
         d_c = pb_c(g)
         S_k = S[k % 3]
         _close(out, out_c, S_k, np.float32, f"forward {k}")
-        lam_g = 20.0 * np.abs(g).sum()
         for d in (first, second):
-            _close(d[0], d_c[0], lam_g, np.float32, f"d_image {k}")
-            _close(d[1], d_c[1], lam_g * S_k.sum() / len(t), np.float32, f"d_thresholds {k}")
-            _close(d[2], d_c[2], np.abs(g).sum() * S_k.sum(), np.float32, f"d_scale {k}")
+            _close_cotangents(d, d_c, g, S_k, 20.0, len(t), np.float32, f" {k}")
 
 
 def test_soft_ecc_empty_batch(rng):
@@ -504,10 +504,7 @@ def test_soft_ecc_kept_entries(rng, ndim, shape, conn_is_ndim, dtype, boundary):
     d_c = pb_c(g)
     poison_pool()
     d_g = pb_g(cp.asarray(g))
-    lam_g = scale * np.abs(g).sum()
-    _close(d_g[0], d_c[0], lam_g, dtype, "d_image")
-    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), dtype, "d_thresholds")
-    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), dtype, "d_scale")
+    _close_cotangents(d_g, d_c, g, S, scale, len(t), dtype)
     off = np.ones(img.size, dtype=bool)
     off[index[banded]] = False
     assert np.all(cp.asnumpy(d_g[0]).reshape(-1)[off] == 0)
@@ -554,10 +551,7 @@ def test_soft_ecc_kept_entries_capacity(rng, monkeypatch, fresh_soft_ecc_plans, 
     d_c = pb_c(g)
     poison_pool()
     d_g = pb_g(cp.asarray(g))
-    lam_g = 9.0 * np.abs(g).sum()
-    _close(d_g[0], d_c[0], lam_g, np.float32, "d_image")
-    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), np.float32, "d_thresholds")
-    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), np.float32, "d_scale")
+    _close_cotangents(d_g, d_c, g, S, 9.0, len(t), np.float32)
 
 
 def test_soft_ecc_plain_call_keeps_no_entries(rng, monkeypatch):
@@ -828,10 +822,7 @@ def test_soft_ecc_large_inputs(rng, shape):
     _close(out_g, out_c, S, np.float32, "forward")
     g = rng.standard_normal(out_c.shape).astype(np.float32)
     d_c, d_g = pb_c(g), pb_g(cp.asarray(g))
-    lam_g = 300.0 * np.abs(g).sum()
-    _close(d_g[0], d_c[0], lam_g, np.float32, "d_image")
-    _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), np.float32, "d_thresholds")
-    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), np.float32, "d_scale")
+    _close_cotangents(d_g, d_c, g, S, 300.0, len(t), np.float32)
 
 
 @pytest.mark.parametrize("density", [0.0, 0.003, 0.3, 1.0])
