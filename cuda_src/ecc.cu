@@ -172,7 +172,8 @@ struct MaskedPixels {
 // every warp is converged): nothing, or the soft ECC's band work on the pixels its sink queued
 // (ecc_soft.cuh).
 struct NoRowsHook {
-    __device__ __forceinline__ void rows_done() const {}
+    template <typename... Args>
+    __device__ __forceinline__ void rows_done(Args...) const {}
 };
 
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
@@ -343,6 +344,25 @@ __device__ __forceinline__ void precedence(const unsigned (&W)[pow3(NDIM)], unsi
     }
 }
 
+// As precedence, and bit 15 of each lane of ``ties`` is set when some neighbour's key equals
+// the centre's: (p | H) - q is 0x8000 exactly then, so its bit 15 is set and that of one less
+// is clear (one IADD3 and one LOP3 more per neighbour word).
+template <int NDIM, int J = 0>
+__device__ __forceinline__ void precedence_ties(const unsigned (&W)[pow3(NDIM)], unsigned p_high,
+                                                unsigned (&P)[pow3(NDIM)], unsigned& ties) {
+    if constexpr (J < pow3(NDIM)) {
+        if constexpr (J == (pow3(NDIM) - 1) / 2) {
+            P[J] = 0;
+        } else {
+            const unsigned le = p_high - W[J];     // bit 15: q <= p
+            const unsigned lt = le - 0x00010001u;  // bit 15: q < p
+            P[J] = earlier<NDIM>(J) ? le : lt;
+            ties |= le & ~lt;
+        }
+        precedence_ties<NDIM, J + 1>(W, p_high, P, ties);
+    }
+}
+
 // AND of own[] over the children of J (J with one non-zero component zeroed, centre excluded).
 template <int NDIM, int J, int A = 0>
 __device__ __forceinline__ unsigned children_and(const unsigned (&own)[pow3(NDIM)]) {
@@ -376,11 +396,19 @@ __device__ __forceinline__ void own_level(const unsigned (&P)[pow3(NDIM)], unsig
 }
 
 // Contributions of the two pixels of the centre word: c = base + pos - neg per 16-bit lane.
-template <int NDIM, bool TCONN>
-__device__ __forceinline__ void word_counts(const unsigned (&W)[pow3(NDIM)], unsigned& pos, unsigned& neg) {
+// With TIES, bit 15 of each lane of ``ties`` tells that the lane's pixel has a neighbour of
+// equal key (the soft ECC's quantized keys: then its contribution is recomputed exactly).
+template <int NDIM, bool TCONN, bool TIES = false>
+__device__ __forceinline__ void word_counts(const unsigned (&W)[pow3(NDIM)], unsigned& pos, unsigned& neg,
+                                            unsigned& ties) {
     constexpr int N = pow3(NDIM);
     unsigned P[N], own[N];
-    precedence<NDIM>(W, W[(N - 1) / 2] | H, P);
+    if constexpr (TIES) {
+        ties = 0u;
+        precedence_ties<NDIM>(W, W[(N - 1) / 2] | H, P, ties);
+    } else {
+        precedence<NDIM>(W, W[(N - 1) / 2] | H, P);
+    }
     pos = 0;
     neg = 0;
     own_level<NDIM, TCONN, 1>(P, own, pos, neg);
@@ -388,10 +416,18 @@ __device__ __forceinline__ void word_counts(const unsigned (&W)[pow3(NDIM)], uns
     if constexpr (NDIM == 3) own_level<NDIM, TCONN, 3>(P, own, pos, neg);
 }
 
-template <int NDIM, bool TCONN, class KeyOf, class Sink, class Region = AllPixels>
+// Sweep the tiles [first, first + step, ...) of one image (64 x 32 pixels, 32 x 32 words).
+// Sink(c, key, 0) consumes each counted pixel's contribution; a sink with WORDS set instead
+// takes each thread's word of two pixels, sink.word(pos, neg, ties, z, gy, gx, j) (its pixels
+// (z, gy, gx) and (z, gy, gx + 1), counted or not; ties as word_counts makes them when the
+// sink sets TIES), and after the rows of every plane every thread calls
+// after.rows_done(z, y0, x0) (the plane and the tile's origin).
+template <int NDIM, bool TCONN, class KeyOf, class Sink, class Region = AllPixels,
+          class After = NoRowsHook>
 __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
-                                      const Sink& sink, const Region& counts = Region()) {
+                                      const Sink& sink, const Region& counts = Region(),
+                                      const After& after = After()) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
     constexpr int BASE = cell_sign<NDIM, TCONN>((pow3(NDIM) - 1) / 2);
     const int lane = threadIdx.x % 32;
@@ -505,27 +541,33 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
 #pragma unroll
                         for (int q = 0; q < 3; ++q) W[(p * 3 + r) * 3 + q] = win[p][r][q];
                 }
-                unsigned pos, neg;
+                unsigned pos, neg, ties;
 #ifdef CUTOPO_PROFILE_LOAD_ONLY  // profiling variant: tile loads only
                 pos = W[(pow3(NDIM) - 1) / 2] ^ W[0];
                 neg = 0;
+                ties = 0;
 #else
-                word_counts<NDIM, TCONN>(W, pos, neg);
+                word_counts<NDIM, TCONN, Sink::TIES>(W, pos, neg, ties);
 #endif
-                const unsigned keys = W[(pow3(NDIM) - 1) / 2];
-#ifdef CUTOPO_PROFILE_NO_SINK  // profiling variant: no histogram updates
-                if ((pos ^ neg ^ keys) == 0x12345678u) sink(1, 0, 0);
-#else
-                // Pixels outside the image carry the OUTSIDE key, which no sink counts. The
-                // centre word holds pixels x0 + 2 lane (low half) and x0 + 2 lane + 1.
+                // The centre word holds pixels x0 + 2 lane (low half) and x0 + 2 lane + 1.
                 const i64 gy = y0 + row0 + j - 1;
                 const i64 gx = x0 + 2 * lane;
-                if (counts(z, gy, gx))
-                    sink(BASE + (int)(pos & 0xffffu) - (int)(neg & 0xffffu), keys & 0xffffu, 0);
-                if (counts(z, gy, gx + 1))
-                    sink(BASE + (int)(pos >> 16) - (int)(neg >> 16), keys >> 16, 0);
+                if constexpr (Sink::WORDS) {
+                    sink.word(pos, neg, ties, z, gy, gx, j);
+                } else {
+                    const unsigned keys = W[(pow3(NDIM) - 1) / 2];
+#ifdef CUTOPO_PROFILE_NO_SINK  // profiling variant: no histogram updates
+                    if ((pos ^ neg ^ keys) == 0x12345678u) sink(1, 0, 0);
+#else
+                    // Pixels outside the image carry the OUTSIDE key, which no sink counts.
+                    if (counts(z, gy, gx))
+                        sink(BASE + (int)(pos & 0xffffu) - (int)(neg & 0xffffu), keys & 0xffffu, 0);
+                    if (counts(z, gy, gx + 1))
+                        sink(BASE + (int)(pos >> 16) - (int)(neg >> 16), keys >> 16, 0);
 #endif
+                }
             }
+            after.rows_done(z, y0, x0);
             __syncthreads();  // the next step overwrites plane z-1
         }
     }
@@ -671,6 +713,7 @@ __device__ __forceinline__ void warp_row_prefix_sum(const long long* h, int T, S
 // when the bins do not fit in shared memory. Zero contributions (most of a flat image) and
 // pixels above every threshold (or outside the image) add nothing.
 struct HistSink {
+    static constexpr bool WORDS = false, TIES = false;  // one pixel per call (packed::sweep)
     int* shared;        // nullptr: no shared histogram
     long long* global;  // this image's row of the global histogram
     int T;
@@ -735,7 +778,8 @@ histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>
     BinKey<In, Cmp, K> key_of{image, bins, byte_bins};
     HistSink sink{hist_s, hist + img * T, T};
     if constexpr (sizeof(K) == 2) {
-        __shared__ unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
+        // 16-byte aligned: load_plane stores the packed rows as uint2
+        __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
         packed::sweep<NDIM, TCONN>(words, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
                                    blocks_per_image, key_of, sink, counts);
     } else {

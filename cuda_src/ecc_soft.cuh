@@ -59,6 +59,13 @@ constexpr int soft_min_blocks() {
                                                  : CUTOPO_SOFT_MIN_BLOCKS_2D;
 }
 
+// Blocks per multiprocessor of the packed forward (packed_soft_forward instances): 4 (64
+// registers) measured 15 % faster than 6 at 1024^2 and 6 % at 64 x 256^2 (float32; RESULTS.md,
+// twentieth session); 5 and 6 spilled 100-200 bytes.
+#ifndef CUTOPO_SOFT_PACKED_MIN_BLOCKS
+#define CUTOPO_SOFT_PACKED_MIN_BLOCKS 4
+#endif
+
 // Per warp: the contribution of each pixel the sink saw this plane (slot = call * 32 + lane),
 // the flat index of the critical ones, and the compacted order of the critical slots.
 struct RowQueues {
@@ -194,6 +201,225 @@ struct RowBands {
     }
 };
 
+// ---------------------------------------------------------------------------------------------
+// The 2D forward's packed sweep (ecc.cu's packed::sweep, two pixels per 32-bit word). The
+// scalar sweep compares 32- or 64-bit value keys one neighbour and pixel at a time: half the
+// 1024^2 forward's time (benchmarks/RESULTS.md, twentieth session).
+//
+// Keys: 15 bits of the value, by a monotone map (QuantKey), so that q's key below p's implies
+// q's value below p's and the packed comparisons give every pixel whose keys all differ from
+// its neighbours' the contribution of the exact order (value, then index). A pixel with a
+// neighbour of equal key (a tie in 15 bits: equal values, values closer than the map's step,
+// values clamped at either end, NaN and +inf) is marked TIED and its contribution recomputed
+// from the image with the exact keys (exact_contribution) when its warp takes its queue. One-
+// byte inputs are their own keys: exact, no ties to mark.
+// ---------------------------------------------------------------------------------------------
+
+template <bool C, typename A, typename B> struct Select { typedef A type; };
+template <typename A, typename B> struct Select<false, A, B> { typedef B type; };
+template <typename T> struct IsFloatInput { static constexpr bool value = false; };
+template <> struct IsFloatInput<float> { static constexpr bool value = true; };
+template <> struct IsFloatInput<double> { static constexpr bool value = true; };
+template <> struct IsFloatInput<half> { static constexpr bool value = true; };
+
+// Which forward instances take the packed sweep: 2D floating-point and one-byte inputs in the
+// box (the packed sweep has no torus). 16- and 32-bit integer inputs keep the scalar sweep:
+// their values are dense in 15 bits only for small ranges. 3D keeps it too: there the packed
+// forward took 0.52 ms against the scalar's 0.375 at 256^3 float32, of which 0.26 went to the
+// tied voxels' exact contributions (0.254 ms with the ties ignored, results then wrong) for
+// reasons not found yet. Mirrored by cutopo/_soft_ecc_cupy.py (packed_forward), which sizes
+// the launch for it.
+template <typename In, int NDIM, bool PERIODIC>
+constexpr bool packed_soft_forward() {
+    return NDIM == 2 && !PERIODIC && (sizeof(In) == 1 || IsFloatInput<In>::value);
+}
+
+constexpr unsigned QUANT_TOP = 32765u;  // the largest quantized key (below packed::OUTSIDE)
+
+// Packed-sweep keys of a forward (packed::sweep's KeyOf): round(clamp(v * inv + off, 0, TOP))
+// in float (double for float64 images), monotone in v (an FMA with a positive factor, a clamp
+// and a rounding each are), NaN to the top (fmin returns its other operand). The rounding adds
+// 1.5 * 2^23 (2^52): the key is then the low 16 bits of the sum's bit pattern, so two pixels
+// pack into a word with one byte permute. inv and off map [t_0, t_{T-1}], widened by 1/16 of
+// its span at each end, onto [0, TOP] (from_thresholds; every block computes the same).
+template <typename In>
+struct QuantKey {
+    static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
+    static constexpr bool EXACT = sizeof(In) == 1;
+    typedef typename Select<sizeof(In) == 8, double, float>::type Q;
+    const In* image;
+    Q inv, off;
+
+    template <typename Real>
+    __device__ __forceinline__ static QuantKey from_thresholds(const In* image, const Real* t, int T) {
+        const Q a = (Q)t[0], b = (Q)t[T - 1];
+        const Q span = b - a;
+        Q inv = (Q)QUANT_TOP / (span + span / (Q)8);
+        Q off = -(a - span / (Q)16) * inv;
+        // one threshold, equal or non-finite ones: any positive factor keeps the map monotone
+        // (most pixels then tie, and take the exact contribution)
+        if (!(span > (Q)0) || !isfinite(inv) || !isfinite(off) || !(inv > (Q)0)) {
+            inv = (Q)1;
+            off = (Q)(QUANT_TOP / 2);
+        }
+        return QuantKey{image, inv, off};
+    }
+    // A word whose low 16 bits are the key of x.
+    __device__ __forceinline__ unsigned raw(In x) const {
+        if constexpr (EXACT) {
+            return (unsigned)(unsigned char)x;
+        } else if constexpr (sizeof(Q) == 8) {
+            const double u = fmax(fmin(fma((double)x, inv, off), (double)QUANT_TOP), 0.0);
+            return (unsigned)__double2loint(u + 6755399441055744.0);
+        } else {
+            const float u = fmaxf(fminf(__fmaf_rn(convert<float>(x), inv, off), (float)QUANT_TOP), 0.0f);
+            return __float_as_uint(__fadd_rn(u, 12582912.0f));
+        }
+    }
+    __device__ __forceinline__ unsigned operator()(i64 i) const { return raw(image[i]) & 0xffffu; }
+    __device__ __forceinline__ bool vector_rows(i64 nx) const {
+        return (reinterpret_cast<size_t>(image) % 16) == 0 && (nx * (i64)sizeof(In)) % 16 == 0;
+    }
+    __device__ __forceinline__ uint4 load16(i64 i) const {
+        return __ldg(reinterpret_cast<const uint4*>(image + i));
+    }
+    __device__ __forceinline__ void pack(uint4 raw16, unsigned (&packed)[VEC / 2]) const {
+        union {
+            uint4 raw;
+            In px[VEC];
+        } u;
+        u.raw = raw16;
+#pragma unroll
+        for (int k = 0; k < VEC / 2; ++k) packed[k] = __byte_perm(raw(u.px[2 * k]), raw(u.px[2 * k + 1]), 0x5410);
+    }
+};
+
+// c(p) of pixel (z, y, x) from the image's exact value keys (ecc.cu's contribution, as the
+// scalar sweep computes it), for a pixel marked TIED. Not inlined: few lanes ever take it,
+// and its keys and addresses would share the band code's registers.
+template <typename In, typename K, int NDIM, bool TCONN>
+__device__ __noinline__ int exact_contribution(const In* image, i64 base, i64 z, i64 y, i64 x,
+                                                i64 nz, i64 ny, i64 nx) {
+    K nb[pow3(NDIM)];
+#pragma unroll
+    for (int j = 0; j < pow3(NDIM); ++j) {
+        const i64 zz = NDIM == 3 ? z + digit<NDIM>(j, 0) : 0;
+        const i64 yy = y + digit<NDIM>(j, NDIM - 2);
+        const i64 xx = x + digit<NDIM>(j, NDIM - 1);
+        const bool inside = (u64)zz < (u64)nz && (u64)yy < (u64)ny && (u64)xx < (u64)nx;
+        nb[j] = inside ? (K)order_key(image[base + (zz * ny + yy) * nx + xx]) : all_ones<K>();
+    }
+    return contribution<NDIM, TCONN>(nb);
+}
+
+constexpr int PACKED_SLOTS = 2 * 32 * PY;  // pixels of a warp's rows per plane (64 columns x PY)
+constexpr int TIED = -128;                 // a slot's mark: the contribution is recomputed
+
+// Per warp: each slot's contribution (0 for pixels past the image, TIED), slot (2 j + h) * 32
+// + lane for the pixel x0 + 2 lane + h of the thread's row j; the compacted order of the
+// non-zero ones. A slot's position follows from its number: no index is queued.
+struct PackedQueues {
+    signed char c[WARPS][PACKED_SLOTS];
+    unsigned char order[WARPS][PACKED_SLOTS];
+};
+
+// Replaces the TIED marks among a warp's n queued slots (as packed_bands reads them) by the
+// pixels' exact contributions, before the band code runs.
+template <typename In, typename K, int NDIM, bool TCONN>
+__device__ __forceinline__ void resolve_ties(signed char* c_slots, const unsigned char* order, int n,
+                                             const In* image, i64 base, i64 z, i64 y, i64 x0,
+                                             i64 nz, i64 ny, i64 nx) {
+    const int lane = threadIdx.x % 32;
+    for (int first = 0; first < n; first += 32) {  // warp-uniform bounds
+        const int slot = first + lane < n ? order[first + lane] : 0;
+        const bool tied = first + lane < n && c_slots[slot] == TIED;
+        if (__any_sync(FULL, tied) && tied)
+            c_slots[slot] = (signed char)exact_contribution<In, K, NDIM, TCONN>(
+                image, base, z, y + (slot >> 6), x0 + 2 * (slot & 31) + ((slot >> 5) & 1), nz, ny, nx);
+    }
+    __syncwarp();  // the contributions of the other lanes' slots
+}
+
+// The band work of a warp's n queued slots (c, order: the warp's PackedQueues rows) of plane z,
+// whose rows start at y (the tile's origin plus the warp's first row) and columns at x0.
+template <typename In, typename K, typename Real, int NDIM, bool TCONN, class Work>
+__device__ __forceinline__ void packed_bands(const signed char* c_slots, const unsigned char* order, int n,
+                                          const In* image, i64 base, i64 z, i64 y, i64 x0, i64 nz,
+                                          i64 ny, i64 nx, const Work* work_s, Window<Real>* window) {
+    const int lane = threadIdx.x % 32;
+    Work work = *work_s;
+    work.win = *window;
+    for (int first = 0; first < n; first += 32) {  // warp-uniform bounds: every lane takes part
+        const bool mine = first + lane < n;
+        int c = 0;
+        i64 i = 0, gy = 0, gx = 0;
+        Real f = 0;
+        if (mine) {
+            const int slot = order[first + lane];
+            c = c_slots[slot];
+            gy = y + (slot >> 6);
+            gx = x0 + 2 * (slot & 31) + ((slot >> 5) & 1);
+            i = base + (z * ny + gy) * nx + gx;
+            f = convert<Real>(image[i]);
+        }
+        work.entries(mine, mine && c != 0 && !no_entry(f), f, c, i);
+    }
+    *window = work.win;
+}
+
+// The sink and rows hook of the packed sweep (RowBands' counterpart; one object for both).
+// The band work's parameters (one Work per block) and each thread's register window live in
+// shared memory between planes (as KeptSink does): held in registers through the sweep, beside
+// its neighbourhood and comparison words, they made the forward spill (3D float32: ~400 bytes
+// at 48 registers; the form measured is this one).
+template <typename In, typename K, typename Real, int NDIM, bool TCONN, class Work>
+struct PackedRowBands {
+    static constexpr bool WORDS = true;
+    static constexpr bool TIES = !QuantKey<In>::EXACT;
+    PackedQueues* q;
+    const In* image;
+    i64 base, nz, ny, nx;
+    const Work* work_s;       // shared
+    Window<Real>* windows;    // shared, one per thread
+
+    __device__ __forceinline__ void word(unsigned pos, unsigned neg, unsigned ties, i64, i64 gy,
+                                         i64 gx, int j) const {
+        constexpr int BASE = cell_sign<NDIM, TCONN>((pow3(NDIM) - 1) / 2);
+        signed char* c = q->c[threadIdx.x / 32] + 64 * j + threadIdx.x % 32;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int v = BASE + (int)((pos >> (16 * h)) & 0xffffu) - (int)((neg >> (16 * h)) & 0xffffu);
+            if (TIES && ((ties >> (15 + 16 * h)) & 1u)) v = TIED;
+            c[32 * h] = (gy < ny && gx + h < nx) ? (signed char)v : (signed char)0;
+        }
+    }
+
+    __device__ __forceinline__ void rows_done(i64 z, i64 y0, i64 x0) const {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        PackedQueues& r = *q;
+        int n = 0;
+#pragma unroll
+        for (int s = 0; s < 2 * PY; ++s) {  // own slots only: no barrier needed before
+            const int slot = s * 32 + lane;
+            const bool queued = r.c[warp][slot] != 0;
+            const unsigned b = __ballot_sync(FULL, queued);
+            if (queued) r.order[warp][n + __popc(b & ((1u << lane) - 1u))] = (unsigned char)slot;
+            n += __popc(b);
+        }
+        __syncwarp();  // order and contributions of the other lanes
+        if constexpr (TIES) {
+            if (n > 0)
+                resolve_ties<In, K, NDIM, TCONN>(r.c[warp], r.order[warp], n, image, base, z,
+                                                 y0 + warp * PY, x0, nz, ny, nx);
+        }
+        if (n > 0)     // warp-uniform
+            packed_bands<In, K, Real, NDIM, TCONN, Work>(r.c[warp], r.order[warp], n, image, base,
+                                                         z, y0 + warp * PY, x0, nz, ny, nx,
+                                                         work_s, windows + threadIdx.x);
+        __syncwarp();  // the next plane rewrites the queue
+    }
+};
+
 // Where a forward block keeps its image's entries: the image's slots of a KeptEntries (null:
 // none kept), their counter in the workspace, the slots' number. In shared memory, set once per
 // block: held in registers through the sweep, the three made the 3D forward spill more.
@@ -235,8 +461,14 @@ struct ForwardWork {
 // (the image's last block leaves its parts zeroed again). word: null, or the host word that
 // block 0 writes the thresholds' check into (report_thresholds) with ``token``. kept: null or
 // a KeptEntries of ``kept_cap`` slots per image, for the backward.
+template <typename In, typename K, typename Real, int NDIM, bool PERIODIC>
+constexpr int soft_forward_min_blocks() {
+    return !packed_soft_forward<In, NDIM, PERIODIC>() ? soft_min_blocks<Real, K, NDIM, PERIODIC>()
+           : CUTOPO_SOFT_PACKED_MIN_BLOCKS;
+}
+
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
-__global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
+__global__ void __launch_bounds__(THREADS, (soft_forward_min_blocks<In, K, Real, NDIM, PERIODIC>()))
 soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ thresholds,
                        unsigned long long* __restrict__ ws, Real* __restrict__ out,
                        unsigned long long* __restrict__ word, long long token,
@@ -244,8 +476,6 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
                        i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
                        int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
-    __shared__ RowQueues q;
     __shared__ int is_last;
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
@@ -259,12 +489,34 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     if (word != nullptr && blockIdx.x == 0) report_thresholds(s.t, T, word, token);
     double* acc_row = wsp.acc + img * T;
     long long* sat_row = wsp.sat + img * T;
-    const RowBands<In, Real, ForwardWork<Real>> bands{
-        &q, image,
-        ForwardWork<Real>{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, {}}, 0};
-    sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
-                          ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
-    bands.work.win.flush(bands.work.a);
+    const ForwardWork<Real> work{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, {}};
+    const i64 base = img * nz * ny * nx;
+    if constexpr (packed_soft_forward<In, NDIM, PERIODIC>()) {
+        // 16-byte aligned: load_plane stores the packed rows as uint2
+        __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
+        __shared__ PackedQueues q;
+        // raw storage: a __shared__ variable takes no initialiser (Window has defaults)
+        __shared__ __align__(16) unsigned char work_bytes[sizeof(ForwardWork<Real>)];
+        __shared__ __align__(16) unsigned char window_bytes[THREADS * sizeof(Window<Real>)];
+        ForwardWork<Real>* work_s = reinterpret_cast<ForwardWork<Real>*>(work_bytes);
+        Window<Real>* windows = reinterpret_cast<Window<Real>*>(window_bytes);
+        if (threadIdx.x == 0) *work_s = work;
+        windows[threadIdx.x] = Window<Real>();
+        __syncthreads();
+        const PackedRowBands<In, K, Real, NDIM, TCONN, ForwardWork<Real>> bands{
+            &q, image, base, nz, ny, nx, work_s, windows};
+        packed::sweep<NDIM, TCONN>(words, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
+                                   QuantKey<In>::from_thresholds(image, s.t, T), bands,
+                                   AllPixels(), bands);
+        windows[threadIdx.x].flush(work.a);
+    } else {
+        __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
+        __shared__ RowQueues q;
+        const RowBands<In, Real, ForwardWork<Real>> bands{&q, image, work, 0};
+        sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
+                              ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
+        bands.work.win.flush(bands.work.a);
+    }
     if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
 
     // The image's last block: out = prefix sum of sat + acc, rounded once (the pattern of

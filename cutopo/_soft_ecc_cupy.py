@@ -10,6 +10,10 @@ memory, read before the call returns), a backward one. Everything that depends o
 geometry is planned once per (device, input dtype, batch, shape, construction, T, computation
 dtype) and memoized (:class:`SoftEccPlan`).
 
+The 2D forward sweeps with the packed (two pixels per word) sweep on 15-bit keys of the values,
+recomputing exactly the contribution of every pixel tied with a neighbour in 15 bits
+(band::packed_soft_forward, :func:`packed_forward`).
+
 A forward made for a backward also keeps its entries (the critical pixels with a non-empty
 band: index and contribution, 8 bytes each) in a buffer of one slot per KEPT_PIXELS_PER_SLOT
 pixels (at most KEPT_MAX_BYTES per call); the backward of an image whose entries fit reads
@@ -41,6 +45,11 @@ ROW_SLOTS = 32 * 4             # band::ROW_SLOTS
 # 48 KiB a block may take without opting in (_band_cupy.SHARED_MAX), else the accumulators go
 # to global memory.
 QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
+# The packed forward's (band::PackedQueues, its one-word-per-pixel-pair tile of packed::PLANEW
+# words per plane, the block's band parameters and a register window per thread).
+PACKED_SLOTS = 2 * 32 * 4      # band::PACKED_SLOTS
+PACKED_PLANE_WORDS = 36 * 34   # packed::PLANEW
+PACKED_QUEUE_BYTES = WARPS * PACKED_SLOTS * 2 + THREADS * 32 + 256
 # Workspaces up to this size are kept per plan, thread and stream (the kernels leave them
 # zeroed); larger ones are made zeroed at every call.
 KEEP_WORKSPACE_BYTES = 1 << 20
@@ -131,9 +140,20 @@ def kept_capacity(nimg: int, pixels: int) -> int:
     return max(0, min(per_image, fit))
 
 
-def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes):
+def packed_forward(in_dtype, ndim, periodic) -> bool:
+    """Whether the forward takes the packed sweep (band::packed_soft_forward): 2D floating-point
+    and one-byte inputs in the box."""
+    return (ndim == 2 and not periodic
+            and (np.dtype(in_dtype).kind == "f" or np.dtype(in_dtype).itemsize == 1))
+
+
+def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes, packed=False):
     """(accumulators in shared memory, dynamic shared bytes) for one sweep kernel."""
-    static = (3 if ndim == 3 else 1) * PLANE * key_bytes + QUEUE_BYTES
+    planes = 3 if ndim == 3 else 1
+    if packed:
+        static = planes * PACKED_PLANE_WORDS * 4 + PACKED_QUEUE_BYTES
+    else:
+        static = planes * PLANE * key_bytes + QUEUE_BYTES
     return _shared_plan(T, real, with_g, with_sat, static)
 
 
@@ -150,9 +170,10 @@ class SoftEccPlan:
         self.kept_cap = kept_capacity(nimg, math.prod(spatial))
 
         fsig = _sweep_sig("forward", in_dtype, real, ndim, tconn, periodic)
-        shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes)
-        (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(fsig, nimg, spatial, ndim, smem,
-                                                          _ecc_cupy.TILE_X["unsigned int"])
+        packed = packed_forward(in_dtype, ndim, periodic)
+        shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes, packed)
+        tile_x = _ecc_cupy.TILE_X["unsigned short" if packed else "unsigned int"]
+        (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(fsig, nimg, spatial, ndim, smem, tile_x)
         # (image, thresholds, workspace, out, word, token, kept, cap, ..., lam, w, shared):
         # arrays, the check word and its token, the kept entries and the scale per call
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS,

@@ -15,6 +15,11 @@ import secrets
 import numpy as np
 import pytest
 
+# JAX must not take most of the GPU's memory: CuPy and PyTorch share the card in the adapter
+# tests, and each pytest-xdist worker would otherwise preallocate 75 % of it (set before any
+# test imports jax).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 try:
     from hypothesis import settings
 except ImportError:  # pragma: no cover - hypothesis is a test dependency

@@ -510,6 +510,107 @@ def test_soft_ecc_kept_entries(rng, ndim, shape, conn_is_ndim, dtype, boundary):
     assert np.all(cp.asnumpy(d_g[0]).reshape(-1)[off] == 0)
 
 
+def _near_ties(rng, shape, ndim, dtype):
+    """Images whose packed-sweep keys (15 bits of the value over the thresholds' range) tie
+    everywhere but in a smooth band: runs of values a few ulps apart, exact ties, values far
+    outside the thresholds (their keys clamp), -0.0 beside +0.0, NaN and both infinities."""
+    img = _waves(rng, shape, ndim, np.float64)
+    flat = img.reshape(shape[:len(shape) - ndim] + (-1,))
+    n = flat.shape[-1]
+    part = np.roll(np.arange(n), int(rng.integers(n)))  # runs of consecutive pixels
+    q = n // 6
+    dt = np.dtype(dtype) if np.dtype(dtype).kind == "f" else np.dtype(np.float32)
+    ulps = rng.integers(0, 40, size=flat[..., part[:q]].shape)
+    flat[..., part[:q]] = np.nextafter(dt.type(0.3), dt.type(1))  # one value ...
+    flat[..., part[:q]] += ulps * float(np.spacing(dt.type(0.3)))  # ... plus up to 40 ulps
+    flat[..., part[q:2 * q]] = 0.25                                # exact ties
+    flat[..., part[2 * q:3 * q]] = rng.choice([-50.0, 70.0], size=flat[..., part[2 * q:3 * q]].shape)
+    flat[..., part[2 * q:3 * q]] += rng.standard_normal(flat[..., part[2 * q:3 * q]].shape)
+    flat[..., part[3 * q:3 * q + 3]] = [-0.0, 0.0, -0.0]
+    flat[..., part[3 * q + 3:3 * q + 6]] = [np.nan, np.inf, -np.inf]
+    return img.astype(dtype)
+
+
+@pytest.mark.parametrize("ndim,shape", [(2, (2, 45, 130)), (3, (2, 9, 21, 70))])
+@pytest.mark.parametrize("conn_is_ndim", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_soft_ecc_packed_forward_on_tied_keys(rng, monkeypatch, fresh_soft_ecc_plans, ndim, shape,
+                                              conn_is_ndim, dtype):
+    """The 2D forward's packed sweep compares 15-bit keys of the values and recomputes the
+    contribution of every pixel with a neighbour of equal key from the exact order: its kept
+    entries (index and contribution) equal the NumPy path's on images tied in 15 bits almost
+    everywhere, and so do the curve and the cotangents."""
+    from cutopo import _soft_ecc, _soft_ecc_cupy
+
+    cp = _cp()
+    assert _soft_ecc_cupy.packed_forward(dtype, ndim, False) == (ndim == 2)  # 3D: the scalar sweep
+    monkeypatch.setattr(_soft_ecc_cupy, "KEPT_PIXELS_PER_SLOT", 1)  # room for every entry
+    conn = ndim if conn_is_ndim else 1
+    img = _near_ties(rng, shape, ndim, dtype)
+    t = np.linspace(-2.5, 2.5, int(rng.integers(30, 80))).astype(np.float32 if dtype == np.float16 else dtype)
+    scale = float(rng.uniform(5, 30))
+    kw = dict(ndim=ndim, connectivity=conn)
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, scale, **kw)
+    poison_pool()
+    x = cp.asarray(img)
+    out_g, res = _soft_ecc._forward(x, cp.asarray(t), scale, **kw)
+    cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, "box")
+    index, px = _soft_ecc._pixels(cfg)
+    banded = px.lo < px.hi
+    counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
+    per_image = int(np.prod(shape[1:]))
+    for b in range(shape[0]):
+        sel = banded & (index // per_image == b)
+        want = sorted(zip(index[sel].tolist(), px.c[sel].astype(np.int64).tolist()))
+        assert counts[b] == len(want) and counts[b] <= cap
+        assert lists[b] == want, f"image {b}: kept entries differ"
+    S = _sum_abs_c(img, ndim, conn)[..., None]
+    _close(out_g, out_c, S, cfg.dtype, "forward")
+    _, pb_g = cutopo.vjp(cutopo.soft_ecc, x, cp.asarray(t), scale, **kw)
+    g = rng.standard_normal(out_c.shape).astype(cfg.dtype)
+    d_c = pb_c(g)
+    poison_pool()
+    d_g = pb_g(cp.asarray(g))
+    if dtype == np.float16:  # d_image is float16 on both paths: one rounding each, maybe apart
+        lam_g = scale * np.abs(g).sum()
+        np.testing.assert_allclose(cp.asnumpy(d_g[0]).astype(np.float64), d_c[0].astype(np.float64),
+                                   rtol=2.0 ** -10, atol=RTOL[np.dtype(np.float32)] * (lam_g + 1))
+        _close(d_g[1], d_c[1], lam_g * S.sum() / len(t), cfg.dtype, "d_thresholds")
+        _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), cfg.dtype, "d_scale")
+    else:
+        _close_cotangents(d_g, d_c, g, S, scale, len(t), cfg.dtype)
+
+
+@pytest.mark.parametrize("in_dtype", ["bool", "uint8"])
+@pytest.mark.parametrize("ndim,shape", [(2, (3, 41, 70)), (3, (11, 19, 67))])
+def test_soft_ecc_packed_forward_on_byte_images(rng, monkeypatch, fresh_soft_ecc_plans, in_dtype,
+                                                ndim, shape):
+    """One-byte images are their own packed keys (no ties to recompute): the kept entries equal
+    the NumPy path's, ties of equal bytes broken by index."""
+    from cutopo import _soft_ecc, _soft_ecc_cupy
+
+    cp = _cp()
+    monkeypatch.setattr(_soft_ecc_cupy, "KEPT_PIXELS_PER_SLOT", 1)
+    img = (rng.random(shape) < 0.5) if in_dtype == "bool" else rng.integers(0, 6, size=shape).astype(np.uint8)
+    t = np.linspace(-0.5, 6.5, 23).astype(np.float32)
+    for conn in (1, ndim):
+        x = cp.asarray(img)
+        out_g, res = _soft_ecc._forward(x, cp.asarray(t), 4.0, ndim=ndim, connectivity=conn)
+        cfg = _soft_ecc._prepare(img, t, 4.0, ndim, conn, "box")
+        index, px = _soft_ecc._pixels(cfg)
+        banded = px.lo < px.hi
+        counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
+        nimg = int(np.prod(shape[:len(shape) - ndim]))
+        per_image = img.size // nimg
+        for b in range(nimg):
+            sel = banded & (index // per_image == b)
+            want = sorted(zip(index[sel].tolist(), px.c[sel].astype(np.int64).tolist()))
+            assert counts[b] == len(want) <= cap
+            assert lists[b] == want, f"image {b}, connectivity {conn}: kept entries differ"
+        _close(out_g, cutopo.soft_ecc(img, t, 4.0, ndim=ndim, connectivity=conn),
+               _sum_abs_c(img, ndim, conn)[..., None], np.float32, f"{in_dtype} forward")
+
+
 @pytest.fixture
 def fresh_soft_ecc_plans():
     """Plans made after a test changes the kept entries' sizes, none of them kept after it."""
