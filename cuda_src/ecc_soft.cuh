@@ -60,8 +60,8 @@ constexpr int soft_min_blocks() {
 }
 
 // Blocks per multiprocessor of the packed forward (packed_soft_forward instances): 4 (64
-// registers) measured 15 % faster than 6 at 1024^2 and 6 % at 64 x 256^2 (float32; RESULTS.md,
-// twentieth session); 5 and 6 spilled 100-200 bytes.
+// registers, the band code inlined) measured 8 % faster than 6 at 1024^2 and 6 % at 64 x 256^2
+// (float32; RESULTS.md, twentieth session); it still spills 80-184 bytes, 5 and 6 more.
 #ifndef CUTOPO_SOFT_PACKED_MIN_BLOCKS
 #define CUTOPO_SOFT_PACKED_MIN_BLOCKS 4
 #endif
