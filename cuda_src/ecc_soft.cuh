@@ -224,10 +224,15 @@ template <> struct IsFloatInput<half> { static constexpr bool value = true; };
 
 // Which forward instances take the packed sweep: 2D floating-point and one-byte inputs in the
 // box (the packed sweep has no torus). 16- and 32-bit integer inputs keep the scalar sweep:
-// their values are dense in 15 bits only for small ranges. 3D keeps it too: there the packed
-// forward took 0.52 ms against the scalar's 0.375 at 256^3 float32, of which 0.26 went to the
-// tied voxels' exact contributions (0.254 ms with the ties ignored, results then wrong) for
-// reasons not found yet. Mirrored by cutopo/_soft_ecc_cupy.py (packed_forward), which sizes
+// their values are dense in 15 bits only for small ranges. 3D keeps it too: 15 bits are too
+// few for 26 neighbours. At 256^3 float32 0.8 % of a smooth volume's voxels tie, but 82 % of
+// a warp's planes hold one, resolved on one or two lanes: the packed forward took 0.48 ms
+// against the scalar's 0.375 (0.255 with the ties ignored, results then wrong). Queued per
+// warp and resolved 32 at a time, the ties still cost 0.37 ms at 256^3 and 3.05 at 512^3
+// (scalar 2.60; 2.18 with the queue's resolution dropped, 40k of 2.49M entries then wrong):
+// the larger volume ties more, and the tie code's registers spill (64 per thread at 4 blocks,
+// 13x the scalar's local-memory traffic). Measured on the H200, benchmarks/RESULTS.md,
+// twenty-first session. Mirrored by cutopo/_soft_ecc_cupy.py (packed_forward), which sizes
 // the launch for it.
 template <typename In, int NDIM, bool PERIODIC>
 constexpr bool packed_soft_forward() {
