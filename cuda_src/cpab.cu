@@ -503,11 +503,14 @@ __device__ __forceinline__ void adjoint_sweep(
         int need_theta, double* my_scratch, unsigned live) {
     MomentQueue<K> queue(my_scratch, live);
     // The segment's steps in local memory (indexed at run time), as compact as they go: x_t,
-    // the cell within the item's block of cells (an int: a block of 2^31 cells would not fit
-    // in memory) and P's mask (a byte).
+    // and one word of the cell within the item's block of cells with P's mask in its low K
+    // bits (Tessellation keeps K (K+1) n_cells < 2^31, so the cell is below 2^(31-K)). These
+    // arrays are most of the L1 working set (~210 KB per SM at 2D's 4 blocks), whose misses
+    // to L2 bound the backward as much as its instructions do (Nsight Compute: L1 hit rate
+    // 65-74 %, L2 56-76 % busy); one word instead of an int and a byte: 2D 1.08 -> 1.03 ms
+    // (benchmarks/RESULTS.md, twenty-second session; 16-bit words gained nothing more).
     T xs[MAX_SEGMENT][K];
-    int cells[MAX_SEGMENT];
-    unsigned char masks[MAX_SEGMENT];
+    unsigned words[MAX_SEGMENT];
     Moments<K> m;
     m.reset(-1);
     const int segments = (n_steps + S - 1) / S;
@@ -521,12 +524,14 @@ __device__ __forceinline__ void adjoint_sweep(
             #pragma unroll
             for (int k = 0; k < K; ++k) xs[i][k] = x[k];
             int inside;
-            cells[i] = (int)(step<T, K, PROJECT>(x, E, cell_offset, g, inside) - cell_offset);
-            if (PROJECT) masks[i] = (unsigned char)inside;
+            const unsigned cell =
+                (unsigned)(step<T, K, PROJECT>(x, E, cell_offset, g, inside) - cell_offset);
+            words[i] = PROJECT ? cell << K | (unsigned)inside : cell;
         }
         for (int i = L - 1; i >= 0; --i) {
-            const i64 flat = cell_offset + cells[i];
-            const int inside = PROJECT ? masks[i] : 0;
+            const unsigned word = words[i];
+            const i64 flat = cell_offset + (PROJECT ? word >> K : word);
+            const int inside = PROJECT ? (int)(word & ((1u << K) - 1)) : 0;
             double mu[K];
             #pragma unroll
             for (int k = 0; k < K; ++k)

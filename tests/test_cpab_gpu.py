@@ -297,6 +297,29 @@ def test_vjp_many_cells(rng, moments, shape, batch):
     np.testing.assert_allclose(got[0].get(), want[0], rtol=1e-9, atol=1e-9 * np.abs(want[0]).max())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_backward_carveout_keeps_the_occupancy(K, dtype):
+    """The backward asks for only the shared memory its resident blocks use (the rest is L1 for
+    its local arrays): as many blocks per multiprocessor as with all of it, and at least one
+    more than with none (so the occupancy query does see the carveout)."""
+    cp = _cp()
+    from cutopo._cuda import launch
+
+    occupancy = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor
+    sig = _integrate_cupy._backward_sig(np.dtype(dtype).name, K, True, _integrate_cupy.MOMENTS)
+    kernel = launch._kernel(cp.cuda.Device().id, sig, ())
+    blocks = {}
+    for percent in (100, 0):
+        kernel.preferred_shared_memory_carveout = percent
+        blocks[percent] = occupancy(kernel.kernel.ptr, _integrate_cupy.THREADS, 0)
+    launch._fit_shared_carveout.cache_clear()
+    fitted = launch._fit_shared_carveout(cp.cuda.Device().id, sig, (), _integrate_cupy.THREADS, 0)
+    assert 0 < fitted < 100 and kernel.preferred_shared_memory_carveout == fitted
+    assert occupancy(kernel.kernel.ptr, _integrate_cupy.THREADS, 0) == blocks[100]
+    assert blocks[0] < blocks[100]
+
+
 def test_vjp_matches_central_differences_on_the_gpu(rng):
     cp = _cp()
     tess = Tessellation((3, 3))

@@ -214,6 +214,61 @@ def test_host_word_kind_takes_a_pinned_word_or_null(launch_mod, sig):
 
 
 # ---------------------------------------------------------------------------------------------
+# launch._fit_shared_carveout: the shared-memory share asked for, with a fake kernel and device
+
+
+class _FakeKernel:
+    def __init__(self, static_shared):
+        self.shared_size_bytes = static_shared
+        self.preferred_shared_memory_carveout = -1
+        self.kernel = type("Function", (), {"ptr": 1234})()
+
+
+@pytest.mark.parametrize("static, dynamic, per_sm, want", [
+    (14336, 0, 4, 27),       # 4 x (14 KB + 1 KB reserved) = 61440 B of 233472: 26.3 % -> 27
+    (26624, 0, 3, 36),       # 3 x 27648 = 82944 B: 35.5 % -> 36
+    (0, 0, 8, 4),            # the reserved 1 KB per block alone
+    (0, 0, 0, 1),            # an occupancy of 0 still asks for one block's share
+    (4096, 100000, 3, 100),  # more than the multiprocessor has: all of it
+])
+def test_fit_shared_carveout_asks_for_what_the_resident_blocks_use(launch_mod, monkeypatch,
+                                                                   static, dynamic, per_sm, want):
+    import cupy
+
+    kernel = _FakeKernel(static)
+    calls, carveouts_seen = [], []
+
+    def occupancy(ptr, block, shared):
+        calls.append((ptr, block, shared))
+        carveouts_seen.append(kernel.preferred_shared_memory_carveout)
+        return per_sm
+
+    sig = launch_mod.Signature("cpab", f"fake<{static}, {dynamic}, {per_sm}>", (), fit_shared=True)
+    monkeypatch.setattr(launch_mod, "_kernel", lambda device, s, options: kernel)
+    monkeypatch.setattr(launch_mod, "_device_attributes",
+                        lambda device: {"MaxSharedMemoryPerMultiprocessor": 233472,
+                                        "ReservedSharedMemoryPerBlock": 1024})
+    monkeypatch.setattr(cupy.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", occupancy)
+    launch_mod._fit_shared_carveout.cache_clear()
+    try:
+        assert launch_mod._fit_shared_carveout(0, sig, (), 256, dynamic) == want
+    finally:
+        launch_mod._fit_shared_carveout.cache_clear()
+    assert kernel.preferred_shared_memory_carveout == want
+    assert calls == [(1234, 256, dynamic)]   # the launch's own block size and dynamic shared
+    assert carveouts_seen == [100]           # the query saw all of the shared memory
+
+
+def test_only_the_cpab_backwards_ask_for_a_carveout(launch_mod):
+    from cutopo.cpab import _integrate_cupy, _warp_cupy
+
+    assert not launch_mod.Signature("ecc", "k", ()).fit_shared
+    assert _integrate_cupy._backward_sig("float32", 2, True, "queue").fit_shared
+    assert _warp_cupy._backward_sig("float32", "float32", "float32", 3, True, False).fit_shared
+    assert not _integrate_cupy._forward_sig("float32", 2, True).fit_shared
+
+
+# ---------------------------------------------------------------------------------------------
 # _ecc_cupy pure helpers
 
 

@@ -82,9 +82,10 @@ def _forward_sig(t, K, project):
 def _backward_sig(t, K, project, moments="warp"):
     name = (f"cutopo::cpab::integrate_backward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}, "
             f"{MOMENT_MODES[moments]}>")
+    # fit_shared: the segment's local arrays want L1 (launch._fit_shared_carveout)
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64",
                                     "ptr:float64", "int64", "int64", "int64")
-                     + ("int32",) * 7 + _GRID)
+                     + ("int32",) * 7 + _GRID, fit_shared=True)
 
 
 def _checks_sig(points_t, theta_t, K):

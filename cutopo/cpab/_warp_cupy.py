@@ -41,8 +41,10 @@ def _forward_sig(t, ti, r, o, K, project, nearest):
 def _backward_sig(t, ti, r, K, project, nearest):
     name = (f"cutopo::cpab::warp_backward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {K}, "
             f"{_flag(project)}, {_flag(nearest)}>")
+    # fit_shared: integrate_backward's local arrays (launch._fit_shared_carveout)
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{ti}", f"ptr:{r}", f"ptr:{r}", "ptr:float64",
-                                    f"ptr:{t}", "int64", "int64") + ("int32",) * 15)
+                                    f"ptr:{t}", "int64", "int64") + ("int32",) * 15,
+                     fit_shared=True)
 
 
 def _instances():
