@@ -149,8 +149,9 @@ __device__ __forceinline__ int tetrahedron(T X, T Y, T Z, bool odd) {
 
 // The cell holding x (already in the points' dtype), as cutopo.cpab.tessellation.cell_index:
 // u = clip(x n, 0, n), box = min(floor(u), n - 1), local = u - box (exact), then the simplex.
+// An int: Tessellation keeps K (K+1) n_cells below 2^31.
 template <typename T, int K>
-__device__ __forceinline__ i64 cell_of(const T (&x)[K], const Grid& g) {
+__device__ __forceinline__ int cell_of(const T (&x)[K], const Grid& g) {
     T local[K];
     int box_number = 0;  // below n_cells < 2^31 (Tessellation's check)
     int parity = 0;
@@ -182,7 +183,7 @@ __device__ __forceinline__ i64 cell_of(const T (&x)[K], const Grid& g) {
     } else if (K == 3) {
         simplex = tetrahedron(local[0], local[1 % K], local[2 % K], parity & 1);
     }
-    return (i64)Simplices<K>::value * box_number + simplex;
+    return Simplices<K>::value * box_number + simplex;
 }
 
 // A cell's K (K+1) matrix entries in 8- or 16-byte loads (rows start at multiples of
@@ -204,6 +205,22 @@ __device__ __forceinline__ void load_cell(const T* __restrict__ p, T (&r)[K * (K
         #pragma unroll
         for (int j = 0; j < W; ++j) r[i * W + j] = e[j];
     }
+}
+
+// The rows of one batch item's block of a per-cell table (width entries per cell), formed once
+// per thread before its step loops. The empty asm hides where the pointer came from: otherwise
+// the compiler folds the loop-invariant item offset back into every step's index (the PTX of
+// the forward had, per step, a 64-bit multiply of the item offset, another of the sign-extended
+// cell and 64-bit selects and adds, ~13 of its ~74 operations); from this pointer a step's
+// index is one 32-bit multiply-wide and the loads take immediate offsets. On the H200 (kernels
+// alternating in one process, bench_cpab's cases): forward 2D 0.384 -> 0.322 ms, 3D 0.650 ->
+// 0.625; backward with moments 2D 1.01 -> 0.975, 3D 1.93 -> 1.87 (benchmarks/RESULTS.md).
+template <typename T>
+__device__ __forceinline__ const T* item_rows(const T* __restrict__ table, i64 cell_offset,
+                                              int width) {
+    const T* rows = table + cell_offset * width;
+    asm("mov.b64 %0, %0;" : "+l"(rows));
+    return rows;
 }
 
 // A thread's (batch item, point) and where its inputs live. Points are (Bp, N, K) with Bp 1
@@ -265,16 +282,15 @@ velocity(const T* __restrict__ points, const T* __restrict__ A, T* __restrict__ 
 
 // -- the step --------------------------------------------------------------------------------
 
-// y = E_c [x; 1] in the points' dtype (NumPy's order), then P. Returns the flat cell (its row
-// of E) and sets bit k of `inside` when P left coordinate k alone.
+// y = E_c [x; 1] in the points' dtype (NumPy's order), then P. `E_item`: the item's rows of E
+// (item_rows). Returns the cell within the item's block and sets bit k of `inside` when P left
+// coordinate k alone.
 template <typename T, int K, bool PROJECT>
-__device__ __forceinline__ i64 step(T (&x)[K], const T* __restrict__ E, i64 cell_offset,
-                                    const Grid& g, int& inside) {
-    // the item's block of E is loop-invariant: only the cell's 32-bit offset varies
-    const int cell = (int)cell_of<T, K>(x, g);
-    const i64 flat = cell_offset + cell;
+__device__ __forceinline__ int step(T (&x)[K], const T* __restrict__ E_item, const Grid& g,
+                                    int& inside) {
+    const int cell = cell_of<T, K>(x, g);
     T e[K * (K + 1)];
-    load_cell<T, K>(E + cell_offset * (K * (K + 1)) + cell * (K * (K + 1)), e);
+    load_cell<T, K>(E_item + cell * (K * (K + 1)), e);
     T y[K];
     #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -294,7 +310,7 @@ __device__ __forceinline__ i64 step(T (&x)[K], const T* __restrict__ E, i64 cell
             x[k] = y[k];
         }
     }
-    return flat;
+    return cell;
 }
 
 template <typename T, int K, bool PROJECT>
@@ -331,6 +347,8 @@ integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __re
     start_point<T, K, PROJECT>(points, it.point_row, x, inside);
     double total = 0.0;
     const i64 plane = B * N * K;
+    const T* E_item = item_rows(E, it.cell_offset, K * (K + 1));
+    const double* trace_item = with_log_det ? item_rows(trace, it.cell_offset, 1) : trace;
     // the next checkpoint's step and slot (a counter: t % S costs an integer division per step)
     int next = 0, slot = 0;
     for (int t = 0; t < n_steps; ++t) {
@@ -341,8 +359,8 @@ integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __re
             ++slot;
             next += S;
         }
-        const i64 flat = step<T, K, PROJECT>(x, E, it.cell_offset, g, inside);
-        if (with_log_det) total += trace[flat];
+        const int cell = step<T, K, PROJECT>(x, E_item, g, inside);
+        if (with_log_det) total += trace_item[cell];
     }
     #pragma unroll
     for (int k = 0; k < K; ++k) out[it.idx * K + k] = x[k];
@@ -353,40 +371,50 @@ integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __re
 
 constexpr int WARPS = THREADS / 32;
 
-// Per-thread sums of mu [x; 1]^T for the run of steps spent in one cell.
+// Per-thread sums of mu [x; 1]^T for the run of steps spent in one cell: `cell` within the
+// item's block of cells (-1: none yet), G's row `cell_offset + cell`. A 32-bit cell keeps the
+// step's comparison and the 3D backward's registers (80, at their bound) small.
 template <int K>
 struct Moments {
     static constexpr int SIZE = K * (K + 1);
-    i64 cell;
+    int cell;
     double g[SIZE];
 
-    __device__ __forceinline__ void reset(i64 c) {
+    __device__ __forceinline__ void reset(int c) {
         cell = c;
         #pragma unroll
         for (int i = 0; i < SIZE; ++i) g[i] = 0.0;
+    }
+
+    // G's row of the sums, -1 for none
+    __device__ __forceinline__ i64 row(i64 cell_offset) const {
+        return cell >= 0 ? cell_offset + cell : (i64)-1;
     }
 };
 
 // Add the sums of every lane of the warp that flushes now into G: lanes flushing the same cell
 // pool their sums through shared memory and the lowest of them issues the atomics (MODE 1; MODE
-// 0: every lane its own). `scratch` is this warp's 32 * SIZE doubles.
+// 0: every lane its own). `scratch` is this warp's 32 * SIZE doubles. Lanes may belong to
+// different batch items: they pool by G's row.
 template <int K, int MODE>
-__device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ G, double* scratch) {
+__device__ __forceinline__ void flush(const Moments<K>& m, i64 cell_offset, double* __restrict__ G,
+                                      double* scratch) {
     constexpr int SIZE = Moments<K>::SIZE;
+    const i64 row = m.row(cell_offset);
     if (MODE == 0) {  // every lane adds its own sums
-        if (m.cell >= 0)
+        if (row >= 0)
             #pragma unroll
             for (int i = 0; i < SIZE; ++i)
-                if (m.g[i] != 0.0) atomicAdd(G + m.cell * SIZE + i, m.g[i]);
+                if (m.g[i] != 0.0) atomicAdd(G + row * SIZE + i, m.g[i]);
         return;
     }
     const unsigned active = __activemask();
     const int lane = threadIdx.x & 31;
-    const unsigned group = __match_any_sync(active, (unsigned long long)m.cell);
+    const unsigned group = __match_any_sync(active, (unsigned long long)row);
     #pragma unroll
     for (int i = 0; i < SIZE; ++i) scratch[i * 32 + lane] = m.g[i];
     __syncwarp(active);
-    if (lane == __ffs(group) - 1 && m.cell >= 0) {
+    if (lane == __ffs(group) - 1 && row >= 0) {
         double sum[SIZE];
         #pragma unroll
         for (int i = 0; i < SIZE; ++i) sum[i] = m.g[i];
@@ -395,7 +423,7 @@ __device__ __forceinline__ void flush(const Moments<K>& m, double* __restrict__ 
             #pragma unroll
             for (int i = 0; i < SIZE; ++i) sum[i] += scratch[i * 32 + other];
         }
-        double* dst = G + m.cell * SIZE;
+        double* dst = G + row * SIZE;
         #pragma unroll
         for (int i = 0; i < SIZE; ++i)
             if (sum[i] != 0.0) atomicAdd(dst + i, sum[i]);
@@ -446,19 +474,21 @@ struct MomentQueue {
         __syncwarp(live);
     }
 
-    // Every lane of `live` calls this at the same point; the lanes with `has` hand in m.
-    __device__ __forceinline__ void push(const Moments<K>& m, bool has, double* __restrict__ G) {
+    // Every lane of `live` calls this at the same point; the lanes with `has` hand in m, whose
+    // item's block of G starts at row `cell_offset`.
+    __device__ __forceinline__ void push(const Moments<K>& m, bool has, i64 cell_offset,
+                                         double* __restrict__ G) {
         const unsigned who = __ballot_sync(live, has);
         if (!who) return;
         if (live != 0xffffffffu) {
-            if (has) flush<K, 0>(m, G, nullptr);
+            if (has) flush<K, 0>(m, cell_offset, G, nullptr);
             return;
         }
         const int k = __popc(who);
         if (n + k > 32) drain(G);
         if (has) {
             const int slot = n + __popc(who & ((1u << (threadIdx.x & 31)) - 1u));
-            cell[slot] = m.cell;
+            cell[slot] = cell_offset + m.cell;
             #pragma unroll
             for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = m.g[i];
         }
@@ -474,9 +504,9 @@ template <int K, int MODE> struct MomentScratch {
 // The forward once more, x_t kept at t = 0, S, 2S, ... in `own` (the same steps in the same
 // order as integrate_forward, so the same values); x ends at x_T.
 template <typename T, int K, bool PROJECT>
-__device__ __forceinline__ void recompute_checkpoints(T (&x)[K], const T* __restrict__ E,
-                                                      i64 cell_offset, const Grid& g, int n_steps,
-                                                      int S, T (&own)[MAX_LOCAL_CHECKPOINTS][K]) {
+__device__ __forceinline__ void recompute_checkpoints(T (&x)[K], const T* __restrict__ E_item,
+                                                      const Grid& g, int n_steps, int S,
+                                                      T (&own)[MAX_LOCAL_CHECKPOINTS][K]) {
     int inside;
     for (int t = 0, next = 0, slot = 0; t < n_steps; ++t) {
         if (t == next) {
@@ -485,20 +515,21 @@ __device__ __forceinline__ void recompute_checkpoints(T (&x)[K], const T* __rest
             ++slot;
             next += S;
         }
-        step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+        step<T, K, PROJECT>(x, E_item, g, inside);
     }
 }
 
 // lambda_T -> lambda_0 (in place) through the trajectory, segment by segment from the last
 // checkpoint: `own` (recompute) or the forward's `checkpoints` at row `row` of planes of
-// `plane` elements. Adds mu_{t+1} [x_t; 1]^T to G when `need_theta`. MODE: how the moments
+// `plane` elements. `E_item`: the item's rows of E (item_rows), its block starting at cell
+// `cell_offset` of G. Adds mu_{t+1} [x_t; 1]^T to G when `need_theta`. MODE: how the moments
 // reach G (0: per-lane atomics, 1: warp-pooled at each flush, 2: a per-warp queue), with
 // `my_scratch` the warp's MomentScratch doubles; `live`: the lanes of the warp that run the
 // sweep (all with the same n_steps and S, so they run its loops in step).
 template <typename T, int K, bool PROJECT, int MODE>
 __device__ __forceinline__ void adjoint_sweep(
-        double (&lam)[K], const T* __restrict__ E, i64 cell_offset, const Grid& g, int n_steps,
-        int S, bool recompute, const T (&own)[MAX_LOCAL_CHECKPOINTS][K],
+        double (&lam)[K], const T* __restrict__ E_item, i64 cell_offset, const Grid& g,
+        int n_steps, int S, bool recompute, const T (&own)[MAX_LOCAL_CHECKPOINTS][K],
         const T* __restrict__ checkpoints, i64 row, i64 plane, double* __restrict__ G,
         int need_theta, double* my_scratch, unsigned live) {
     MomentQueue<K> queue(my_scratch, live);
@@ -524,20 +555,19 @@ __device__ __forceinline__ void adjoint_sweep(
             #pragma unroll
             for (int k = 0; k < K; ++k) xs[i][k] = x[k];
             int inside;
-            const unsigned cell =
-                (unsigned)(step<T, K, PROJECT>(x, E, cell_offset, g, inside) - cell_offset);
+            const unsigned cell = (unsigned)step<T, K, PROJECT>(x, E_item, g, inside);
             words[i] = PROJECT ? cell << K | (unsigned)inside : cell;
         }
         for (int i = L - 1; i >= 0; --i) {
             const unsigned word = words[i];
-            const i64 flat = cell_offset + (PROJECT ? word >> K : word);
+            const int cell = (int)(PROJECT ? word >> K : word);
             const int inside = PROJECT ? (int)(word & ((1u << K) - 1)) : 0;
             double mu[K];
             #pragma unroll
             for (int k = 0; k < K; ++k)
                 mu[k] = (!PROJECT || ((inside >> k) & 1)) ? lam[k] : 0.0;
             T e[K * (K + 1)];
-            load_cell<T, K>(E + flat * (K * (K + 1)), e);
+            load_cell<T, K>(E_item + cell * (K * (K + 1)), e);
             #pragma unroll
             for (int q = 0; q < K; ++q) {
                 double v = 0.0;
@@ -546,18 +576,21 @@ __device__ __forceinline__ void adjoint_sweep(
                 lam[q] = v;
             }
             if (need_theta) {
-                const bool change = flat != m.cell;
+                const bool change = cell != m.cell;
                 if (MODE == 2) {
-                    queue.push(m, change && m.cell >= 0, G);
-                    if (change) m.reset(flat);
-                } else if (change) {
-                    if (m.cell >= 0) flush<K, MODE>(m, G, my_scratch);
-                    m.reset(flat);
+                    queue.push(m, change && m.cell >= 0, cell_offset, G);
+                } else if (change && m.cell >= 0) {
+                    flush<K, MODE>(m, cell_offset, G, my_scratch);
                 }
+                if (change) m.reset(cell);
+                // x_t widened once per step (the inline cvt is not merged across the k loop)
+                double xd[K];
+                #pragma unroll
+                for (int q = 0; q < K; ++q) xd[q] = convert<double>(xs[i][q]);
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
                     #pragma unroll
-                    for (int q = 0; q < K; ++q) m.g[k * (K + 1) + q] += mu[k] * convert<double>(xs[i][q]);
+                    for (int q = 0; q < K; ++q) m.g[k * (K + 1) + q] += mu[k] * xd[q];
                     m.g[k * (K + 1) + K] += mu[k];
                 }
             }
@@ -565,10 +598,10 @@ __device__ __forceinline__ void adjoint_sweep(
     }
     if (need_theta) {
         if (MODE == 2) {
-            queue.push(m, m.cell >= 0, G);
+            queue.push(m, m.cell >= 0, cell_offset, G);
             if (queue.n) queue.drain(G);
         } else {
-            flush<K, MODE>(m, G, my_scratch);
+            flush<K, MODE>(m, cell_offset, G, my_scratch);
         }
     }
 }
@@ -589,13 +622,14 @@ __device__ __forceinline__ void backward_item(
     #pragma unroll
     for (int k = 0; k < K; ++k) lam[k] = convert<double>(cotangent[it.idx * K + k]);
     T own[MAX_LOCAL_CHECKPOINTS][K];
+    const T* E_item = item_rows(E, it.cell_offset, K * (K + 1));
     if (recompute) {
         T x[K];
         int inside;
         start_point<T, K, PROJECT>(points, it.point_row, x, inside);
-        recompute_checkpoints<T, K, PROJECT>(x, E, it.cell_offset, g, n_steps, S, own);
+        recompute_checkpoints<T, K, PROJECT>(x, E_item, g, n_steps, S, own);
     }
-    adjoint_sweep<T, K, PROJECT, MODE>(lam, E, it.cell_offset, g, n_steps, S, recompute != 0, own,
+    adjoint_sweep<T, K, PROJECT, MODE>(lam, E_item, it.cell_offset, g, n_steps, S, recompute != 0, own,
                                        checkpoints, it.idx, B * N * K, G, need_theta, my_scratch,
                                        live);
     if (need_points) {
@@ -729,6 +763,7 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
     pixel_centre<T, K>(p, dims, x);  // inside the box: P leaves it alone
     int inside;
     const i64 plane = B * S * K;
+    const T* E_item = item_rows(E, cell_offset, K * (K + 1));
     for (int t = 0, next = 0, slot = 0; t < n_steps; ++t) {
         if (keep && t == next) {
             #pragma unroll
@@ -736,7 +771,7 @@ warp_forward(const T* __restrict__ E, const TI* __restrict__ image, O* __restric
             ++slot;
             next += S_seg;
         }
-        step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+        step<T, K, PROJECT>(x, E_item, g, inside);
     }
     sampling::Cell<R, K, NEAREST> cell;
     sample_cell<T, R, K, NEAREST>(x, dims, padding, cell);
@@ -787,6 +822,7 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
     const Grid g = {{n0, n1, n2}};
     const bool theta_wanted = need_theta && !NEAREST;
     const i64 plane = B * S * K;
+    const T* E_item = item_rows(E, cell_offset, K * (K + 1));
     T x[K];
     T own[MAX_LOCAL_CHECKPOINTS][K];
     int inside;
@@ -794,13 +830,13 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
         const int last = (n_steps - 1) / S_seg;
         #pragma unroll
         for (int k = 0; k < K; ++k) x[k] = checkpoints[(i64)last * plane + idx * K + k];
-        for (int t = last * S_seg; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+        for (int t = last * S_seg; t < n_steps; ++t) step<T, K, PROJECT>(x, E_item, g, inside);
     } else {
         pixel_centre<T, K>(p, dims, x);
         if (theta_wanted)
-            recompute_checkpoints<T, K, PROJECT>(x, E, cell_offset, g, n_steps, S_seg, own);
+            recompute_checkpoints<T, K, PROJECT>(x, E_item, g, n_steps, S_seg, own);
         else
-            for (int t = 0; t < n_steps; ++t) step<T, K, PROJECT>(x, E, cell_offset, g, inside);
+            for (int t = 0; t < n_steps; ++t) step<T, K, PROJECT>(x, E_item, g, inside);
     }
     sampling::Cell<R, K, NEAREST> cell;
     sample_cell<T, R, K, NEAREST>(x, dims, padding, cell);
@@ -837,7 +873,7 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
         lam[a] = convert<double>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
     }
     adjoint_sweep<T, K, PROJECT, CUTOPO_WARP_BACKWARD_MOMENTS>(
-        lam, E, cell_offset, g, n_steps, S_seg, recompute != 0, own, checkpoints, idx, plane, G, 1,
+        lam, E_item, cell_offset, g, n_steps, S_seg, recompute != 0, own, checkpoints, idx, plane, G, 1,
         scratch + (threadIdx.x / 32) * PER_WARP, live);
 }
 
