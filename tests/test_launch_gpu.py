@@ -42,3 +42,39 @@ def test_parameter_block_launch_delivers_every_kind(rng):
         want = [float(a[1]), float(scalars[0]), float(scalars[1]), float(scalars[2]),
                 float(scalars[3]), float(b[2]), float(scalars[4]), float(grid)]
         np.testing.assert_array_equal(got, np.array(want))
+
+
+def test_launch_prepares_repeated_launches(rng, monkeypatch):
+    """launch() runs a kernel the plain way the first time, prepares it the second (same
+    geometry and scalars) and reuses that launch after: every call delivers its own arrays and
+    scalars, a new scalar value (or -0.0 after 0.0) makes a launch of its own, and a bad scalar
+    raises the same LaunchError on every path."""
+    cp = _cp()
+    from cutopo._cuda import launch as launch_mod
+
+    kernel = cp.RawKernel(_SOURCE, "echo")
+    monkeypatch.setattr(launch_mod, "_kernel", lambda device, sig, options: kernel)
+    monkeypatch.setattr(launch_mod, "_PREPARED", {})
+    monkeypatch.setattr(launch_mod, "_SEEN", {})
+    sig = launch_mod.Signature("test", "echo", ("ptr:float64", "int32", "float32", "int64", "float64",
+                                                "ptr:int32", "int32", "ptr:float64"))
+    scalars = [(int(rng.integers(-2**31, 2**31)), float(rng.standard_normal()),
+                int(rng.integers(-2**62, 2**62)), float(rng.standard_normal()), 3)]
+    scalars.append(scalars[0][:3] + (0.0,) + scalars[0][4:])
+    scalars.append(scalars[0][:3] + (-0.0,) + scalars[0][4:])
+    calls = [scalars[0]] * 4 + [scalars[1]] * 3 + [scalars[2]] * 3 + [scalars[0]]
+    for n, (i32, f32, i64, f64, last) in enumerate(calls):
+        a = cp.asarray(rng.standard_normal(4))
+        b = cp.asarray(rng.integers(-1000, 1000, 5).astype(np.int32))
+        out = cp.full(8, np.nan)
+        launch_mod.launch(sig, 2, 32, (a, i32, f32, i64, f64, b, last, out))
+        got = out.get()
+        want = [float(a[1]), i32, float(np.float32(f32)), i64, f64, float(b[2]), last, 2.0]
+        np.testing.assert_array_equal(got, np.array(want), err_msg=f"call {n}")
+        assert np.signbit(got[4]) == np.signbit(f64), f"call {n}"
+    assert len(launch_mod._PREPARED) == 3
+    for _ in range(3):
+        with pytest.raises(launch_mod.LaunchError, match="argument 6 = 4294967296 overflows int32"):
+            launch_mod.launch(sig, 2, 32, (a, 1, 0.5, 2, 0.5, b, 2**32, out))
+        with pytest.raises(launch_mod.LaunchError, match="argument 0 has dtype float32"):
+            launch_mod.launch(sig, 2, 32, (a.astype(np.float32), *calls[0][:4], b, 3, out))

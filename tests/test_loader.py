@@ -200,6 +200,34 @@ def test_slot_writers_store_the_kernel_parameter_bytes(launch_mod):
     assert block.u64.tobytes() == b"".join(want for _, _, want in cases)
 
 
+def test_prepared_launch_keys(launch_mod):
+    """launch()'s memo of prepared launches tells apart every scalar that converts differently
+    (1, 1.0 and True; 0.0 and -0.0; int32 and int64 values), ignores the arrays, and leaves out
+    launches it must not prepare: more than 48 KB of shared memory (a per-kernel limit) and
+    unhashable arguments (whose conversion error comes from the plain path)."""
+    sig = launch_mod.Signature("ecc", "cutopo::ecc::test_kernel",
+                               ("ptr:float32", "int32", "float64", launch_mod.HOST_WORD, "int64"))
+    slots = launch_mod._slots(sig)
+    assert slots == ((0, 3), (1, 2, 4), (2,))
+
+    def key(args, shared_mem=0, grid=4):
+        return launch_mod._prepared_key(sig, grid, 256, shared_mem, (), 0, args, slots)
+
+    base = key((object(), 3, 0.5, None, 7))
+    assert base is not None and base == key((object(), 3, 0.5, launch_mod.NULL, 7))  # arrays ignored
+    variants = [(object(), 3, -0.5, None, 7), (object(), 3, 0.5, None, 8), (object(), 4, 0.5, None, 7),
+                (object(), 3, np.float32(0.5), None, 7), (object(), np.int32(3), 0.5, None, 7),
+                (object(), True, 0.5, None, 7), (object(), 3.0, 0.5, None, 7)]
+    keys = [key(v) for v in variants] + [key((object(), 3, 0.5, None, 7), grid=5), base]
+    assert len(set(keys)) == len(keys)
+    assert key((None, 1, 0.0, None, 7)) != key((None, 1, -0.0, None, 7))
+    assert key((None, 1, 0.0, None, 7), shared_mem=48 * 1024) is not None
+    assert key((None, 1, 0.0, None, 7), shared_mem=48 * 1024 + 1) is None
+    assert key((None, [1], 0.0, None, 7)) is None          # unhashable
+    assert key((None, 1, "x", None, 7)) is None            # copysign of a string
+    assert key((None, 1, 1 + 2j, None, 7)) is None
+
+
 def test_host_word_kind_takes_a_pinned_word_or_null(launch_mod, sig):
     """The host-word parameter kind (a kernel's check flags written straight into page-locked
     memory) takes a PinnedWord or NULL, nothing else: an array or an address would reach the

@@ -12,11 +12,17 @@ makes) keeps its parameters packed as the driver reads them, one 8-byte slot per
 and launches with ``cuLaunchKernel`` on that block: per call it only writes the call-time
 slots. On the H200 machines' hosts that takes a 20-argument launch from 18 to about 7 us
 (CuPy's own launch packs every argument anew at every call, about 10 us there).
+
+:func:`launch` makes such launches itself: the second time it sees a kernel launched with the
+same geometry, device and scalar arguments (an op called again on arguments of the same
+shapes), it keeps a PreparedLaunch with every array a call-time slot, and later launches of
+that kind only check and write the arrays.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 import os
 import threading
@@ -228,12 +234,69 @@ def _after_launch(sig: Signature) -> None:
             raise LaunchError(f"{sig.name} failed: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=None)
+def _slots(sig: Signature) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(array and host-word slots, scalar slots, floating-point scalar slots) of a signature."""
+    arrays = tuple(i for i, k in enumerate(sig.params) if k.startswith("ptr:") or k == HOST_WORD)
+    scalars = tuple(i for i in range(len(sig.params)) if i not in arrays)
+    floats = tuple(i for i in scalars if sig.params[i].startswith("float"))
+    return arrays, scalars, floats
+
+
+# launch()'s prepared launches, by (signature, geometry, options, device, scalar arguments),
+# and the keys seen once: a launch is prepared the second time its key comes, so that scalars
+# that change at every call (a per-image value range) never pay for preparing. Both are
+# bounded; the oldest entries go first.
+_PREPARED: dict = {}
+_SEEN: dict = {}
+PREPARED_CAPACITY = 1024
+
+
+def _remember(table: dict, key, value) -> None:
+    if len(table) >= PREPARED_CAPACITY:
+        del table[next(iter(table))]
+    table[key] = value
+
+
+def _prepared_key(sig: Signature, grid, block, shared_mem, options, device, args, slots):
+    """The key of a launch's PreparedLaunch, or None when it gets none: scalars by type and
+    value (1 and 1.0, or 1 and True, convert differently or not at all), floats also by sign
+    (-0.0 == 0.0). Shared memory past the 48 KB default (a per-kernel limit, which a later
+    launch of another size would lower) and unhashable arguments (a conversion error to come)
+    get none."""
+    if shared_mem > 48 * 1024:
+        return None
+    _, scalars, floats = slots
+    values = tuple(args[i] for i in scalars)
+    try:
+        key = (sig, grid, block, shared_mem, options, device, values, tuple(map(type, values)),
+               tuple(math.copysign(1.0, args[i]) for i in floats))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: int = 0,
            options: tuple[str, ...] = ()) -> None:
     """Check and convert ``args`` against ``sig``, then launch a 1-D grid on the current stream."""
     if len(args) != len(sig.params):
         raise LaunchError(f"{sig.name}: {len(args)} arguments given, signature has {len(sig.params)}")
     device = _current_device()
+    if grid > 0:
+        slots = _slots(sig)
+        key = _prepared_key(sig, grid, block, shared_mem, options, device, args, slots)
+        if key is not None:
+            prepared = _PREPARED.get(key)
+            if prepared is None and key in _SEEN:
+                prepared = PreparedLaunch(sig, grid, block, tuple(
+                    None if i in slots[0] else a for i, a in enumerate(args)),
+                    shared_mem=shared_mem, options=options)
+                _remember(_PREPARED, key, prepared)
+            if prepared is not None:
+                prepared.call_on(device, *(args[i] for i in slots[0]))
+                return
+            _remember(_SEEN, key, True)
     converted = tuple(_convert(a, k, i, sig, device) for i, (a, k) in enumerate(zip(args, sig.params)))
     if grid <= 0:
         return  # nothing to do; CuPy would clamp the grid to 1 block
@@ -336,10 +399,13 @@ class PreparedLaunch:
                               f"device {device}")
 
     def __call__(self, *values) -> None:
+        self.call_on(_current_device(), *values)
+
+    def call_on(self, device: int, *values) -> None:
+        """``__call__`` with the current device already read (``device``)."""
         if len(values) != len(self.slots):
             raise LaunchError(f"{self.sig.name}: {len(values)} arguments given, {len(self.slots)} expected")
         sig = self.sig
-        device = _current_device()
         self._check_device(device)
         block = self._block()
         for (i, dtype, kind), a in zip(self._slot_kinds, values):
