@@ -250,6 +250,8 @@ def _slots(sig: Signature) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int,
 _PREPARED: dict = {}
 _SEEN: dict = {}
 PREPARED_CAPACITY = 1024
+# False: every launch() packs its arguments anew (the plain path; for tests and benchmarks)
+PREPARE_REPEATS = True
 
 
 def _remember(table: dict, key, value) -> None:
@@ -283,7 +285,7 @@ def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: in
     if len(args) != len(sig.params):
         raise LaunchError(f"{sig.name}: {len(args)} arguments given, signature has {len(sig.params)}")
     device = _current_device()
-    if grid > 0:
+    if grid > 0 and PREPARE_REPEATS:
         slots = _slots(sig)
         key = _prepared_key(sig, grid, block, shared_mem, options, device, args, slots)
         if key is not None:
