@@ -894,6 +894,70 @@ __global__ void __launch_bounds__(THREADS) ecc_cumsum(long long* __restrict__ hi
     warp_row_prefix_sum(h, T, [h](int k, long long sum) { h[k] = sum; });
 }
 
+// -- the finite value range of an image (linear_thresholds) ------------------------------------
+
+// Order key of a value (common.cuh order_key, widened) and whether the value is finite: the
+// bits are tested, not the value, since -ftz=true would not see a denormal as finite and
+// non-zero alike.
+template <typename In>
+__device__ __forceinline__ bool finite_key(In v, u64& key) {
+    key = (u64)order_key(v);
+    return true;
+}
+template <>
+__device__ __forceinline__ bool finite_key<float>(float v, u64& key) {
+    key = order_key(v);
+    return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u;
+}
+template <>
+__device__ __forceinline__ bool finite_key<half>(half v, u64& key) {
+    return finite_key(half_to_float(v), key);  // exact: every float16 is a float32
+}
+template <>
+__device__ __forceinline__ bool finite_key<double>(double v, u64& key) {
+    key = order_key(v);
+    return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ULL) != 0x7ff0000000000000ULL;
+}
+
+constexpr int RANGE_UNROLL = 4;  // independent loads in flight per thread
+
+// range[0] = max over the finite values of ~key, range[1] = max of key, from range zeroed:
+// the smallest and largest finite value as order keys (range[0] stays 0 when no value is
+// finite). One pass over the image and no temporaries, where min/max through isfinite and
+// where made four passes and two image-sized temporaries.
+template <typename In>
+__global__ void __launch_bounds__(THREADS)
+finite_range(const In* __restrict__ image, i64 n, u64* __restrict__ range) {
+    u64 not_lo = 0, hi = 0;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 base = (i64)blockIdx.x * blockDim.x + threadIdx.x; base < n;
+         base += stride * RANGE_UNROLL) {
+        In v[RANGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < RANGE_UNROLL; ++u) {
+            const i64 i = base + u * stride;
+            if (i < n) v[u] = image[i];
+        }
+#pragma unroll
+        for (int u = 0; u < RANGE_UNROLL; ++u) {
+            u64 key;
+            if (base + u * stride < n && finite_key(v[u], key)) {
+                not_lo = max(not_lo, ~key);
+                hi = max(hi, key);
+            }
+        }
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        not_lo = max(not_lo, __shfl_xor_sync(0xffffffffu, not_lo, d));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, d));
+    }
+    if (threadIdx.x % 32 == 0 && not_lo != 0) {
+        atomicMax(range, not_lo);
+        atomicMax(range + 1, hi);
+    }
+}
+
 template <typename In, typename K>
 struct ValueKey {
     const In* image;

@@ -106,18 +106,35 @@ def linear_thresholds(image, n):
     array([3., 7.])
     """
     image = as_array(image, "image")
+    return array_module(image).asarray(_linear_threshold_values(image, n))
+
+
+def _linear_threshold_values(image, n):
+    """linear_thresholds as a NumPy array (the host values that check_thresholds needs)."""
     n = check_count(n)
     if image.size == 0:
         raise ValueError("image: cannot derive thresholds from an empty image")
-    xp = array_module(image)
-    if image.dtype.kind == "f":
-        finite = xp.isfinite(image)
-        lo = float(xp.min(xp.where(finite, image, xp.inf)))
-        hi = float(xp.max(xp.where(finite, image, -xp.inf)))
-        if not lo <= hi:
-            raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
-        return xp.asarray(evenly_spaced(lo, hi, n).astype(image.dtype))
-    return xp.asarray(evenly_spaced(float(image.min()), float(image.max()), n))
+    span = finite_range(image)
+    if span is None:
+        raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
+    values = evenly_spaced(float(span[0]), float(span[1]), n)
+    return values.astype(image.dtype) if image.dtype.kind == "f" else values
+
+
+def finite_range(image):
+    """(lo, hi): the smallest and largest finite value of a non-empty NumPy or CuPy array
+    (Python numbers), or None when none is finite. One pass, and no temporaries the size of
+    the image: a CUDA kernel for CuPy images of the ECC's dtypes, tiles on the CPU."""
+    if is_cupy_array(image):
+        if image.dtype in IMAGE_DTYPES:
+            from . import _ecc_cupy
+
+            return _ecc_cupy.finite_range(image)
+        # other dtypes (linear_thresholds is public): integers, whose values are all finite
+        return image.min().item(), image.max().item()
+    from . import _ecc_numpy
+
+    return _ecc_numpy.finite_range(image)
 
 
 def evenly_spaced(lo: float, hi: float, n: int) -> np.ndarray:
@@ -202,7 +219,7 @@ def check_thresholds(thresholds, image):
     ``f <= t`` in it, which makes their results equal exactly.
     """
     if is_count(thresholds):
-        thresholds = linear_thresholds(image, thresholds)
+        thresholds = _linear_threshold_values(image, thresholds)
     host = to_numpy(check_threshold_array(thresholds))
     if host.dtype.kind == "f" and not np.all(np.isfinite(host)):
         raise ValueError(THRESHOLDS_NOT_FINITE)

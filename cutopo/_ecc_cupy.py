@@ -8,7 +8,7 @@ import numpy as np
 
 from ._cuda import tables
 from ._cuda.compile import register_instances
-from ._cuda.launch import PreparedLaunch, Signature, resident_blocks
+from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
 
 FAMILY = "ecc"
 THREADS = 256                # ecc::THREADS
@@ -86,6 +86,12 @@ def contributions_instance(in_ctype, ndim, tconn, periodic=False) -> str:
 CUMSUM = Signature(FAMILY, "cutopo::ecc::ecc_cumsum", ("ptr:int64", "int64", "int32"))
 
 
+def _range_sig(dtype: np.dtype) -> Signature:
+    view = _INPUT_VIEW.get(dtype, dtype)
+    return Signature(FAMILY, f"cutopo::ecc::finite_range<{_INPUT_CTYPE[dtype]}>",
+                     (f"ptr:{view}", "int64", "ptr:uint64"))
+
+
 def _instances():
     """Instances the offline compile check builds: every input type, both ranks and constructions."""
     natural_cmp = {"unsigned char": "long long", "unsigned short": "long long", "short": "long long",
@@ -105,6 +111,8 @@ def _instances():
     yield masked_histogram_instance("float", "double", "unsigned int", 3, False)
     yield masked_histogram_instance("unsigned short", "long long", "unsigned short", 2, True)
     yield CUMSUM.name
+    for dtype in _INPUT_CTYPE:
+        yield _range_sig(dtype).name
 
 
 register_instances(FAMILY, _instances)
@@ -277,6 +285,37 @@ def _wrapped(image, ndim):
     padded = cupy.pad(image, [(0, 0)] * lead + [(1, 1)] * ndim, mode="wrap")
     own = [np.r_[False, np.ones(n, dtype=bool), False] for n in image.shape[lead:]]
     return padded, own
+
+
+def _key_value(key: int, dtype: np.dtype):
+    """The value of an order key of finite_range (common.cuh order_key), a Python number."""
+    if dtype.kind == "f":
+        if dtype.itemsize == 8:
+            bits = key & 0x7FFFFFFFFFFFFFFF if key >> 63 else ~key & 0xFFFFFFFFFFFFFFFF
+            return float(np.uint64(bits).view(np.float64))
+        bits = key & 0x7FFFFFFF if key >> 31 else ~key & 0xFFFFFFFF  # float16: as float32
+        return float(np.uint32(bits).view(np.float32))
+    offset = {np.dtype("int16"): 1 << 15, np.dtype("int32"): 1 << 31}.get(dtype, 0)
+    value = key - offset
+    return bool(value) if dtype == np.bool_ else value
+
+
+def finite_range(image):
+    """(lo, hi): the smallest and largest finite value of a non-empty CuPy image (a dtype of
+    _INPUT_CTYPE), Python numbers, or None when no value is finite: one kernel over the image
+    and one 16-byte read, no temporaries (ecc.cu, finite_range)."""
+    import cupy
+
+    with image.device:
+        x = _image_view(cupy.ascontiguousarray(image)).reshape(-1)
+        keys = cupy.zeros(2, dtype=np.uint64)
+        sig = _range_sig(image.dtype)
+        blocks = max(1, min(-(-x.size // (THREADS * 4)), resident_blocks(sig, THREADS)))
+        launch(sig, blocks, THREADS, (x, x.size, keys))
+        not_lo, hi = (int(k) for k in keys.get())
+    if not_lo == 0:
+        return None
+    return _key_value(~not_lo & 0xFFFFFFFFFFFFFFFF, image.dtype), _key_value(hi, image.dtype)
 
 
 def ecc(image, thresholds, ndim, tconn, periodic=False):

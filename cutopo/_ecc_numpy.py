@@ -72,6 +72,24 @@ def _tiles(shape, step):
             yield head + ((a, b),) + tail
 
 
+def finite_range(image, step=_SLAB_ELEMENTS):
+    """(lo, hi): the smallest and largest finite value of a non-empty NumPy array (Python
+    numbers, exact), or None when no value is finite. Floating arrays are scanned in tiles of
+    at most ``step`` elements, so the finiteness mask never takes more than a tile."""
+    if image.dtype.kind != "f":
+        return image.min().item(), image.max().item()
+    lo = hi = None
+    for box in _tiles(image.shape, step):
+        part = image[tuple(slice(a, b) for a, b in box)]
+        ok = np.isfinite(part)
+        if ok.any():
+            bmin = float(np.min(part, where=ok, initial=np.inf))
+            bmax = float(np.max(part, where=ok, initial=-np.inf))
+            lo = bmin if lo is None else min(lo, bmin)
+            hi = bmax if hi is None else max(hi, bmax)
+    return None if lo is None else (lo, hi)
+
+
 def _halo_view(padded, box):
     """The part of ``padded`` (images, *spatial + 2) that a tile ``box`` of the unpadded array
     (images, *spatial) needs: its pixels and their one-pixel halo."""

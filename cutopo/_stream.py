@@ -351,7 +351,7 @@ def read_piece(src: Source, piece: Piece, out=None, pool=None):
 # Thresholds of a streamed source
 
 
-def stream_min_max(src: Source, max_slab_bytes: int, *, finite=True):
+def stream_min_max(src: Source, max_slab_bytes: int):
     """(min, max) over the finite values of a source, read slab by slab (None when none is).
 
     The slabs are planned at the source's itemsize per voxel, the least that any ECC pass
@@ -362,18 +362,10 @@ def stream_min_max(src: Source, max_slab_bytes: int, *, finite=True):
     for piece in plan_pieces(src, src.dtype.itemsize, max_slab_bytes):
         owned = np.flatnonzero(piece.own0)  # one run of planes (no periodic pieces here)
         block = read_piece(src, piece)[:, owned[0]:owned[-1] + 1]
-        for box in _ecc_numpy._tiles(block.shape, CPU_STEP_ELEMENTS):
-            part = block[tuple(slice(a, b) for a, b in box)]
-            if part.dtype.kind == "f" and finite:
-                ok = np.isfinite(part)
-                if not ok.any():
-                    continue
-                bmin = float(np.min(part, where=ok, initial=np.inf))
-                bmax = float(np.max(part, where=ok, initial=-np.inf))
-            else:
-                bmin, bmax = float(part.min()), float(part.max())
-            lo = bmin if lo is None else min(lo, bmin)
-            hi = bmax if hi is None else max(hi, bmax)
+        part = _ecc_numpy.finite_range(block, CPU_STEP_ELEMENTS)
+        if part is not None:
+            lo = float(part[0]) if lo is None else min(lo, float(part[0]))
+            hi = float(part[1]) if hi is None else max(hi, float(part[1]))
     return lo, hi
 
 

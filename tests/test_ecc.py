@@ -442,6 +442,27 @@ def test_linear_thresholds_endpoints(rng, dtype):
     np.testing.assert_array_equal(cutopo.ecc(image, 1), expected_ecc(image, t, 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_finite_range_in_tiles(rng, dtype):
+    """The NumPy finite range (linear_thresholds' ends) scanned in tiles of a few elements (every
+    tile shape of _tiles: whole images, planes, row ranges) equals the minimum and maximum of the
+    finite values; tiles with no finite value are skipped; None when no value is finite."""
+    from cutopo import _ecc_numpy
+
+    for shape in ((1,), (5, 7), (3, 4, 9), (2, 3, 5, 6)):
+        image = random_image(rng, shape, dtype, specials=np.dtype(dtype).kind == "f")
+        finite = image[np.isfinite(image)] if image.dtype.kind == "f" else image.ravel()
+        want = (finite.min().item(), finite.max().item()) if finite.size else None
+        for step in (1, 2, 5, 13, 10**6):
+            assert _ecc_numpy.finite_range(image, step) == want, (shape, step)
+    if np.dtype(dtype).kind == "f":
+        junk = np.full((4, 6), np.nan, dtype=dtype)
+        junk[1, 2], junk[3, 5] = np.inf, -np.inf
+        assert _ecc_numpy.finite_range(junk, 5) is None
+        junk[2, 2] = -0.0
+        assert _ecc_numpy.finite_range(junk, 5) == (0.0, 0.0)
+
+
 def test_linear_thresholds_constant_image():
     image = np.full((3, 4), 7, dtype=np.int16)
     np.testing.assert_array_equal(cutopo.linear_thresholds(image, 3), [7.0, 7.0, 7.0])

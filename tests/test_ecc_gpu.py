@@ -170,6 +170,73 @@ def test_int_count_uses_same_thresholds(rng):
     np.testing.assert_array_equal(cutopo.ecc(cp.asarray(img), 100).get(), cutopo.ecc(img, 100))
 
 
+def _plain_range(img):
+    """(min, max) of the finite values by NumPy's own reductions (an independent oracle)."""
+    finite = img[np.isfinite(img)] if img.dtype.kind == "f" else img.ravel()
+    return (finite.min().item(), finite.max().item()) if finite.size else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_finite_range_kernel_matches_numpy(rng, dtype):
+    """The one-pass finite range (linear_thresholds' minimum and maximum) of every image dtype
+    equals NumPy's: NaN, +-inf, denormals and -0.0 among the values; the dtype's extreme values
+    planted at the first, the last or a random element (the keys' offsets and every thread's
+    share); an image of zeros whose extremes are denormals (finite and ordered: -ftz=true
+    must not flush them); sizes around the kernel's block and unroll boundaries and past 2^24;
+    None when no value is finite; the thresholds and the ECC of a count as NumPy's."""
+    cp = _cp()
+    from cutopo import _checks, _ecc_cupy
+
+    dt = np.dtype(dtype)
+    low, high = ((-float(np.finfo(dt).max), float(np.finfo(dt).max)) if dt.kind == "f" else
+                 (False, True) if dt == np.bool_ else (np.iinfo(dt).min, np.iinfo(dt).max))
+
+    def check(img):
+        want = _plain_range(img)
+        assert _ecc_cupy.finite_range(cp.asarray(img)) == want
+        assert _checks.finite_range(img) == want
+
+    for n in (1, 7, 1023, 4 * 1024 + 1, 1 << 20, (1 << 24) + 13):
+        img = random_image(rng, (n,), dtype)
+        if dt.kind == "f":
+            where = rng.integers(0, n, size=min(n, 12))
+            img[where] = rng.choice(np.array([np.nan, np.inf, -np.inf, -0.0], dtype=dt), size=len(where))
+        check(img)
+        for lo_at, hi_at in ((0, n - 1), (n - 1, 0), tuple(rng.integers(0, n, size=2))):
+            if lo_at != hi_at:
+                planted = img.copy()
+                planted[lo_at], planted[hi_at] = low, high
+                check(planted)
+        if dt.kind == "f" and n > 2:
+            tiny = np.finfo(dt).smallest_subnormal
+            zeros = np.where(rng.random(n) < 0.5, dt.type(0.0), dt.type(-0.0)).astype(dt)
+            zeros[rng.integers(0, n, size=2)] = [-tiny, 3 * tiny]
+            check(zeros)
+    if dt.kind == "f":
+        junk = np.array([np.nan, np.inf, -np.inf, np.nan] * 300, dtype=dt)
+        assert _ecc_cupy.finite_range(cp.asarray(junk)) is None
+        with pytest.raises(ValueError, match="no finite pixel"):
+            cutopo.ecc(cp.asarray(junk.reshape(30, 40)), 5)
+    img = random_image(rng, (3, 45, 61), dtype, nan_fraction=0.2 if dt.kind == "f" else 0.0)
+    np.testing.assert_array_equal(cutopo.linear_thresholds(cp.asarray(img), 33).get(),
+                                  cutopo.linear_thresholds(img, 33))
+    np.testing.assert_array_equal(cutopo.ecc(cp.asarray(img), 33, ndim=2).get(),
+                                  cutopo.ecc(img, 33, ndim=2))
+
+
+def test_finite_range_of_strided_and_other_dtypes(rng):
+    """A strided CuPy view is read as its values; a dtype outside the ECC's (int64, which
+    linear_thresholds takes too) goes through CuPy's reductions."""
+    cp = _cp()
+    from cutopo import _checks
+
+    img = rng.standard_normal((64, 80)).astype(np.float32)
+    view = cp.asarray(img)[::3, 1::2]
+    assert _checks.finite_range(view) == _plain_range(img[::3, 1::2])
+    big = rng.integers(-2**62, 2**62, size=(50,), dtype=np.int64)
+    assert _checks.finite_range(cp.asarray(big)) == (int(big.min()), int(big.max()))
+
+
 def test_large_2d(rng):
     img = rng.random((4096, 4096), dtype=np.float32)
     assert_same_ecc(img, 256)
