@@ -919,34 +919,50 @@ __device__ __forceinline__ bool finite_key<double>(double v, u64& key) {
     return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ULL) != 0x7ff0000000000000ULL;
 }
 
-constexpr int RANGE_UNROLL = 4;  // independent loads in flight per thread
+// One element into the running extremes (not_lo: the largest ~key, hi: the largest key).
+template <typename In>
+__device__ __forceinline__ void range_add(In v, u64& not_lo, u64& hi) {
+    u64 key;
+    if (finite_key(v, key)) {
+        not_lo = max(not_lo, ~key);
+        hi = max(hi, key);
+    }
+}
+
+constexpr int RANGE_UNROLL = 2;  // 16-byte loads in flight per thread and iteration
 
 // range[0] = max over the finite values of ~key, range[1] = max of key, from range zeroed:
 // the smallest and largest finite value as order keys (range[0] stays 0 when no value is
-// finite). One pass over the image and no temporaries, where min/max through isfinite and
-// where made four passes and two image-sized temporaries.
+// finite). One pass over the image in 16-byte loads where it is 16-byte aligned, and no
+// temporaries, where min/max through isfinite and where made four passes and two image-sized
+// temporaries.
 template <typename In>
 __global__ void __launch_bounds__(THREADS)
 finite_range(const In* __restrict__ image, i64 n, u64* __restrict__ range) {
+    constexpr int VEC = 16 / sizeof(In);
     u64 not_lo = 0, hi = 0;
+    const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 base = (i64)blockIdx.x * blockDim.x + threadIdx.x; base < n;
-         base += stride * RANGE_UNROLL) {
-        In v[RANGE_UNROLL];
+    i64 head = 0;  // elements before this are read as vectors
+    if (reinterpret_cast<size_t>(image) % 16 == 0) {
+        const i64 vectors = n / VEC;
+        const uint4* v = reinterpret_cast<const uint4*>(image);
+        for (i64 base = tid; base < vectors; base += stride * RANGE_UNROLL) {
+            uint4 raw[RANGE_UNROLL];
 #pragma unroll
-        for (int u = 0; u < RANGE_UNROLL; ++u) {
-            const i64 i = base + u * stride;
-            if (i < n) v[u] = image[i];
-        }
+            for (int u = 0; u < RANGE_UNROLL; ++u)
+                if (base + u * stride < vectors) raw[u] = __ldg(v + base + u * stride);
 #pragma unroll
-        for (int u = 0; u < RANGE_UNROLL; ++u) {
-            u64 key;
-            if (base + u * stride < n && finite_key(v[u], key)) {
-                not_lo = max(not_lo, ~key);
-                hi = max(hi, key);
+            for (int u = 0; u < RANGE_UNROLL; ++u) {
+                if (base + u * stride >= vectors) continue;
+                const In* px = reinterpret_cast<const In*>(&raw[u]);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) range_add(px[k], not_lo, hi);
             }
         }
+        head = vectors * VEC;
     }
+    for (i64 i = head + tid; i < n; i += stride) range_add(image[i], not_lo, hi);
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) {
         not_lo = max(not_lo, __shfl_xor_sync(0xffffffffu, not_lo, d));

@@ -310,7 +310,7 @@ def finite_range(image):
         x = _image_view(cupy.ascontiguousarray(image)).reshape(-1)
         keys = cupy.zeros(2, dtype=np.uint64)
         sig = _range_sig(image.dtype)
-        blocks = max(1, min(-(-x.size // (THREADS * 4)), resident_blocks(sig, THREADS)))
+        blocks = max(1, min(-(-x.nbytes // (THREADS * 32)), resident_blocks(sig, THREADS)))
         launch(sig, blocks, THREADS, (x, x.size, keys))
         not_lo, hi = (int(k) for k in keys.get())
     if not_lo == 0:

@@ -225,14 +225,19 @@ def test_finite_range_kernel_matches_numpy(rng, dtype):
 
 
 def test_finite_range_of_strided_and_other_dtypes(rng):
-    """A strided CuPy view is read as its values; a dtype outside the ECC's (int64, which
-    linear_thresholds takes too) goes through CuPy's reductions."""
+    """A strided CuPy view is read as its values, a contiguous one that starts off a 16-byte
+    boundary element by element; a dtype outside the ECC's (int64, which linear_thresholds
+    takes too) goes through CuPy's reductions."""
     cp = _cp()
     from cutopo import _checks
 
     img = rng.standard_normal((64, 80)).astype(np.float32)
     view = cp.asarray(img)[::3, 1::2]
     assert _checks.finite_range(view) == _plain_range(img[::3, 1::2])
+    flat = cp.asarray(img).ravel()
+    for start in (1, 2, 3, 4):
+        assert flat[start:].data.ptr % 16 != 0 or start == 4
+        assert _checks.finite_range(flat[start:]) == _plain_range(img.ravel()[start:])
     big = rng.integers(-2**62, 2**62, size=(50,), dtype=np.int64)
     assert _checks.finite_range(cp.asarray(big)) == (int(big.min()), int(big.max()))
 

@@ -136,6 +136,25 @@ def test_euler_contributions_of_a_volume_past_2_32_voxels(uint8_volume_blocks, c
     assert not bool(c[1022:1025, 10:20, 1200:1300].any())      # past 2^32
 
 
+def test_finite_range_past_2_32_elements(rng):
+    """linear_thresholds' range kernel over 4.3e9 uint8 voxels and 2.1e9 float32 ones: the
+    extremes planted past 2^32 (and past 2^31), where 32-bit indices would wrap."""
+    _needs_device_memory(14)
+    cp = cupy_module()
+    from cutopo import _checks
+
+    vol = cp.full(SHAPE_3D, 100, dtype=np.uint8)
+    low, high = 2**32 + int(rng.integers(0, 2**20)), vol.size - 1 - int(rng.integers(0, 100))
+    vol.ravel()[low], vol.ravel()[high] = 3, 250
+    assert _checks.finite_range(vol) == (3, 250)
+    np.testing.assert_array_equal(cutopo.linear_thresholds(vol, 3).get(), [3.0, 126.5, 250.0])
+    del vol
+    flat = cp.full(2**31 + 1000, 0.5, dtype=np.float32)
+    flat[2**31 + 7], flat[-1], flat[5] = -2.5, np.nan, np.inf
+    flat[2**31 + 999 - int(rng.integers(0, 500))] = 9.0
+    assert _checks.finite_range(flat) == (-2.5, 9.0)
+
+
 @pytest.mark.parametrize("conn", ["V", "T"])
 def test_ecc_of_float32_past_2_31_elements(rng, conn):
     """float32 (1025, 1024, 2048) (8.6 GB; plane 1024 starts at 2^31), background 2 above every
