@@ -122,9 +122,12 @@ def _linear_threshold_values(image, n):
 
 
 def finite_range(image):
-    """(lo, hi): the smallest and largest finite value of a non-empty NumPy or CuPy array
-    (Python numbers), or None when none is finite. One pass, and no temporaries the size of
-    the image: a CUDA kernel for CuPy images of the ECC's dtypes, tiles on the CPU."""
+    """(lo, hi): the smallest and largest finite value of a NumPy or CuPy array (Python
+    numbers), or None when none is finite (or the array is empty). One pass, and no
+    temporaries the size of the image: a CUDA kernel for CuPy images of the ECC's dtypes,
+    tiles on the CPU."""
+    if image.size == 0:
+        return None
     if is_cupy_array(image):
         if image.dtype in IMAGE_DTYPES:
             from . import _ecc_cupy

@@ -76,7 +76,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
 
 from . import _ecc_numpy
 from ._array import is_cupy_array, native_dtype, to_numpy
-from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds, evenly_spaced
+from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds, evenly_spaced, finite_range
 from ._cuda import tables
 
 __all__ = ["ecc", "ect"]
@@ -802,21 +802,20 @@ def _wrapped(x, ndim):
 
 
 def _linear_thresholds(x, n):
-    """cutopo.linear_thresholds of a Dask array (computed now: one pass)."""
+    """cutopo.linear_thresholds of a Dask array (computed now: one pass, each chunk's finite
+    range by cutopo's one-pass scan, no temporaries of a chunk's size)."""
     import dask
 
     if n < 1:
         raise ValueError(f"thresholds: the count must be at least 1, got {n}")
-    if x.dtype.kind == "f":
-        finite = da.isfinite(x)
-        lo, hi = dask.compute(da.where(finite, x, np.inf).min(), da.where(finite, x, -np.inf).max())
-        lo, hi = float(to_numpy(lo)), float(to_numpy(hi))
-        if not lo <= hi:
-            raise ValueError("darr: no finite pixel to derive thresholds from; pass explicit "
-                             "thresholds")
-        return evenly_spaced(lo, hi, int(n)).astype(x.dtype)
-    lo, hi = dask.compute(x.min(), x.max())
-    return evenly_spaced(float(to_numpy(lo)), float(to_numpy(hi)), int(n))
+    spans = [s for s in dask.compute(*map(dask.delayed(finite_range), x.to_delayed().ravel()))
+             if s is not None]
+    if not spans:
+        raise ValueError("darr: no finite pixel to derive thresholds from; pass explicit "
+                         "thresholds")
+    lo, hi = min(float(s[0]) for s in spans), max(float(s[1]) for s in spans)
+    values = evenly_spaced(lo, hi, int(n))
+    return values.astype(x.dtype) if x.dtype.kind == "f" else values
 
 
 # ---------------------------------------------------------------------------------------------

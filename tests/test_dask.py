@@ -75,6 +75,26 @@ def test_count_thresholds_over_a_range_wider_than_float64(rng):
     assert np.isfinite(cutopo.linear_thresholds(img, 6)).all()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int16"])
+def test_count_thresholds_from_chunk_ranges(rng, dtype):
+    """A count's thresholds from every chunk's finite range: chunks of NaN and inf only (no
+    range of their own), the extremes in different chunks; equal to the single array's; an
+    array with no finite value raises."""
+    img = (rng.standard_normal((23, 19)) * 50).astype(dtype)
+    if img.dtype.kind == "f":
+        img[:8, :7] = np.nan
+        img[8:16, :7] = np.inf
+        img[rng.random(img.shape) < 0.1] = -np.inf
+    img[20, 3], img[2, 15] = -300, 250
+    d = da.from_array(img, chunks=(8, 7))
+    for n in (1, 5, 40):
+        np.testing.assert_array_equal(cd.ecc(d, n).compute(), cutopo.ecc(img, n))
+        np.testing.assert_array_equal(cd._linear_thresholds(d, n), cutopo.linear_thresholds(img, n))
+    if img.dtype.kind == "f":
+        with pytest.raises(ValueError, match="no finite pixel"):
+            cd.ecc(da.from_array(np.full((6, 6), np.nan, dtype=dtype), chunks=3), 4)
+
+
 @pytest.mark.parametrize("ndim,shape,chunks", CASES[:3] + CASES[4:])
 @pytest.mark.parametrize("conn", ["V", "T"])
 def test_ect_equals_single_array(rng, ndim, shape, chunks, conn):
