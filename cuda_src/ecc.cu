@@ -896,9 +896,9 @@ __global__ void __launch_bounds__(THREADS) ecc_cumsum(long long* __restrict__ hi
 
 // -- the finite value range of an image (linear_thresholds) ------------------------------------
 
-// Order key of a value (common.cuh order_key, widened) and whether the value is finite: the
-// bits are tested, not the value, since -ftz=true would not see a denormal as finite and
-// non-zero alike.
+// Order key of a value (common.cuh order_key, widened) and whether the value is finite (its
+// exponent bits not all ones: a test of the bits, which -ftz=true leaves alone; denormals are
+// finite values like any other).
 template <typename In>
 __device__ __forceinline__ bool finite_key(In v, u64& key) {
     key = (u64)order_key(v);
