@@ -319,6 +319,26 @@ constexpr unsigned H = 0x80008000u;
 // Key of positions outside the image. Bins 0..T must stay below it: the host takes this kernel
 // only for T <= 0x7ffe (_ecc_cupy.PACKED_MAX_BINS).
 constexpr unsigned OUTSIDE = 0x7fffu;
+// 16-byte reads a 2D thread issues before it bins them: a plane's interior rows take 1 to 5
+// rounds of the block's threads (3 for 4-byte pixels; 8-byte pixels bin in two groups).
+constexpr int LOADS_IN_FLIGHT = 3;
+
+// Keys of the VEC pixels of one 16-byte read into word v (of the row's TXP / VEC) of shared
+// row ly (halo coordinates) of a plane.
+template <class KeyOf>
+__device__ __forceinline__ void store_keys(const KeyOf& key_of, uint4 raw, unsigned* plane, int ly, int v) {
+    constexpr int VEC = KeyOf::VEC;
+    unsigned packed[VEC / 2];
+    key_of.pack(raw, packed);
+    unsigned* row = plane + ly * ROWW + 2 + v * (VEC / 2);
+    if constexpr (VEC == 2) {
+        row[0] = packed[0];
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC / 2; k += 2)
+            *reinterpret_cast<uint2*>(row + k) = make_uint2(packed[k], packed[k + 1]);
+    }
+}
 
 template <int NDIM>
 __device__ constexpr int level(int j) {
@@ -456,18 +476,42 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                 if (key_of.vector_rows(nx)) {
                     constexpr int VEC = KeyOf::VEC;  // pixels per 16-byte load
                     constexpr int PER_ROW = TXP / VEC;
-                    for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
-                        const int ly = i / PER_ROW, v = i % PER_ROW;
-                        unsigned packed[VEC / 2];
-                        key_of.pack(key_of.load16(corner + (i64)ly * nx + 1 + v * VEC), packed);
-                        unsigned* row = dst + ly * ROWW + 2 + v * (VEC / 2);
-                        if constexpr (VEC == 2) {
-                            row[0] = packed[0];
-                        } else {
+                    constexpr int VECTORS = ROWS * PER_ROW;
+                    if constexpr (NDIM == 2 && KeyOf::GROUP_READS) {
+                        // Every read of the plane (up to LOADS_IN_FLIGHT per thread, and the
+                        // row ends') is issued before the first key is formed: a loop of load,
+                        // bin, store waited a memory latency per round, 3 rounds and the row
+                        // ends for 4-byte pixels. In 3D, whose registers are capped lower, the
+                        // grouped reads spilled and measured slower (benchmarks/RESULTS.md,
+                        // twenty-fourth session); KeyOf may opt out (the soft ECC's forward,
+                        // whose band work needs the registers).
+                        constexpr int ROUNDS = (VECTORS + THREADS - 1) / THREADS;
+                        constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
+                        const bool end_thread = threadIdx.x < 2 * ROWS;
+                        const int ey = threadIdx.x >> 1, ex = (threadIdx.x & 1) ? TXP + 1 : 0;
+                        typename KeyOf::value_type end_value{};
+                        if (end_thread) end_value = key_of.load(corner + (i64)ey * nx + ex);
 #pragma unroll
-                            for (int k = 0; k < VEC / 2; k += 2)
-                                *reinterpret_cast<uint2*>(row + k) = make_uint2(packed[k], packed[k + 1]);
+                        for (int g = 0; g < ROUNDS; g += GROUP) {
+                            uint4 raw[GROUP];
+#pragma unroll
+                            for (int u = 0; u < GROUP; ++u) {
+                                const int i = threadIdx.x + (g + u) * THREADS;
+                                if (g + u < ROUNDS && i < VECTORS)
+                                    raw[u] = key_of.load16(corner + (i64)(i / PER_ROW) * nx + 1 + (i % PER_ROW) * VEC);
+                            }
+#pragma unroll
+                            for (int u = 0; u < GROUP; ++u) {
+                                const int i = threadIdx.x + (g + u) * THREADS;
+                                if (g + u < ROUNDS && i < VECTORS) store_keys(key_of, raw[u], dst, i / PER_ROW, i % PER_ROW);
+                            }
                         }
+                        if (end_thread) keys[ey * ROWK + KEY0 + ex] = (unsigned short)key_of.of_value(end_value);
+                        return;
+                    } else {
+                        for (int i = threadIdx.x; i < VECTORS; i += THREADS)
+                            store_keys(key_of, key_of.load16(corner + (i64)(i / PER_ROW) * nx + 1 + (i % PER_ROW) * VEC),
+                                       dst, i / PER_ROW, i % PER_ROW);
                     }
                 } else {
                     for (int i = threadIdx.x; i < ROWS * TXP; i += THREADS) {
@@ -643,6 +687,8 @@ struct ThresholdBins {
 template <typename In_, typename Cmp, typename K>
 struct BinKey {
     typedef In_ In;
+    typedef In_ value_type;
+    static constexpr bool GROUP_READS = true;  // packed::sweep's 2D plane reads
     static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
     const In* image;
     ThresholdBins<Cmp> bins;
@@ -655,6 +701,7 @@ struct BinKey {
         }
     }
     __device__ __forceinline__ K operator()(i64 i) const { return of_value(image[i]); }
+    __device__ __forceinline__ In load(i64 i) const { return image[i]; }
     // Whether every image row starts 16-byte aligned (then tile rows do too: x0 % 64 == 0).
     __device__ __forceinline__ bool vector_rows(i64 nx) const {
         return (reinterpret_cast<size_t>(image) % 16) == 0 && (nx * (i64)sizeof(In)) % 16 == 0;
@@ -730,14 +777,18 @@ struct HistSink {
 // tile loads; capping at 64 (4 blocks/SM) measured 1.86 -> 1.28 ms at 512^3 float32 despite
 // a few bytes of spill, and 48 (5 blocks/SM) 5-12 % less again from 256^3 up (uint8 to
 // float64; the uint8 T-construction instance then spills 164 bytes and is still faster;
-// benchmarks/RESULTS.md, ninth session). 2D kernels need at most 48 at 4 blocks/SM. The masked
-// kernels (halo planes and blocks of streamed volumes) keep 4: at 5 the uint8 one spills
-// 260 bytes and was not measured.
+// benchmarks/RESULTS.md, ninth session). 2D kernels: 40 registers (6 blocks/SM; the grouped
+// plane reads spill a few bytes) measured 3-10 % faster than 4 or 5 blocks/SM (twenty-fourth
+// session). The masked kernels (halo planes and blocks of streamed volumes) keep 4: at 5 the
+// uint8 one spills 260 bytes and was not measured.
 #ifndef CUTOPO_ECC_MIN_BLOCKS
-#define CUTOPO_ECC_MIN_BLOCKS 4
+#define CUTOPO_ECC_MIN_BLOCKS 6
 #endif
 #ifndef CUTOPO_ECC_MIN_BLOCKS_3D
 #define CUTOPO_ECC_MIN_BLOCKS_3D 5
+#endif
+#ifndef CUTOPO_ECC_MIN_BLOCKS_MASKED
+#define CUTOPO_ECC_MIN_BLOCKS_MASKED 4
 #endif
 #define CUTOPO_ECC_BLOCKS(NDIM) ((NDIM) == 3 ? CUTOPO_ECC_MIN_BLOCKS_3D : CUTOPO_ECC_MIN_BLOCKS)
 
@@ -873,7 +924,7 @@ ecc_histogram(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::
 // together with its halo (cutopo/_stream.py, cutopo/dask.py). hist accumulates: launches on the
 // blocks of one volume may add into the same rows.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
-__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS)
+__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS_MASKED)
 ecc_histogram_masked(const In* __restrict__ image,
                      const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
                      long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk,

@@ -249,6 +249,9 @@ constexpr unsigned QUANT_TOP = 32765u;  // the largest quantized key (below pack
 // its span at each end, onto [0, TOP] (from_thresholds; every block computes the same).
 template <typename In>
 struct QuantKey {
+    // packed::sweep reads plane rows one 16-byte read at a time: grouped reads spilled the
+    // fused forward's registers (ptxas: 92 -> 148 bytes of stores in float32).
+    static constexpr bool GROUP_READS = false;
     static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
     static constexpr bool EXACT = sizeof(In) == 1;
     typedef typename Select<sizeof(In) == 8, double, float>::type Q;

@@ -27,6 +27,12 @@ MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from
 # launches with more than 1 / BLOCK_PREFIX_MIN_PIXELS bins per pixel of a block.
 BLOCK_PREFIX_MIN_PIXELS = 4
 PROFILE_OPTIONS: tuple[str, ...] = ()  # extra -D flags for profiling variants (benchmarks only)
+# The histogram kernel's launch geometry (_histogram_geometry, measured on the H200).
+HIST_WAVES_2D = 3        # 2D blocks: up to this many times the resident ones,
+HIST_MIN_TILES_2D = 2    # with at least this many tiles per block
+HIST_WAVES_3D = 16       # 3D blocks: up to this many times the resident ones (~1 tile each)
+HIST_BLOCK_PLANES = 2    # a 3D block's fixed cost, in plane loads (the chunk-length model)
+HIST_ZCHUNK_MAX = 64     # planes per 3D tile at most
 
 # Storage dtype -> C type of the kernel's input (bool is one byte, read as unsigned char).
 _INPUT_CTYPE = {
@@ -137,6 +143,44 @@ def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x):
     return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
+def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
+    """The histogram kernel's ((nz, ny, nx), zchunk, blocks_per_image), as _plan's.
+
+    Measured on the H200 (benchmarks/RESULTS.md, twenty-fourth session; 7-22 % less than
+    _plan's two waves from 4096^2 and 512^3 up). 2D: up to HIST_WAVES_2D waves of blocks, but
+    at least HIST_MIN_TILES_2D tiles per block: every block ends with up to T global atomics,
+    which one tile per block did not repay (2048^2). 3D: the chunk length z (planes per tile)
+    that minimises (tiles x the planes each loads) / resident blocks + one tile's planes, a
+    balance between the two planes of halo that every chunk loads (and a block's fixed cost,
+    HIST_BLOCK_PLANES) and the last wave's tail; then about one tile per block, so that the
+    hardware balances the blocks (the kernel's static tile-stride split left 5-10 % idle).
+    """
+    nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
+    slots = resident_blocks(sig, THREADS, shared_mem, PROFILE_OPTIONS)
+    tiles_yx = math.ceil(ny / TILE_Y) * math.ceil(nx / tile_x)
+    pixels = nz * ny * nx
+    zchunk = 1
+    if ndim == 2:
+        blocks = max(math.ceil(slots / nimg),
+                     min(math.ceil(HIST_WAVES_2D * slots / nimg), tiles_yx // HIST_MIN_TILES_2D))
+    else:
+        cols = tiles_yx * nimg
+        per_tile = 2 + HIST_BLOCK_PLANES
+
+        def cost(z):
+            return cols * math.ceil(nz / z) * (z + per_tile) / slots + z + per_tile
+
+        zchunk = min(range(2, HIST_ZCHUNK_MAX + 1), key=cost)
+        if cols * math.ceil(nz / zchunk) < 2 * slots:
+            # Under two waves of such tiles (up to 256^3 here) the balance is another one: two
+            # waves of shorter chunks measured 2-5 % faster (128^3, 300 x 200 x 100).
+            return _plan(sig, nimg, spatial, ndim, shared_mem, tile_x)
+        blocks = math.ceil(HIST_WAVES_3D * slots / nimg)
+    tiles = tiles_yx * math.ceil(nz / zchunk)
+    blocks = max(blocks, math.ceil(pixels / MAX_PIXELS_PER_BLOCK))
+    return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
+
+
 def _uniform_estimate(t: np.ndarray):
     """(t0, 1/dt) when thresholds are close enough to evenly spaced for the O(1) bin guess.
 
@@ -189,8 +233,8 @@ class HistogramPlan:
                              (f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
                               "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32")
                              + tail)
-        (nz, ny, nx), zchunk, per_image = _plan(self.sig, nimg, spatial, ndim, self.shared_mem,
-                                                TILE_X[key_ctype])
+        (nz, ny, nx), zchunk, per_image = _histogram_geometry(
+            self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype])
         block_pixels = nz * ny * nx / per_image
         self.cumulate = 2 if (hist_in_smem and dtype != np.bool_
                               and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels) else 1

@@ -717,3 +717,30 @@ def test_docstring_examples():
     result = doctest.testmod(importlib.import_module("cutopo.ecc"), verbose=False, report=True)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+@pytest.mark.parametrize("slots", [1, 132, 792])
+def test_histogram_geometry_covers_every_image_within_the_kernels_bounds(monkeypatch, slots):
+    """The launch geometry (no GPU: the device's resident blocks are stubbed): at least one
+    block per image and at most one per tile, chunks of 2..64 planes, and few enough pixels per
+    block for its int32 shared histogram; 3D volumes of under two waves take _plan's geometry."""
+    from cutopo import _ecc_cupy
+
+    monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: slots)
+    cases = [((5, 7), 1, 2), ((1024, 1024), 1, 2), ((8192, 8192), 1, 2), ((1024, 1024), 64, 2),
+             ((65536, 40000), 1, 2), ((3, 4, 5), 1, 3), ((128, 128, 128), 1, 3),
+             ((1024, 1024, 1024), 1, 3), ((300, 200, 100), 4, 3), ((2049, 1024, 1024), 1, 3)]
+    for spatial, nimg, ndim in cases:
+        (nz, ny, nx), zchunk, blocks = _ecc_cupy._histogram_geometry(None, nimg, spatial, ndim, 0, 64)
+        assert (nz, ny, nx) == ((1,) + spatial if ndim == 2 else spatial)
+        tiles_yx = -(-ny // _ecc_cupy.TILE_Y) * -(-nx // 64)
+        assert (zchunk == 1) if ndim == 2 else (2 <= zchunk <= 64), (spatial, zchunk)
+        tiles = tiles_yx * -(-nz // zchunk)
+        assert 1 <= blocks <= tiles, (spatial, blocks, tiles)
+        # the kernel's blocks each sweep at most ceil(tiles / blocks) tiles of one image
+        assert -(-tiles // blocks) * zchunk * _ecc_cupy.TILE_Y * 64 <= _ecc_cupy.MAX_PIXELS_PER_BLOCK \
+            or blocks == tiles, (spatial, blocks)
+        if ndim == 3 and slots > 1:
+            planned = _ecc_cupy._plan(None, nimg, spatial, ndim, 0, 64)
+            if tiles_yx * nimg * -(-nz // zchunk) < 2 * slots:
+                assert (zchunk, blocks) == planned[1:]
