@@ -317,7 +317,7 @@ constexpr int PLANEW = ROWW * ROWS;      // words per shared plane
 constexpr int LOADS = ROWS * (TXP + 2);  // keys loaded per plane
 constexpr unsigned H = 0x80008000u;
 // Key of positions outside the image. Bins 0..T must stay below it: the host takes this kernel
-// only for T <= 0x7ffe (_ecc_cupy.PACKED_MAX_BINS).
+// only for T <= _ecc_cupy.PACKED_MAX_BINS (4096, the bins of a shared histogram).
 constexpr unsigned OUTSIDE = 0x7fffu;
 // 16-byte reads a 2D thread issues before it bins them: a plane's interior rows take 1 to 5
 // rounds of the block's threads (3 for 4-byte pixels; 8-byte pixels bin in two groups).
@@ -756,17 +756,21 @@ __device__ __forceinline__ void warp_row_prefix_sum(const long long* h, int T, S
     }
 }
 
-// Adds a pixel's contribution to the block's shared histogram, or straight to the global one
-// when the bins do not fit in shared memory. Zero contributions (most of a flat image) and
-// pixels above every threshold (or outside the image) add nothing.
+// Adds a pixel's contribution to the block's shared histogram (SHARED: the packed sweep, whose
+// bins always fit there) or straight to the global one (the scalar sweep's many bins). Zero
+// contributions (most of a flat image) and pixels above every threshold (or outside the image)
+// add nothing. A compile-time choice: a run-time test of the shared pointer kept both atomics
+// and their branches in the count (322 -> 234 instructions per thread and 2D float32 plane;
+// 3-6 % faster, benchmarks/RESULTS.md, twenty-fourth session).
+template <bool SHARED>
 struct HistSink {
     static constexpr bool WORDS = false, TIES = false;  // one pixel per call (packed::sweep)
-    int* shared;        // nullptr: no shared histogram
+    int* shared;        // the block's shared histogram (SHARED)
     long long* global;  // this image's row of the global histogram
     int T;
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
         if (c != 0 && (int)key < T) {
-            if (shared) atomicAdd(shared + key, c);
+            if constexpr (SHARED) atomicAdd(shared + key, c);
             else atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
         }
     }
@@ -827,7 +831,8 @@ histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
     BinKey<In, Cmp, K> key_of{image, bins, byte_bins};
-    HistSink sink{hist_s, hist + img * T, T};
+    // 16-bit keys: T <= HIST_SMEM_MAX_BINS, so hist_in_smem (_ecc_cupy.HistogramPlan)
+    HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T};
     if constexpr (sizeof(K) == 2) {
         // 16-byte aligned: load_plane stores the packed rows as uint2
         __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];

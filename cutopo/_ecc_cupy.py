@@ -14,9 +14,11 @@ FAMILY = "ecc"
 THREADS = 256                # ecc::THREADS
 TILE_Y = 32                  # ecc::TY
 TILE_X = {"unsigned short": 64, "unsigned int": 32}  # packed::TXP for 16-bit keys, ecc::TX else
-PACKED_MAX_BINS = 0x7FFE     # 15-bit keys for bins 0..T below packed::OUTSIDE = 0x7fff
 TABLE_SMEM_MAX = 16 * 1024   # threshold table in shared memory up to this many bytes
 HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
+# The packed sweep (15-bit keys, below packed::OUTSIDE = 0x7fff) adds into the shared
+# histogram only (ecc.cu's HistSink): it takes T <= HIST_SMEM_MAX_BINS, more bins the scalar one.
+PACKED_MAX_BINS = HIST_SMEM_MAX_BINS
 MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from overflowing
 # How a call makes its histogram rows cumulative. By default every block adds its own prefix
 # sums (one atomic per bin from the block's first non-zero bin on): no block waits for another,

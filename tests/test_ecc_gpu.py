@@ -92,9 +92,9 @@ def test_thresholds_paths(rng):
         np.linspace(lo, hi, 256),                                 # uniform, shared
         np.sort(rng.uniform(lo - 0.5, hi + 0.5, 300)),            # binary search
         np.concatenate([[lo] * 5, np.linspace(lo, hi, 50), [hi] * 5]),  # duplicates
-        np.linspace(lo, hi, 5000),                                # global histogram
-        np.linspace(lo, hi, 32766),                               # largest T of the packed kernel
-        np.linspace(lo, hi, 32767),                               # 32-bit keys, scalar kernel
+        np.linspace(lo, hi, 4096),                                # largest T of the packed kernel
+        np.linspace(lo, hi, 4097),                                # 32-bit keys, global histogram
+        np.linspace(lo, hi, 32767),                               # 32-bit keys, table in global memory
         np.linspace(lo, hi, 70000),                               # 32-bit keys, table in global memory
         np.array([0.0]),
         np.array([lo - 1, hi + 1]),
