@@ -386,3 +386,34 @@ def test_registered_instances_cover_every_input_type(ecc_cupy):
                                          ("bool", "uint8", "uint16", "int16", "int32", "float16",
                                           "float32", "float64")}
     assert cutopo  # the package imports without a GPU
+
+
+@pytest.mark.nvrtc
+def test_ab_ecc_builds_a_revisions_family_without_a_gpu(monkeypatch, capsys):
+    """benchmarks/ab_ecc.py: a git revision's ecc.cu with its headers inlined (a self-contained
+    source that compiles for sm_90), and no GPU: nothing compared, exit 0."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import ab_ecc
+
+    src = ab_ecc.old_family("HEAD")
+    assert '#include "' not in src and "ecc_histogram" in src and "finite_range" in src
+    from cutopo._cuda import compile as compile_
+
+    monkeypatch.setattr(compile_, "family_source",
+                        lambda family, own=compile_.family_source: src if family == "ecc_ab_old" else own(family))
+    cubin, _ = compile_.compile_offline(
+        "ecc_ab_old", ["cutopo::ecc::ecc_histogram<float, float, unsigned short, 2, false>"], "90")
+    assert cubin[:4] == b"\x7fELF"
+    import cupy
+
+    if not cupy.cuda.is_available():
+        assert ab_ecc.main(["--only", "nothing"]) == 0
+        assert "no GPU" in capsys.readouterr().out
+    sys.modules.pop("ab_ecc", None)

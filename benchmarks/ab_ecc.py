@@ -1,0 +1,161 @@
+"""A/B of exact-ECC histogram kernels in one process: compile-time variants and a git revision.
+
+    python benchmarks/ab_ecc.py [--variant NAME=FLAGS ...] [--against REV] [--only TEXT]
+                                [--rounds N] [--reps N]
+
+Host and device speed move between processes on the device machines (up to 2x on the host,
+~10 % on the GPU), so kernel variants are compared here in one process, their launches
+alternating: each variant's histogram plan (cutopo._ecc_cupy.HistogramPlan, with its own
+launch geometry) is captured once in a CUDA graph, then the graphs are replayed in turn for
+--rounds rounds of --reps replays each. A row prints each variant's median GPU time of one
+replay between two events (us), its ratio to the first variant and whether every variant's
+curves equal the first's.
+
+Variants: "base" (the working tree) always, then each --variant NAME=FLAGS, FLAGS being
+space-separated -D options of ecc.cu (e.g. --variant "4 blocks=-DCUTOPO_ECC_MIN_BLOCKS=4"),
+and with --against REV the kernel sources of that revision (git show REV:cuda_src/...),
+compiled as a family of their own and launched with this tree's geometry and arguments (a
+revision whose ecc_histogram takes this tree's parameters).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+T = 256
+CASES = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8") for n in (1024, 4096, 8192)]
+CASES += [(f"2d 64x1024^2 {d}", (64, 1024, 1024), 2, d, False) for d in ("float32", "uint8")]
+CASES += [("2d 8192^2 float32 T", (8192, 8192), 2, "float32", True),
+          ("2d 8192^2 float64", (8192, 8192), 2, "float64", False)]
+CASES += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8") for n in (256, 512, 1024)]
+
+
+def old_family(rev: str) -> str:
+    """The ecc family's source at git revision ``rev``, its headers inlined (the loader's way)."""
+    from cutopo._cuda import source
+
+    root = Path(__file__).resolve().parents[1]
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "cuda_src/"], cwd=root, check=True,
+                           capture_output=True, text=True).stdout.split()
+    tmp = Path(tempfile.mkdtemp(prefix="cutopo-ab-"))
+    for name in names:
+        text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        (tmp / Path(name).name).write_text(text)
+    path = (tmp / "ecc.cu").resolve()
+    return source._inline(path, {path})
+
+
+def capture(cp, fn):
+    """A CUDA graph of fn() on a stream of its own (fn ran once before, to compile and warm)."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        fn()
+        graph = stream.end_capture()
+    return graph, stream
+
+
+def replay_us(cp, graph, stream, reps):
+    """Median microseconds of one replay between two events."""
+    with stream:
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(reps):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
+    return float(np.median(times))
+
+
+def make_image(cp, shape, dtype, seed):
+    rng = cp.random.default_rng(seed)
+    if dtype == "uint8":
+        return rng.integers(0, 256, size=shape, dtype=cp.uint8)
+    return rng.random(shape, dtype=cp.float32).astype(dtype)
+
+
+def plan_for(variant, image, t, ndim, tconn):
+    """variant: ("flags", options) or ("family", name): the plan, built as that variant."""
+    from cutopo import _ecc_cupy
+
+    kind, value = variant
+    family, options = _ecc_cupy.FAMILY, _ecc_cupy.PROFILE_OPTIONS
+    try:
+        if kind == "family":
+            _ecc_cupy.FAMILY = value
+        else:
+            _ecc_cupy.PROFILE_OPTIONS = value
+        return _ecc_cupy.HistogramPlan(tuple(image.shape[-ndim:]), int(np.prod(image.shape[:-ndim])),
+                                       image.dtype, t, ndim, tconn)
+    finally:
+        _ecc_cupy.FAMILY, _ecc_cupy.PROFILE_OPTIONS = family, options
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS (space-separated -D options)")
+    p.add_argument("--against", help="a git revision whose kernel sources form one more variant")
+    p.add_argument("--only", help="run the cases whose name contains this")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+
+    import cupy as cp
+
+    from cutopo import _ecc_cupy
+    from cutopo._cuda import compile as compile_, launch
+
+    if not cp.cuda.is_available():
+        print("# no GPU: nothing to compare")
+        return 0
+    launch.PREPARE_REPEATS = False  # every plan launches its own kernel
+    variants = {"base": ("flags", ())}
+    for item in args.variant:
+        name, _, flags = item.partition("=")
+        variants[name] = ("flags", tuple(flags.split()))
+    if args.against:
+        source = old_family(args.against)
+        own = compile_.family_source
+        compile_.family_source = lambda family: source if family == "ecc_ab_old" else own(family)
+        variants[args.against] = ("family", "ecc_ab_old")
+
+    print("| case | " + " | ".join(f"{v} us" for v in variants) + " | "
+          + " | ".join(f"{v} / base" for v in list(variants)[1:]) + " | equal |")
+    print("|---" * (2 * len(variants) + 1) + "|")
+    for name, shape, ndim, dtype, tconn in CASES:
+        if args.only and args.only not in name:
+            continue
+        image = make_image(cp, shape, dtype, seed=np.random.SeedSequence().entropy % 2**32)
+        t = np.linspace(0, 255, T) if dtype == "uint8" else np.linspace(0, 1, T).astype(dtype)
+        flat = _ecc_cupy._image_view(image).reshape((-1,) + image.shape[-ndim:])
+        plans = {v: plan_for(spec, image, t, ndim, tconn) for v, spec in variants.items()}
+        curves = {v: plan(flat).get() for v, plan in plans.items()}
+        graphs = {v: capture(cp, lambda plan=plan: plan(flat)) for v, plan in plans.items()}
+        times = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v in variants:
+                times[v].append(replay_us(cp, *graphs[v], args.reps))
+        med = {v: float(np.median(ts)) for v, ts in times.items()}
+        equal = all(np.array_equal(curves["base"], c) for c in curves.values())
+        print(f"| {name} | " + " | ".join(f"{med[v]:.1f}" for v in variants) + " | "
+              + " | ".join(f"{med[v] / med['base']:.2f}" for v in list(variants)[1:])
+              + f" | {'yes' if equal else 'NO'} |", flush=True)
+        image = flat = plans = graphs = None
+        cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
