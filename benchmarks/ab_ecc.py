@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_ecc import replay_ms  # noqa: E402  (benchmarks/ is the script's directory)
+
 T = 256
 CASES = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8") for n in (1024, 4096, 8192)]
 CASES += [(f"2d 64x1024^2 {d}", (64, 1024, 1024), 2, d, False) for d in ("float32", "uint8")]
@@ -61,22 +63,6 @@ def capture(cp, fn):
         fn()
         graph = stream.end_capture()
     return graph, stream
-
-
-def replay_us(cp, graph, stream, reps):
-    """Median microseconds of one replay between two events."""
-    with stream:
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(times))
 
 
 def make_image(cp, shape, dtype, seed):
@@ -146,7 +132,7 @@ def main(argv=None):
         times = {v: [] for v in variants}
         for _ in range(args.rounds):
             for v in variants:
-                times[v].append(replay_us(cp, *graphs[v], args.reps))
+                times[v].append(replay_ms(cp, *graphs[v], args.reps) * 1e3)
         med = {v: float(np.median(ts)) for v, ts in times.items()}
         equal = all(np.array_equal(curves["base"], c) for c in curves.values())
         print(f"| {name} | " + " | ".join(f"{med[v]:.1f}" for v in variants) + " | "
