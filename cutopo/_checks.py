@@ -114,11 +114,17 @@ def _linear_threshold_values(image, n):
     n = check_count(n)
     if image.size == 0:
         raise ValueError("image: cannot derive thresholds from an empty image")
-    span = finite_range(image)
+    return thresholds_over_range(finite_range(image), n, image.dtype)
+
+
+def thresholds_over_range(span, n: int, dtype, name: str = "image") -> np.ndarray:
+    """linear_thresholds' values from a finite range ``span`` = (lo, hi) of an array of
+    ``dtype`` (in that dtype when it is floating, float64 else): the ValueError of ``name``
+    when ``span`` is None (no finite value). Shared by the in-memory, streamed and Dask paths."""
     if span is None:
-        raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
+        raise ValueError(f"{name}: no finite pixel to derive thresholds from; pass explicit thresholds")
     values = evenly_spaced(float(span[0]), float(span[1]), n)
-    return values.astype(image.dtype) if image.dtype.kind == "f" else values
+    return values.astype(dtype) if np.dtype(dtype).kind == "f" else values
 
 
 def finite_range(image):

@@ -46,7 +46,7 @@ import numpy as np
 
 from . import _ecc_numpy
 from ._array import is_cupy_array, native_dtype
-from ._checks import IMAGE_DTYPES, check_count, check_spatial_ndim, evenly_spaced
+from ._checks import IMAGE_DTYPES, check_count, check_spatial_ndim, thresholds_over_range
 
 # Default slab bounds. On the GPU several slabs keep the pipeline busy: the first slab's read
 # is not overlapped with anything, so it should be a small part of the volume.
@@ -373,11 +373,7 @@ def linear_thresholds(src: Source, n: int, max_slab_bytes: int):
     """cutopo.linear_thresholds of a streamed source (one extra pass over it)."""
     n = check_count(n)
     lo, hi = stream_min_max(src, max_slab_bytes)
-    if lo is None:
-        raise ValueError("image: no finite pixel to derive thresholds from; pass explicit thresholds")
-    if src.dtype.kind == "f":
-        return evenly_spaced(lo, hi, n).astype(src.dtype)
-    return evenly_spaced(lo, hi, n)
+    return thresholds_over_range(None if lo is None else (lo, hi), n, src.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a process without 
 
 from . import _ecc_numpy
 from ._array import is_cupy_array, native_dtype, to_numpy
-from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds, evenly_spaced, finite_range
+from ._checks import IMAGE_DTYPES, check_connectivity, check_thresholds, finite_range, thresholds_over_range
 from ._cuda import tables
 
 __all__ = ["ecc", "ect"]
@@ -810,12 +810,8 @@ def _linear_thresholds(x, n):
         raise ValueError(f"thresholds: the count must be at least 1, got {n}")
     spans = [s for s in dask.compute(*map(dask.delayed(finite_range), x.to_delayed().ravel()))
              if s is not None]
-    if not spans:
-        raise ValueError("darr: no finite pixel to derive thresholds from; pass explicit "
-                         "thresholds")
-    lo, hi = min(float(s[0]) for s in spans), max(float(s[1]) for s in spans)
-    values = evenly_spaced(lo, hi, int(n))
-    return values.astype(x.dtype) if x.dtype.kind == "f" else values
+    span = (min(float(s[0]) for s in spans), max(float(s[1]) for s in spans)) if spans else None
+    return thresholds_over_range(span, int(n), x.dtype, "darr")
 
 
 # ---------------------------------------------------------------------------------------------
