@@ -489,7 +489,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                         constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
                         const bool end_thread = threadIdx.x < 2 * ROWS;
                         const int ey = threadIdx.x >> 1, ex = (threadIdx.x & 1) ? TXP + 1 : 0;
-                        typename KeyOf::value_type end_value{};
+                        typename KeyOf::In end_value{};
                         if (end_thread) end_value = key_of.load(corner + (i64)ey * nx + ex);
 #pragma unroll
                         for (int g = 0; g < ROUNDS; g += GROUP) {
@@ -687,7 +687,6 @@ struct ThresholdBins {
 template <typename In_, typename Cmp, typename K>
 struct BinKey {
     typedef In_ In;
-    typedef In_ value_type;
     static constexpr bool GROUP_READS = true;  // packed::sweep's 2D plane reads
     static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
     const In* image;
