@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_ecc import replay_ms  # noqa: E402  (benchmarks/ is the script's directory)
+from bench_ecc import make_image, replay_ms  # noqa: E402  (benchmarks/ is the script's directory)
 
 T = 256
 CASES = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8") for n in (1024, 4096, 8192)]
@@ -63,13 +63,6 @@ def capture(cp, fn):
         fn()
         graph = stream.end_capture()
     return graph, stream
-
-
-def make_image(cp, shape, dtype, seed):
-    rng = cp.random.default_rng(seed)
-    if dtype == "uint8":
-        return rng.integers(0, 256, size=shape, dtype=cp.uint8)
-    return rng.random(shape, dtype=cp.float32).astype(dtype)
 
 
 def plan_for(variant, image, t, ndim, tconn):
@@ -123,7 +116,8 @@ def main(argv=None):
     for name, shape, ndim, dtype, tconn in CASES:
         if args.only and args.only not in name:
             continue
-        image = make_image(cp, shape, dtype, seed=np.random.SeedSequence().entropy % 2**32)
+        seed = np.random.SeedSequence().entropy % 2**32
+        image = make_image(cp, shape, "uint8" if dtype == "uint8" else "float32", seed).astype(dtype)
         t = np.linspace(0, 255, T) if dtype == "uint8" else np.linspace(0, 1, T).astype(dtype)
         flat = _ecc_cupy._image_view(image).reshape((-1,) + image.shape[-ndim:])
         plans = {v: plan_for(spec, image, t, ndim, tconn) for v, spec in variants.items()}
