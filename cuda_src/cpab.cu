@@ -23,8 +23,9 @@
 //                            last checkpoint (the forward's, or with `recompute` the thread's
 //                            own, from one forward pass into local memory: then no (T/S, B, N,
 //                            K) array exists), recompute the S steps into local memory, sweep
-//                            them backwards (lambda_t = E_lin^T (m_{t+1} lambda_{t+1})) and add
-//                            mu_{t+1} [x_t; 1]^T to the per-cell moments G_c. A point stays in
+//                            them backwards (lambda_t = E_lin^T (m_{t+1} lambda_{t+1}), in the
+//                            points' dtype: Adjoint below) and add mu_{t+1} [x_t; 1]^T to the
+//                            per-cell moments G_c (float64). A point stays in
 //                            one cell for many consecutive steps, so the outer products are
 //                            summed in registers while the cell does not change and flushed
 //                            on a change (and at the end): into a per-warp queue in shared
@@ -371,19 +372,34 @@ integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __re
 
 constexpr int WARPS = THREADS / 32;
 
+// The adjoint's arithmetic: lambda, mu and the per-run moment sums in the trajectory's type;
+// G's sums over the runs and the stored point cotangents stay float64. For float32 trajectories
+// float64 there cost a conversion of each E entry and coordinate per step and FP64 arithmetic
+// at half rate: the backward with theta measured 1.006 -> 0.895 ms (2D b32 256^2, tess 16)
+// and 1.924 -> 1.670 ms (3D 128^3, tess 10; no more spills) in float32, the cotangents within
+// 4e-7 (points) and 1.3e-5 (theta) of the largest against the float64 adjoint
+// (benchmarks/RESULTS.md, twenty-fifth session). -DCUTOPO_CPAB_ADJOINT_DOUBLE=1: float64.
+#ifndef CUTOPO_CPAB_ADJOINT_DOUBLE
+#define CUTOPO_CPAB_ADJOINT_DOUBLE 0
+#endif
+template <typename T> struct Adjoint { typedef T type; };
+#if CUTOPO_CPAB_ADJOINT_DOUBLE
+template <> struct Adjoint<float> { typedef double type; };
+#endif
+
 // Per-thread sums of mu [x; 1]^T for the run of steps spent in one cell: `cell` within the
 // item's block of cells (-1: none yet), G's row `cell_offset + cell`. A 32-bit cell keeps the
 // step's comparison and the 3D backward's registers (80, at their bound) small.
-template <int K>
+template <int K, typename A>
 struct Moments {
     static constexpr int SIZE = K * (K + 1);
     int cell;
-    double g[SIZE];
+    A g[SIZE];
 
     __device__ __forceinline__ void reset(int c) {
         cell = c;
         #pragma unroll
-        for (int i = 0; i < SIZE; ++i) g[i] = 0.0;
+        for (int i = 0; i < SIZE; ++i) g[i] = A(0);
     }
 
     // G's row of the sums, -1 for none
@@ -396,28 +412,28 @@ struct Moments {
 // pool their sums through shared memory and the lowest of them issues the atomics (MODE 1; MODE
 // 0: every lane its own). `scratch` is this warp's 32 * SIZE doubles. Lanes may belong to
 // different batch items: they pool by G's row.
-template <int K, int MODE>
-__device__ __forceinline__ void flush(const Moments<K>& m, i64 cell_offset, double* __restrict__ G,
+template <int K, int MODE, typename A>
+__device__ __forceinline__ void flush(const Moments<K, A>& m, i64 cell_offset, double* __restrict__ G,
                                       double* scratch) {
-    constexpr int SIZE = Moments<K>::SIZE;
+    constexpr int SIZE = K * (K + 1);
     const i64 row = m.row(cell_offset);
     if (MODE == 0) {  // every lane adds its own sums
         if (row >= 0)
             #pragma unroll
             for (int i = 0; i < SIZE; ++i)
-                if (m.g[i] != 0.0) atomicAdd(G + row * SIZE + i, m.g[i]);
+                if (m.g[i] != A(0)) atomicAdd(G + row * SIZE + i, (double)m.g[i]);
         return;
     }
     const unsigned active = __activemask();
     const int lane = threadIdx.x & 31;
     const unsigned group = __match_any_sync(active, (unsigned long long)row);
     #pragma unroll
-    for (int i = 0; i < SIZE; ++i) scratch[i * 32 + lane] = m.g[i];
+    for (int i = 0; i < SIZE; ++i) scratch[i * 32 + lane] = (double)m.g[i];
     __syncwarp(active);
     if (lane == __ffs(group) - 1 && row >= 0) {
         double sum[SIZE];
         #pragma unroll
-        for (int i = 0; i < SIZE; ++i) sum[i] = m.g[i];
+        for (int i = 0; i < SIZE; ++i) sum[i] = (double)m.g[i];
         for (unsigned rest = group & (group - 1); rest; rest &= rest - 1) {
             const int other = __ffs(rest) - 1;
             #pragma unroll
@@ -441,7 +457,7 @@ __device__ __forceinline__ void flush(const Moments<K>& m, i64 cell_offset, doub
 // `storage`: this warp's 32 * (SIZE + 1) doubles (sums [SIZE][32], then 32 cells).
 template <int K>
 struct MomentQueue {
-    static constexpr int SIZE = Moments<K>::SIZE;
+    static constexpr int SIZE = K * (K + 1);
     double* val;
     i64* cell;
     unsigned live;  // the lanes running the sweep
@@ -476,7 +492,8 @@ struct MomentQueue {
 
     // Every lane of `live` calls this at the same point; the lanes with `has` hand in m, whose
     // item's block of G starts at row `cell_offset`.
-    __device__ __forceinline__ void push(const Moments<K>& m, bool has, i64 cell_offset,
+    template <typename A>
+    __device__ __forceinline__ void push(const Moments<K, A>& m, bool has, i64 cell_offset,
                                          double* __restrict__ G) {
         const unsigned who = __ballot_sync(live, has);
         if (!who) return;
@@ -490,7 +507,7 @@ struct MomentQueue {
             const int slot = n + __popc(who & ((1u << (threadIdx.x & 31)) - 1u));
             cell[slot] = cell_offset + m.cell;
             #pragma unroll
-            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = m.g[i];
+            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = (double)m.g[i];
         }
         n += k;
     }
@@ -498,7 +515,7 @@ struct MomentQueue {
 
 // Shared doubles per warp that moment mode MODE needs.
 template <int K, int MODE> struct MomentScratch {
-    static constexpr int value = MODE == 0 ? 0 : 32 * (Moments<K>::SIZE + (MODE == 2 ? 1 : 0));
+    static constexpr int value = MODE == 0 ? 0 : 32 * (K * (K + 1) + (MODE == 2 ? 1 : 0));
 };
 
 // The forward once more, x_t kept at t = 0, S, 2S, ... in `own` (the same steps in the same
@@ -528,10 +545,11 @@ __device__ __forceinline__ void recompute_checkpoints(T (&x)[K], const T* __rest
 // sweep (all with the same n_steps and S, so they run its loops in step).
 template <typename T, int K, bool PROJECT, int MODE>
 __device__ __forceinline__ void adjoint_sweep(
-        double (&lam)[K], const T* __restrict__ E_item, i64 cell_offset, const Grid& g,
+        typename Adjoint<T>::type (&lam)[K], const T* __restrict__ E_item, i64 cell_offset, const Grid& g,
         int n_steps, int S, bool recompute, const T (&own)[MAX_LOCAL_CHECKPOINTS][K],
         const T* __restrict__ checkpoints, i64 row, i64 plane, double* __restrict__ G,
         int need_theta, double* my_scratch, unsigned live) {
+    typedef typename Adjoint<T>::type A;
     MomentQueue<K> queue(my_scratch, live);
     // The segment's steps in local memory (indexed at run time), as compact as they go: x_t,
     // and one word of the cell within the item's block of cells with P's mask in its low K
@@ -542,7 +560,7 @@ __device__ __forceinline__ void adjoint_sweep(
     // (benchmarks/RESULTS.md, twenty-second session; 16-bit words gained nothing more).
     T xs[MAX_SEGMENT][K];
     unsigned words[MAX_SEGMENT];
-    Moments<K> m;
+    Moments<K, A> m;
     m.reset(-1);
     const int segments = (n_steps + S - 1) / S;
     for (int j = segments - 1; j >= 0; --j) {
@@ -562,17 +580,17 @@ __device__ __forceinline__ void adjoint_sweep(
             const unsigned word = words[i];
             const int cell = (int)(PROJECT ? word >> K : word);
             const int inside = PROJECT ? (int)(word & ((1u << K) - 1)) : 0;
-            double mu[K];
+            A mu[K];
             #pragma unroll
             for (int k = 0; k < K; ++k)
-                mu[k] = (!PROJECT || ((inside >> k) & 1)) ? lam[k] : 0.0;
+                mu[k] = (!PROJECT || ((inside >> k) & 1)) ? lam[k] : A(0);
             T e[K * (K + 1)];
             load_cell<T, K>(E_item + cell * (K * (K + 1)), e);
             #pragma unroll
             for (int q = 0; q < K; ++q) {
-                double v = 0.0;
+                A v = A(0);
                 #pragma unroll
-                for (int k = 0; k < K; ++k) v += convert<double>(e[k * (K + 1) + q]) * mu[k];
+                for (int k = 0; k < K; ++k) v += convert<A>(e[k * (K + 1) + q]) * mu[k];
                 lam[q] = v;
             }
             if (need_theta) {
@@ -584,9 +602,9 @@ __device__ __forceinline__ void adjoint_sweep(
                 }
                 if (change) m.reset(cell);
                 // x_t widened once per step (the inline cvt is not merged across the k loop)
-                double xd[K];
+                A xd[K];
                 #pragma unroll
-                for (int q = 0; q < K; ++q) xd[q] = convert<double>(xs[i][q]);
+                for (int q = 0; q < K; ++q) xd[q] = convert<A>(xs[i][q]);
                 #pragma unroll
                 for (int k = 0; k < K; ++k) {
                     #pragma unroll
@@ -618,9 +636,9 @@ __device__ __forceinline__ void backward_item(
         double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
         int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch,
         unsigned live) {
-    double lam[K];
+    typename Adjoint<T>::type lam[K];
     #pragma unroll
-    for (int k = 0; k < K; ++k) lam[k] = convert<double>(cotangent[it.idx * K + k]);
+    for (int k = 0; k < K; ++k) lam[k] = convert<typename Adjoint<T>::type>(cotangent[it.idx * K + k]);
     T own[MAX_LOCAL_CHECKPOINTS][K];
     const T* E_item = item_rows(E, it.cell_offset, K * (K + 1));
     if (recompute) {
@@ -640,7 +658,7 @@ __device__ __forceinline__ void backward_item(
         }
         #pragma unroll
         for (int k = 0; k < K; ++k)
-            grad_points[it.idx * K + k] = ((inside0 >> k) & 1) ? lam[k] : 0.0;
+            grad_points[it.idx * K + k] = ((inside0 >> k) & 1) ? (double)lam[k] : 0.0;
     }
 }
 
@@ -858,7 +876,7 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
     if (!theta_wanted) return;
     // grid_sample's grid cotangent along image axis a (sampling.cu, backward_item), then
     // transform._from_normalised_cotangent: d phi_a = 2 d grid_{K-1-a}, exact in R and float64.
-    double lam[K];
+    typename Adjoint<T>::type lam[K];
     #pragma unroll
     for (int a = 0; a < K; ++a) {
         R gx = R(0);
@@ -870,7 +888,7 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
                 if (q != a) dw = mul_rn(dw, cell.w[q][cell.offset(k, q)]);
             gx = add_rn(gx, dw);
         }
-        lam[a] = convert<double>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
+        lam[a] = convert<typename Adjoint<T>::type>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
     }
     adjoint_sweep<T, K, PROJECT, CUTOPO_WARP_BACKWARD_MOMENTS>(
         lam, E_item, cell_offset, g, n_steps, S_seg, recompute != 0, own, checkpoints, idx, plane, G, 1,

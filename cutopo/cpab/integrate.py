@@ -427,8 +427,10 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     adjoint is L(X^T, .)), computed as Van Loan's block exponential, and ``dL/dtheta = B^T
     vec(dL/dA)``, ``dL/dpoints = m_0 * lambda_0`` (summed over the batch when shared). Work
     O(T N + d C), no [d, N] Jacobian; the trajectory is recomputed from checkpoints every S
-    steps, so the backward costs one more forward plus the sweep. lambda and G are
-    accumulated in float64. On CuPy inputs the backward kernel also recomputes the
+    steps, so the backward costs one more forward plus the sweep. G is accumulated in
+    float64; lambda in float64 on NumPy inputs, and on CuPy inputs in the points' dtype (with
+    the sums of a run of steps in one cell: float32 arithmetic for float32 points, the theta
+    cotangent then within ~1e-5 of its largest entry of a float64 adjoint's). On CuPy inputs the backward kernel also recomputes the
     checkpoints themselves (kept in each thread's local memory, for T <= 256): the VJP then
     holds no (T / S, B, N, K) array and its memory is that of the forward.
 
