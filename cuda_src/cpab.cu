@@ -454,17 +454,31 @@ __device__ __forceinline__ void flush(const Moments<K, A>& m, i64 cell_offset, d
 // ~10 steps, so nearly every step some lane of a warp flushes: MODE 1 paid a warp-wide flush
 // (match, shared exchange, atomics) at almost every step, this a ballot per step and a drain
 // every few. A warp with exited lanes (the grid's tail) adds directly (MODE 0).
-// `storage`: this warp's 32 * (SIZE + 1) doubles (sums [SIZE][32], then 32 cells).
-template <int K>
+// `storage`: this warp's 32 * (SIZE + 1) doubles (sums [SIZE][32] of type E, then 32 cells).
+// The entries keep the sums in the adjoint's type A, so a push stores them as they are (float64
+// entries for float32 sums cost each push a conversion, and its flush of float32 denormals,
+// per sum); the drain adds a cell's entries in A and widens the total for the atomic. Float32
+// backward with theta on the H200: 2D 0.909 -> 0.845 ms, 3D 1.673 -> 1.599 ms, theta within
+// 4e-6 of the largest (twenty-fifth session). -DCUTOPO_QUEUE_DOUBLE_ENTRIES=1: float64 entries.
+#ifndef CUTOPO_QUEUE_DOUBLE_ENTRIES
+#define CUTOPO_QUEUE_DOUBLE_ENTRIES 0
+#endif
+template <int K, typename A>
 struct MomentQueue {
     static constexpr int SIZE = K * (K + 1);
-    double* val;
+#if CUTOPO_QUEUE_DOUBLE_ENTRIES
+    typedef double E;
+#else
+    typedef A E;
+#endif
+    E* val;
     i64* cell;
     unsigned live;  // the lanes running the sweep
     int n;          // entries queued (the same in every lane)
 
     __device__ __forceinline__ MomentQueue(double* storage, unsigned live_lanes)
-        : val(storage), cell(reinterpret_cast<i64*>(storage + 32 * SIZE)), live(live_lanes), n(0) {}
+        : val(reinterpret_cast<E*>(storage)), cell(reinterpret_cast<i64*>(storage + 32 * SIZE)),
+          live(live_lanes), n(0) {}
 
     __device__ __forceinline__ void drain(double* __restrict__ G) {
         __syncwarp(live);
@@ -473,7 +487,7 @@ struct MomentQueue {
         const i64 c = mine ? cell[lane] : (i64)(-1 - lane);  // idle lanes: keys of their own
         const unsigned group = __match_any_sync(live, (unsigned long long)c);
         if (mine && lane == __ffs(group) - 1) {
-            double sum[SIZE];
+            E sum[SIZE];
             #pragma unroll
             for (int i = 0; i < SIZE; ++i) sum[i] = val[i * 32 + lane];
             for (unsigned rest = group & (group - 1); rest; rest &= rest - 1) {
@@ -484,7 +498,7 @@ struct MomentQueue {
             double* dst = G + c * SIZE;
             #pragma unroll
             for (int i = 0; i < SIZE; ++i)
-                if (sum[i] != 0.0) atomicAdd(dst + i, sum[i]);
+                if (sum[i] != E(0)) atomicAdd(dst + i, (double)sum[i]);
         }
         n = 0;
         __syncwarp(live);
@@ -492,7 +506,6 @@ struct MomentQueue {
 
     // Every lane of `live` calls this at the same point; the lanes with `has` hand in m, whose
     // item's block of G starts at row `cell_offset`.
-    template <typename A>
     __device__ __forceinline__ void push(const Moments<K, A>& m, bool has, i64 cell_offset,
                                          double* __restrict__ G) {
         const unsigned who = __ballot_sync(live, has);
@@ -507,7 +520,7 @@ struct MomentQueue {
             const int slot = n + __popc(who & ((1u << (threadIdx.x & 31)) - 1u));
             cell[slot] = cell_offset + m.cell;
             #pragma unroll
-            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = (double)m.g[i];
+            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = (E)m.g[i];
         }
         n += k;
     }
@@ -550,7 +563,7 @@ __device__ __forceinline__ void adjoint_sweep(
         const T* __restrict__ checkpoints, i64 row, i64 plane, double* __restrict__ G,
         int need_theta, double* my_scratch, unsigned live) {
     typedef typename Adjoint<T>::type A;
-    MomentQueue<K> queue(my_scratch, live);
+    MomentQueue<K, A> queue(my_scratch, live);
     // The segment's steps in local memory (indexed at run time), as compact as they go: x_t,
     // and one word of the cell within the item's block of cells with P's mask in its low K
     // bits (Tessellation keeps K (K+1) n_cells < 2^31, so the cell is below 2^(31-K)). These
@@ -666,14 +679,19 @@ __device__ __forceinline__ void backward_item(
 // the queue's bookkeeping would otherwise take 97 registers (2 blocks/SM); 4 in 2D, which fits
 // 64 registers without spills (ptxas' own choice, 78, leaves 3 blocks/SM; on the H200, b32
 // 256^2 tess 16: points-only backward 0.59 -> 0.56 ms, recomputed checkpoints 1.25 -> 1.22,
-// with moments unchanged at 1.07; 5 blocks spill: 0.89 / 1.32 / 1.21). float64 trajectories
-// keep ptxas' choice (they would spill at 80). -DCUTOPO_BACKWARD_MIN_BLOCKS_2D=N to profile
-// others.
+// with moments unchanged at 1.07; 5 blocks spill: 0.89 / 1.32 / 1.21). With the float32
+// adjoint (53 and 76 registers) 5 blocks in 2D and 4 in 3D measured within noise of these
+// (-1 % to +3 % over two calls, twenty-fifth session). float64 trajectories keep ptxas'
+// choice (they would spill at 80). -DCUTOPO_BACKWARD_MIN_BLOCKS_2D=N / _3D=N to profile others.
 #ifndef CUTOPO_BACKWARD_MIN_BLOCKS_2D
 #define CUTOPO_BACKWARD_MIN_BLOCKS_2D 4
 #endif
+#ifndef CUTOPO_BACKWARD_MIN_BLOCKS_3D
+#define CUTOPO_BACKWARD_MIN_BLOCKS_3D 3
+#endif
 template <typename T, int K> struct BackwardBlocks {
-    static constexpr int value = sizeof(T) != 4 ? 1 : K == 3 ? 3 : K == 2 ? CUTOPO_BACKWARD_MIN_BLOCKS_2D : 1;
+    static constexpr int value = sizeof(T) != 4 ? 1 : K == 3 ? CUTOPO_BACKWARD_MIN_BLOCKS_3D
+                                                  : K == 2 ? CUTOPO_BACKWARD_MIN_BLOCKS_2D : 1;
 };
 
 template <typename T, int K, bool PROJECT, int MODE>
