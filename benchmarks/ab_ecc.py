@@ -1,7 +1,7 @@
 """A/B of exact-ECC histogram kernels in one process: compile-time variants and a git revision.
 
-    python benchmarks/ab_ecc.py [--variant NAME=FLAGS ...] [--against REV] [--only TEXT]
-                                [--rounds N] [--reps N]
+    python benchmarks/ab_ecc.py [--variant NAME=FLAGS ...] [--setting NAME=ATTR=VALUE ...]
+                                [--against REV] [--only TEXT] [--small] [--rounds N] [--reps N]
 
 Host and device speed move between processes on the device machines (up to 2x on the host,
 ~10 % on the GPU), so kernel variants are compared here in one process, their launches
@@ -13,9 +13,11 @@ curves equal the first's.
 
 Variants: "base" (the working tree) always, then each --variant NAME=FLAGS, FLAGS being
 space-separated -D options of ecc.cu (e.g. --variant "4 blocks=-DCUTOPO_ECC_MIN_BLOCKS=4"),
-and with --against REV the kernel sources of that revision (git show REV:cuda_src/...),
-compiled as a family of their own and launched with this tree's geometry and arguments (a
-revision whose ecc_histogram takes this tree's parameters).
+each --setting NAME=ATTR=VALUE a plan built with a constant of cutopo._ecc_cupy set to an int
+(e.g. --setting "2 waves=HIST_WAVES_2D=2"), and with --against REV the kernel sources of that
+revision (git show REV:cuda_src/...), compiled as a family of their own and launched with this
+tree's geometry and arguments (a revision whose ecc_histogram takes this tree's parameters).
+--small: one-wave cases (128^2 to 2048^2, bool too, 64^3 and 128^3) instead of the large ones.
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ CASES += [(f"2d 64x1024^2 {d}", (64, 1024, 1024), 2, d, False) for d in ("float3
 CASES += [("2d 8192^2 float32 T", (8192, 8192), 2, "float32", True),
           ("2d 8192^2 float64", (8192, 8192), 2, "float64", False)]
 CASES += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8") for n in (256, 512, 1024)]
+# --small: one-wave launches, where the blocks' final atomics weigh
+SMALL = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8", "bool")
+         for n in (128, 512, 1024, 2048)]
+SMALL += [("2d 8x256^2 float32", (8, 256, 256), 2, "float32", False),
+          ("2d 1024^2 float32 T", (1024, 1024), 2, "float32", True)]
+SMALL += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8") for n in (64, 128)]
 
 
 def old_family(rev: str) -> str:
@@ -71,21 +79,31 @@ def plan_for(variant, image, t, ndim, tconn):
 
     kind, value = variant
     family, options = _ecc_cupy.FAMILY, _ecc_cupy.PROFILE_OPTIONS
+    saved = {}
     try:
         if kind == "family":
             _ecc_cupy.FAMILY = value
+        elif kind == "setting":
+            for attr, v in value.items():
+                saved[attr] = getattr(_ecc_cupy, attr)
+                setattr(_ecc_cupy, attr, v)
         else:
             _ecc_cupy.PROFILE_OPTIONS = value
         return _ecc_cupy.HistogramPlan(tuple(image.shape[-ndim:]), int(np.prod(image.shape[:-ndim])),
                                        image.dtype, t, ndim, tconn)
     finally:
         _ecc_cupy.FAMILY, _ecc_cupy.PROFILE_OPTIONS = family, options
+        for attr, v in saved.items():
+            setattr(_ecc_cupy, attr, v)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS (space-separated -D options)")
+    p.add_argument("--setting", action="append", default=[],
+                   help="NAME=ATTR=VALUE (a constant of cutopo._ecc_cupy, an int)")
     p.add_argument("--against", help="a git revision whose kernel sources form one more variant")
+    p.add_argument("--small", action="store_true", help="the one-wave cases instead of the large ones")
     p.add_argument("--only", help="run the cases whose name contains this")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -94,6 +112,7 @@ def main(argv=None):
     import cupy as cp
 
     from cutopo import _ecc_cupy
+    from cutopo._checks import check_thresholds
     from cutopo._cuda import compile as compile_, launch
 
     if not cp.cuda.is_available():
@@ -104,6 +123,9 @@ def main(argv=None):
     for item in args.variant:
         name, _, flags = item.partition("=")
         variants[name] = ("flags", tuple(flags.split()))
+    for item in args.setting:
+        name, attr, value = item.split("=")
+        variants[name] = ("setting", {attr: int(value)})
     if args.against:
         source = old_family(args.against)
         own = compile_.family_source
@@ -113,12 +135,15 @@ def main(argv=None):
     print("| case | " + " | ".join(f"{v} us" for v in variants) + " | "
           + " | ".join(f"{v} / base" for v in list(variants)[1:]) + " | equal |")
     print("|---" * (2 * len(variants) + 1) + "|")
-    for name, shape, ndim, dtype, tconn in CASES:
+    for name, shape, ndim, dtype, tconn in (SMALL if args.small else CASES):
         if args.only and args.only not in name:
             continue
         seed = np.random.SeedSequence().entropy % 2**32
-        image = make_image(cp, shape, "uint8" if dtype == "uint8" else "float32", seed).astype(dtype)
-        t = np.linspace(0, 255, T) if dtype == "uint8" else np.linspace(0, 1, T).astype(dtype)
+        image = make_image(cp, shape, "float32" if dtype == "float32" else "uint8", seed)
+        image = image > 127 if dtype == "bool" else image.astype(dtype)
+        t = np.linspace(0, 255, T) if dtype == "uint8" else np.linspace(0, 1, T)
+        t, _ = check_thresholds(t.astype(np.float32) if dtype == "float32" else t,
+                                np.empty(0, dtype=image.dtype))  # as cutopo.ecc compares
         flat = _ecc_cupy._image_view(image).reshape((-1,) + image.shape[-ndim:])
         plans = {v: plan_for(spec, image, t, ndim, tconn) for v, spec in variants.items()}
         curves = {v: plan(flat).get() for v, plan in plans.items()}

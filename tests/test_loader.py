@@ -417,3 +417,37 @@ def test_ab_ecc_builds_a_revisions_family_without_a_gpu(monkeypatch, capsys):
         assert ab_ecc.main(["--only", "nothing"]) == 0
         assert "no GPU" in capsys.readouterr().out
     sys.modules.pop("ab_ecc", None)
+
+
+@pytest.mark.nvrtc
+def test_ab_cpab_variants_compile_without_a_gpu(monkeypatch, capsys):
+    """benchmarks/ab_cpab.py: its variants are -D switches of cpab.cu, which must keep
+    compiling (the float64 adjoint and queue entries, the backward's blocks per SM); bad
+    arguments are refused, and without a GPU nothing is compared, exit 0."""
+    import pathlib
+    import sys
+
+    from cutopo._cuda import compile as compile_
+    from cutopo.cpab import _integrate_cupy as icp
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import ab_cpab
+
+    assert ab_cpab.parse_variants(["a=-DX=1 -DY"]) == {"base": (), "a": ("-DX=1", "-DY")}
+    for bad in (["base=-DX"], ["noflags"], ["a=-DX", "a=-DY"]):
+        with pytest.raises(SystemExit):
+            ab_cpab.parse_variants(bad)
+    with pytest.raises(SystemExit):
+        ab_cpab.main(["--case", "4d"])
+    names = [icp._backward_sig(t, K, True, "queue").name for t in ("float32", "float64") for K in (2, 3)]
+    for flags in (("-DCUTOPO_CPAB_ADJOINT_DOUBLE=1",), ("-DCUTOPO_QUEUE_DOUBLE_ENTRIES=1",),
+                  ("-DCUTOPO_BACKWARD_MIN_BLOCKS_2D=5", "-DCUTOPO_BACKWARD_MIN_BLOCKS_3D=4")):
+        cubin, _ = compile_.compile_offline(icp.FAMILY, names, "90", flags)
+        assert cubin[:4] == b"\x7fELF"
+    import cupy
+
+    if not cupy.cuda.is_available():
+        assert ab_cpab.main([]) == 0
+        assert "no GPU" in capsys.readouterr().out
+    sys.modules.pop("ab_cpab", None)
