@@ -10,7 +10,7 @@ synchronous scheduler with side streams:
   last task's return, to compute()'s return, to the device being idle; and the GPU's span from
   the first chunk task's entry (an event on the current stream) to the end;
 * the histogram kernel alone over the whole volume and over the four chunks (one stream, and
-  one side stream each), with the chunk geometry at HIST_WAVES_3D = 16 / 8 / 4;
+  one side stream each), with the chunk geometry at HIST_WAVES_3D = 16 / 8 / 4 / 2;
 * with ``--profile``: cProfile of computes, the largest own times.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ from bench_stream import thresholds_for, wall_ms  # noqa: E402
 
 
 def timeline(cp, cd, lazy, reps):
-    """Median (first task, last task end, compute return, idle) host ms and the GPU span."""
+    """Median (first task, last task end, compute return, idle) host ms and the GPU span of
+    ``lazy.compute()`` (whose graph keeps the tracing wrapper afterwards: time a fresh one)."""
     stamps = []
     original = cd._chunk_task
 
