@@ -460,8 +460,16 @@ __device__ __forceinline__ void flush(const Moments<K, A>& m, i64 cell_offset, d
 // per sum); the drain adds a cell's entries in A and widens the total for the atomic. Float32
 // backward with theta on the H200: 2D 0.909 -> 0.845 ms, 3D 1.673 -> 1.599 ms, theta within
 // 4e-6 of the largest (twenty-fifth session). -DCUTOPO_QUEUE_DOUBLE_ENTRIES=1: float64 entries.
+//
+// -DCUTOPO_QUEUE_ENTRY_MAJOR=1 (float32 entries only; a profiling variant, not yet measured):
+// each entry's sums and cell contiguous, 16-byte aligned (32 bytes in 2D, 64 in 3D), so a push
+// is 2 (2D) or 4 (3D) 16-byte stores instead of SIZE + 1 scalar ones, and the drain reads a
+// member's sums in 2 or 3 16-byte loads instead of SIZE.
 #ifndef CUTOPO_QUEUE_DOUBLE_ENTRIES
 #define CUTOPO_QUEUE_DOUBLE_ENTRIES 0
+#endif
+#ifndef CUTOPO_QUEUE_ENTRY_MAJOR
+#define CUTOPO_QUEUE_ENTRY_MAJOR 0
 #endif
 template <int K, typename A>
 struct MomentQueue {
@@ -471,30 +479,73 @@ struct MomentQueue {
 #else
     typedef A E;
 #endif
+    static constexpr bool ENTRY_MAJOR = CUTOPO_QUEUE_ENTRY_MAJOR != 0 && sizeof(E) == 4;
+    // entry-major: 32-bit words per entry (the sums, the cell's two words, padding)
+    static constexpr int WORDS = (SIZE + 2 + 3) / 4 * 4;
     E* val;
     i64* cell;
+    unsigned* words;
     unsigned live;  // the lanes running the sweep
     int n;          // entries queued (the same in every lane)
 
     __device__ __forceinline__ MomentQueue(double* storage, unsigned live_lanes)
         : val(reinterpret_cast<E*>(storage)), cell(reinterpret_cast<i64*>(storage + 32 * SIZE)),
-          live(live_lanes), n(0) {}
+          words(reinterpret_cast<unsigned*>(storage)), live(live_lanes), n(0) {}
+
+    __device__ __forceinline__ i64 key(int slot) const {
+        if constexpr (ENTRY_MAJOR) return *reinterpret_cast<const i64*>(words + slot * WORDS + SIZE);
+        else return cell[slot];
+    }
+    __device__ __forceinline__ void put(int slot, i64 c, const E (&g)[SIZE]) {
+        if constexpr (ENTRY_MAJOR) {
+            unsigned w[WORDS];
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) w[i] = __float_as_uint(g[i]);
+            w[SIZE] = (unsigned)(u64)c;
+            w[SIZE + 1] = (unsigned)((u64)c >> 32);
+            #pragma unroll
+            for (int i = SIZE + 2; i < WORDS; ++i) w[i] = 0u;
+            uint4* dst = reinterpret_cast<uint4*>(words + slot * WORDS);
+            #pragma unroll
+            for (int q = 0; q < WORDS / 4; ++q) dst[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+        } else {
+            cell[slot] = c;
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = g[i];
+        }
+    }
+    // sum[i] = (first ? 0 : sum[i]) + entry slot's sum i
+    __device__ __forceinline__ void add_entry(int slot, E (&sum)[SIZE], bool first) const {
+        E g[SIZE];
+        if constexpr (ENTRY_MAJOR) {
+            const uint4* src = reinterpret_cast<const uint4*>(words + slot * WORDS);
+            #pragma unroll
+            for (int q = 0; q < (SIZE + 3) / 4; ++q) {
+                const uint4 v = src[q];
+                const unsigned u[4] = {v.x, v.y, v.z, v.w};
+                #pragma unroll
+                for (int r = 0; r < 4; ++r)
+                    if (4 * q + r < SIZE) g[4 * q + r] = __uint_as_float(u[r]);
+            }
+        } else {
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) g[i] = val[i * 32 + slot];
+        }
+        #pragma unroll
+        for (int i = 0; i < SIZE; ++i) sum[i] = first ? g[i] : sum[i] + g[i];
+    }
 
     __device__ __forceinline__ void drain(double* __restrict__ G) {
         __syncwarp(live);
         const int lane = threadIdx.x & 31;
         const bool mine = lane < n;
-        const i64 c = mine ? cell[lane] : (i64)(-1 - lane);  // idle lanes: keys of their own
+        const i64 c = mine ? key(lane) : (i64)(-1 - lane);  // idle lanes: keys of their own
         const unsigned group = __match_any_sync(live, (unsigned long long)c);
         if (mine && lane == __ffs(group) - 1) {
             E sum[SIZE];
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i) sum[i] = val[i * 32 + lane];
-            for (unsigned rest = group & (group - 1); rest; rest &= rest - 1) {
-                const int other = __ffs(rest) - 1;
-                #pragma unroll
-                for (int i = 0; i < SIZE; ++i) sum[i] += val[i * 32 + other];
-            }
+            add_entry(lane, sum, true);
+            for (unsigned rest = group & (group - 1); rest; rest &= rest - 1)
+                add_entry(__ffs(rest) - 1, sum, false);
             double* dst = G + c * SIZE;
             #pragma unroll
             for (int i = 0; i < SIZE; ++i)
@@ -518,9 +569,10 @@ struct MomentQueue {
         if (n + k > 32) drain(G);
         if (has) {
             const int slot = n + __popc(who & ((1u << (threadIdx.x & 31)) - 1u));
-            cell[slot] = cell_offset + m.cell;
+            E g[SIZE];
             #pragma unroll
-            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = (E)m.g[i];
+            for (int i = 0; i < SIZE; ++i) g[i] = (E)m.g[i];
+            put(slot, cell_offset + m.cell, g);
         }
         n += k;
     }
@@ -702,7 +754,7 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
                    int points_shared, int theta_shared, int n_steps, int S, int need_points,
                    int need_theta, int recompute, int n0, int n1, int n2) {
     constexpr int PER_WARP = MomentScratch<K, MODE>::value;
-    __shared__ double scratch[MODE >= 1 ? WARPS * PER_WARP : 1];
+    __shared__ __align__(16) double scratch[MODE >= 1 ? WARPS * PER_WARP : 1];
     Item it;
     const bool valid = item_of(B, N, points_shared, theta_shared, C, it);
     const unsigned live = __ballot_sync(0xffffffffu, valid);
@@ -848,7 +900,7 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
               int S_seg, int recompute, int padding, int need_image, int need_theta, int n0,
               int n1, int n2, int d, int h, int w) {
     constexpr int PER_WARP = MomentScratch<K, CUTOPO_WARP_BACKWARD_MOMENTS>::value;
-    __shared__ double scratch[WARPS * PER_WARP];
+    __shared__ __align__(16) double scratch[WARPS * PER_WARP];
     const sampling::Dims<i64, K> dims(d, h, w);
     Pixel px;
     const bool valid = pixel_of(B, dims.stride[0] * dims.size[0], C, theta_shared, px);

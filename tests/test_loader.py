@@ -422,7 +422,8 @@ def test_ab_ecc_builds_a_revisions_family_without_a_gpu(monkeypatch, capsys):
 @pytest.mark.nvrtc
 def test_ab_cpab_variants_compile_without_a_gpu(monkeypatch, capsys):
     """benchmarks/ab_cpab.py: its variants are -D switches of cpab.cu, which must keep
-    compiling (the float64 adjoint and queue entries, the backward's blocks per SM); bad
+    compiling (the float64 adjoint and queue entries, entry-major queue entries, the backward's
+    blocks per SM); bad
     arguments are refused, and without a GPU nothing is compared, exit 0."""
     import pathlib
     import sys
@@ -442,6 +443,7 @@ def test_ab_cpab_variants_compile_without_a_gpu(monkeypatch, capsys):
         ab_cpab.main(["--case", "4d"])
     names = [icp._backward_sig(t, K, True, "queue").name for t in ("float32", "float64") for K in (2, 3)]
     for flags in (("-DCUTOPO_CPAB_ADJOINT_DOUBLE=1",), ("-DCUTOPO_QUEUE_DOUBLE_ENTRIES=1",),
+                  ("-DCUTOPO_QUEUE_ENTRY_MAJOR=1",),
                   ("-DCUTOPO_BACKWARD_MIN_BLOCKS_2D=5", "-DCUTOPO_BACKWARD_MIN_BLOCKS_3D=4")):
         cubin, _ = compile_.compile_offline(icp.FAMILY, names, "90", flags)
         assert cubin[:4] == b"\x7fELF"
