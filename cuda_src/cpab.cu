@@ -701,9 +701,10 @@ __device__ __forceinline__ void backward_item(
         double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, int n_steps, int S,
         int need_points, int need_theta, int recompute, const Grid& g, double* my_scratch,
         unsigned live) {
-    typename Adjoint<T>::type lam[K];
+    typedef typename Adjoint<T>::type A;
+    A lam[K];
     #pragma unroll
-    for (int k = 0; k < K; ++k) lam[k] = convert<typename Adjoint<T>::type>(cotangent[it.idx * K + k]);
+    for (int k = 0; k < K; ++k) lam[k] = convert<A>(cotangent[it.idx * K + k]);
     T own[MAX_LOCAL_CHECKPOINTS][K];
     const T* E_item = item_rows(E, it.cell_offset, K * (K + 1));
     if (recompute) {
@@ -946,7 +947,8 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
     if (!theta_wanted) return;
     // grid_sample's grid cotangent along image axis a (sampling.cu, backward_item), then
     // transform._from_normalised_cotangent: d phi_a = 2 d grid_{K-1-a}, exact in R and float64.
-    typename Adjoint<T>::type lam[K];
+    typedef typename Adjoint<T>::type A;
+    A lam[K];
     #pragma unroll
     for (int a = 0; a < K; ++a) {
         R gx = R(0);
@@ -958,7 +960,7 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
                 if (q != a) dw = mul_rn(dw, cell.w[q][cell.offset(k, q)]);
             gx = add_rn(gx, dw);
         }
-        lam[a] = convert<typename Adjoint<T>::type>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
+        lam[a] = convert<A>(mul_rn(R(2), mul_rn(gx, cell.dx[a])));
     }
     adjoint_sweep<T, K, PROJECT, CUTOPO_WARP_BACKWARD_MOMENTS>(
         lam, E_item, cell_offset, g, n_steps, S_seg, recompute != 0, own, checkpoints, idx, plane, G, 1,

@@ -78,15 +78,25 @@ def finite_range(image, step=_SLAB_ELEMENTS):
     at most ``step`` elements, so the finiteness mask never takes more than a tile."""
     if image.dtype.kind != "f":
         return image.min().item(), image.max().item()
-    lo = hi = None
-    for box in _tiles(image.shape, step):
+
+    def tile_range(box):
         part = image[tuple(slice(a, b) for a, b in box)]
         ok = np.isfinite(part)
-        if ok.any():
-            bmin = float(np.min(part, where=ok, initial=np.inf))
-            bmax = float(np.max(part, where=ok, initial=-np.inf))
-            lo = bmin if lo is None else min(lo, bmin)
-            hi = bmax if hi is None else max(hi, bmax)
+        if not ok.any():
+            return None
+        return float(np.min(part, where=ok, initial=np.inf)), float(np.max(part, where=ok, initial=-np.inf))
+
+    return merge_ranges(map(tile_range, _tiles(image.shape, step)))
+
+
+def merge_ranges(spans):
+    """The (lo, hi) covering every (lo, hi) of ``spans`` that is not None (the finite ranges of
+    an array's parts), as floats; None when all are None."""
+    lo = hi = None
+    for span in spans:
+        if span is not None:
+            lo = float(span[0]) if lo is None else min(lo, float(span[0]))
+            hi = float(span[1]) if hi is None else max(hi, float(span[1]))
     return None if lo is None else (lo, hi)
 
 

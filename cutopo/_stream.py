@@ -358,15 +358,14 @@ def stream_min_max(src: Source, max_slab_bytes: int):
     counts (:func:`ecc`), and their owned planes are scanned in tiles of CPU_STEP_ELEMENTS
     elements (the finite mask is per tile), so a threshold count never needs a larger
     ``max_slab_bytes`` than explicit thresholds."""
-    lo = hi = None
-    for piece in plan_pieces(src, src.dtype.itemsize, max_slab_bytes):
+    def slab_range(piece):
         owned = np.flatnonzero(piece.own0)  # one run of planes (no periodic pieces here)
         block = read_piece(src, piece)[:, owned[0]:owned[-1] + 1]
-        part = _ecc_numpy.finite_range(block, CPU_STEP_ELEMENTS)
-        if part is not None:
-            lo = float(part[0]) if lo is None else min(lo, float(part[0]))
-            hi = float(part[1]) if hi is None else max(hi, float(part[1]))
-    return lo, hi
+        return _ecc_numpy.finite_range(block, CPU_STEP_ELEMENTS)
+
+    pieces = plan_pieces(src, src.dtype.itemsize, max_slab_bytes)
+    span = _ecc_numpy.merge_ranges(map(slab_range, pieces))
+    return (None, None) if span is None else span
 
 
 def linear_thresholds(src: Source, n: int, max_slab_bytes: int):

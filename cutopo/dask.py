@@ -808,9 +808,8 @@ def _linear_thresholds(x, n):
 
     if n < 1:
         raise ValueError(f"thresholds: the count must be at least 1, got {n}")
-    spans = [s for s in dask.compute(*map(dask.delayed(finite_range), x.to_delayed().ravel()))
-             if s is not None]
-    span = (min(float(s[0]) for s in spans), max(float(s[1]) for s in spans)) if spans else None
+    span = _ecc_numpy.merge_ranges(
+        dask.compute(*map(dask.delayed(finite_range), x.to_delayed().ravel())))
     return thresholds_over_range(span, int(n), x.dtype, "darr")
 
 

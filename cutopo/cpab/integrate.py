@@ -430,9 +430,10 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     steps, so the backward costs one more forward plus the sweep. G is accumulated in
     float64; lambda in float64 on NumPy inputs, and on CuPy inputs in the points' dtype (with
     the sums of a run of steps in one cell: float32 arithmetic for float32 points, the theta
-    cotangent then within ~1e-5 of its largest entry of a float64 adjoint's). On CuPy inputs the backward kernel also recomputes the
-    checkpoints themselves (kept in each thread's local memory, for T <= 256): the VJP then
-    holds no (T / S, B, N, K) array and its memory is that of the forward.
+    cotangent then within ~1e-5 of its largest entry of a float64 adjoint's). On CuPy inputs
+    the backward kernel also recomputes the checkpoints themselves (kept in each thread's
+    local memory, for T <= 256): the VJP then holds no (T / S, B, N, K) array and its memory
+    is that of the forward.
 
     Convention
     ----------
