@@ -4,9 +4,10 @@
 
 Stages: the argument checks with CuPy reductions (check_points_theta alone: a finiteness
 reduction read on the host), A = B theta (ELL product), the step-size guard by CuPy
-reductions, the call's own checks (call_checks: both in one kernel, one read), expm_cells, the
-forward kernel with and without checkpoints, the backward kernel, frechet_cells, B^T (ELL), and
-the whole forward and VJP calls. Kernel rows time the launch alone (CUDA events around repeated
+reductions, expm_cells, the call's set-up in one kernel as the ops run it (prepare_cells: A,
+the checks, the guard's norm and expm, its flags read), the forward kernel with and without
+checkpoints, the backward kernel, frechet_cells, B^T (ELL), and the whole forward and VJP
+calls. Kernel rows time the launch alone (CUDA events around repeated
 launches on prepared arrays); host rows time the Python call including its synchronisations.
 """
 from __future__ import annotations
@@ -61,12 +62,12 @@ def main(argv=None):
         A = plan.A
         row("guard (1 sync)", lambda: float(cp.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max()))
         theta2 = theta[None] if theta.ndim == 1 else theta
-        row("call_checks: finiteness + guard in one kernel (1 sync)",
-            lambda: icp._queue_checks(plan.points, theta2, A, K, ()).read())
         E = cp.empty(A.shape, dtype=dt)
         row("expm_cells", lambda: icp.launch(icp._expm_sig(dt.name, K), icp._blocks(len(A), 128), 128,
                                              (A, E, len(A), plan.h)))
-        row("setup (all of the above, checks read)",
+        row("prepare_cells: A, finiteness, guard, expm in one kernel (1 sync)",
+            lambda: icp._prepare(plan.points, theta2, tess, plan.h, dt, ())[2].read())
+        row("setup (prepare_cells, checks read)",
             lambda: icp.setup(points, theta, tess, T_STEPS, "integrate", dt))
         row("forward kernel", lambda: icp.integrate(plan))
         # the VJP's segment under the library's CHECKPOINTS (S = 17 at T = 50 for "sparse")

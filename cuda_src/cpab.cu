@@ -46,8 +46,9 @@
 //                            the trajectory back as integrate_backward does (section below).
 //   step_guard               one thread per cell: integrate's step-size guard as a device flag
 //                            (register's device steps).
-//   call_checks              grid-stride: a call's finiteness checks and the guard's norm, read
-//                            by the host in one copy.
+//   prepare_cells            one thread per cell: a call's A = B theta, the guard's norm and
+//                            E = expm(h A~); further blocks: the finiteness checks (grid-
+//                            stride); flags read by the host in one copy.
 // sampling.cuh (with common.cuh): the fused warp samples as grid_sample does
 #include "sampling.cuh"
 
@@ -119,26 +120,32 @@ template <> struct Simplices<3> { static constexpr int value = 5; };
 // tessellation._TET_TESTS,
 //   even boxes: -X - Y + Z,      X + Y + Z - 2,   -X + Y - Z,       X - Y - Z,
 //   odd boxes:   X - Y + Z - 1, -X + Y + Z - 1,   -X - Y - Z + 1,   X + Y - Z - 1,
-// else 0 (the central tetrahedron). Without divergence: the terms of both parities are chosen
-// by selects (a +-1 factor is a sign flip, exact), the four sums formed in NumPy's order, and
-// where every sum is clear of 0 by more than the filter's bound (almost always) the first
-// positive one decides; otherwise the tests in order with their exact signs. Trying the tests
-// one by one with early exits, a warp ran both parities' chains: the 3D register step's two
-// warp kernels took 3.74 ms instead of 2.95 (benchmarks/RESULTS.md).
+// else 0 (the central tetrahedron). Without divergence: the parity's terms come from one
+// select, o = 1 (odd) or 0, as exact products and sums (+-X = (2 o - 1) X; the constants -o,
+// o - 2, o), the four sums formed in NumPy's order, and where every sum is clear of 0 by more
+// than the filter's bound (almost always) the first positive one decides; otherwise the tests
+// in order with their exact signs. Trying the tests one by one with early exits, a warp ran
+// both parities' chains: the 3D register step's two warp kernels took 3.74 ms instead of 2.95
+// (benchmarks/RESULTS.md). Compares and selects issue at half the rate of float adds and
+// products (the ALU pipe), which bound the trajectory kernels: hence the products for the
+// signs and one |s| compare per sum for the filter.
 template <typename T>
 __device__ __forceinline__ int tetrahedron(T X, T Y, T Z, bool odd) {
+    const T o = odd ? T(1) : T(0);
+    const T sign = add_rn(add_rn(o, o), T(-1));   // exact: 1 (odd) or -1
+    const T sX = mul_rn(sign, X), sY = mul_rn(sign, Y);
     const T t[4][4] = {
-        {odd ? X : -X, -Y, Z, odd ? T(-1) : T(0)},
-        {odd ? -X : X, Y, Z, odd ? T(-1) : T(-2)},
-        {-X, odd ? -Y : Y, -Z, odd ? T(1) : T(0)},
-        {X, odd ? Y : -Y, -Z, odd ? T(-1) : T(0)},
+        {sX, -Y, Z, -o},
+        {-sX, Y, Z, add_rn(o, T(-2))},
+        {-X, -sY, -Z, o},
+        {X, sY, -Z, -o},
     };
     bool clear = true;
     bool positive[4];
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const T s = add_rn(add_rn(add_rn(t[i][0], t[i][1]), t[i][2]), t[i][3]);
-        clear &= s > SignBound<T>::value() || s < -SignBound<T>::value();
+        clear &= fabs(s) > SignBound<T>::value();  // false for NaN, as the two tests were
         positive[i] = s > T(0);
     }
     if (clear) return positive[0] ? 1 : positive[1] ? 2 : positive[2] ? 3 : positive[3] ? 4 : 0;
@@ -150,8 +157,12 @@ __device__ __forceinline__ int tetrahedron(T X, T Y, T Z, bool odd) {
 
 // The cell holding x (already in the points' dtype), as cutopo.cpab.tessellation.cell_index:
 // u = clip(x n, 0, n), box = min(floor(u), n - 1), local = u - box (exact), then the simplex.
-// An int: Tessellation keeps K (K+1) n_cells below 2^31.
-template <typename T, int K>
+// IN_BOX: the caller's x lies in [0, 1]^K (projected trajectories, pixel centres), so u is in
+// [0, n] already (fl(x n) <= n for x <= 1) and the clip is left out. The clips are min/max,
+// one instruction each (a NaN u becomes 0, as before: on bad input, which the call's checks
+// raise, the kernels need only a cell in range). An int: Tessellation keeps K (K+1) n_cells
+// below 2^31.
+template <typename T, int K, bool IN_BOX = false>
 __device__ __forceinline__ int cell_of(const T (&x)[K], const Grid& g) {
     T local[K];
     int box_number = 0;  // below n_cells < 2^31 (Tessellation's check)
@@ -160,10 +171,8 @@ __device__ __forceinline__ int cell_of(const T (&x)[K], const Grid& g) {
     for (int k = K - 1; k >= 0; --k) {
         const T n = T(g.n[k]);
         T u = mul_rn(x[k], n);
-        u = u > T(0) ? u : T(0);
-        u = u < n ? u : n;
-        T b = floor(u);
-        b = b < n - T(1) ? b : n - T(1);
+        if (!IN_BOX) u = fmin(fmax(u, T(0)), n);
+        const T b = fmin(floor(u), add_rn(n, T(-1)));
         local[k] = add_rn(u, -b);
         const int bi = (int)b;
         parity += bi;
@@ -283,13 +292,28 @@ velocity(const T* __restrict__ points, const T* __restrict__ A, T* __restrict__ 
 
 // -- the step --------------------------------------------------------------------------------
 
+// P on one coordinate: clip to [0, 1]. Float: one saturating add (the float pipe), no
+// compares and selects (the ALU pipe, half rate); "left alone" is then one compare, x == y.
+// A NaN becomes 0 (the kernels stay in the box on bad input, which the call's checks raise).
+__device__ __forceinline__ float unit_clip(float y) { return __saturatef(y); }
+__device__ __forceinline__ double unit_clip(double y) { return fmin(fmax(y, 0.0), 1.0); }
+
 // y = E_c [x; 1] in the points' dtype (NumPy's order), then P. `E_item`: the item's rows of E
 // (item_rows). Returns the cell within the item's block and sets bit k of `inside` when P left
-// coordinate k alone.
+// coordinate k alone. Under P x stays in [0, 1]^K (x_0 = P(points) or a pixel centre), so the
+// cell's clip is left out (cell_of's IN_BOX). The trajectory kernels are bound by the ALU
+// pipe's half-rate compares, selects and min/max, not by their float adds: with the clips as
+// min/max or left out, P as a saturating add, and the tetrahedron's parity as products, a
+// step went from ~67 to ~40 instructions in 2D (26 -> 9 of them ALU) and from ~138 to ~87
+// in 3D (~68 -> ~21); on the H200 the forward kernel 0.324 -> 0.205 ms (2D b32 256^2, tess
+// 16) and 0.615 -> 0.371 ms (3D 128^3, tess 10), the backward with theta 0.843 -> 0.790 and
+// 1.506 -> 1.431 ms, trajectories unchanged bit for bit (benchmarks/RESULTS.md, twenty-sixth
+// session). Taking floor and its int from u + 2^23 rounded down instead of FRND and F2I (the
+// conversion unit) measured 4 % slower.
 template <typename T, int K, bool PROJECT>
 __device__ __forceinline__ int step(T (&x)[K], const T* __restrict__ E_item, const Grid& g,
                                     int& inside) {
-    const int cell = cell_of<T, K>(x, g);
+    const int cell = cell_of<T, K, PROJECT>(x, g);
     T e[K * (K + 1)];
     load_cell<T, K>(E_item + cell * (K * (K + 1)), e);
     T y[K];
@@ -304,9 +328,8 @@ __device__ __forceinline__ int step(T (&x)[K], const T* __restrict__ E_item, con
     #pragma unroll
     for (int k = 0; k < K; ++k) {
         if (PROJECT) {
-            const bool in = y[k] >= T(0) && y[k] <= T(1);
-            inside |= (int)in << k;
-            x[k] = in ? y[k] : (y[k] < T(0) ? T(0) : T(1));
+            x[k] = unit_clip(y[k]);
+            inside |= (int)(x[k] == y[k]) << k;
         } else {
             x[k] = y[k];
         }
@@ -321,18 +344,42 @@ __device__ __forceinline__ void start_point(const T* __restrict__ points, i64 ro
     for (int k = 0; k < K; ++k) {
         const T v = points[row * K + k];
         if (PROJECT) {
-            const bool in = v >= T(0) && v <= T(1);
-            inside0 |= (int)in << k;
-            x[k] = in ? v : (v < T(0) ? T(0) : T(1));
+            x[k] = unit_clip(v);
+            inside0 |= (int)(x[k] == v) << k;
         } else {
             x[k] = v;
         }
     }
 }
 
+// The n_steps steps of one trajectory from x, in segments of S: x_0, x_S, ... to `chk` (planes
+// `plane` apart) before each segment when KEEP, the sum of the cells' traces in `total` when LOG_DET. The
+// segment loop replaces a per-step "is this a checkpoint" test (an integer compare and select
+// each step; the trajectory kernels are bound by such ALU-pipe instructions) and the template
+// flags the per-step predicated loads and adds of the trace.
+template <typename T, int K, bool PROJECT, bool KEEP, bool LOG_DET>
+__device__ __forceinline__ void forward_steps(T (&x)[K], const T* __restrict__ E_item,
+                                              const double* __restrict__ trace_item, const Grid& g,
+                                              int n_steps, int S, T* __restrict__ chk, i64 plane,
+                                              double& total) {
+    int inside;
+    for (int t0 = 0; t0 < n_steps; t0 += S) {
+        if (KEEP) {
+            #pragma unroll
+            for (int k = 0; k < K; ++k) chk[k] = x[k];
+            chk += plane;
+        }
+        const int end = min(n_steps, t0 + S);
+        for (int t = t0; t < end; ++t) {
+            const int cell = step<T, K, PROJECT>(x, E_item, g, inside);
+            if (LOG_DET) total += trace_item[cell];
+        }
+    }
+}
+
 // The forward. `checkpoints` (ceil(T/S), B, N, K) receives x_t for t = 0, S, 2S, ... when
 // `keep` is set; `log_det` (B, N) receives h * sum_t trace[c(t)] (summed in float64, rounded
-// once, as NumPy) when `with_log_det` is set. Unused arrays may be empty.
+// once, as NumPy) when `with_log_det` is set. Unused arrays may be empty or null.
 template <typename T, int K, bool PROJECT>
 __global__ void __launch_bounds__(THREADS)
 integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __restrict__ out,
@@ -350,19 +397,16 @@ integrate_forward(const T* __restrict__ points, const T* __restrict__ E, T* __re
     const i64 plane = B * N * K;
     const T* E_item = item_rows(E, it.cell_offset, K * (K + 1));
     const double* trace_item = with_log_det ? item_rows(trace, it.cell_offset, 1) : trace;
-    // the next checkpoint's step and slot (a counter: t % S costs an integer division per step)
-    int next = 0, slot = 0;
-    for (int t = 0; t < n_steps; ++t) {
-        if (keep && t == next) {
-            T* c = checkpoints + (i64)slot * plane + it.idx * K;
-            #pragma unroll
-            for (int k = 0; k < K; ++k) c[k] = x[k];
-            ++slot;
-            next += S;
-        }
-        const int cell = step<T, K, PROJECT>(x, E_item, g, inside);
-        if (with_log_det) total += trace_item[cell];
-    }
+    T* chk = keep ? checkpoints + it.idx * K : checkpoints;
+    const int seg = max(keep ? S : n_steps, 1);  // the host's S >= 1; a bound loop regardless
+    if (keep && with_log_det)
+        forward_steps<T, K, PROJECT, true, true>(x, E_item, trace_item, g, n_steps, seg, chk, plane, total);
+    else if (keep)
+        forward_steps<T, K, PROJECT, true, false>(x, E_item, trace_item, g, n_steps, seg, chk, plane, total);
+    else if (with_log_det)
+        forward_steps<T, K, PROJECT, false, true>(x, E_item, trace_item, g, n_steps, seg, chk, plane, total);
+    else
+        forward_steps<T, K, PROJECT, false, false>(x, E_item, trace_item, g, n_steps, seg, chk, plane, total);
     #pragma unroll
     for (int k = 0; k < K; ++k) out[it.idx * K + k] = x[k];
     if (with_log_det) log_det[it.idx] = (T)(h * total);
@@ -992,51 +1036,6 @@ step_guard(const double* __restrict__ A, i64 cells, int n_steps, double max_norm
     if (bad) atomicOr(flags, bad);
 }
 
-// -- a call's argument checks on the device ------------------------------------------------------
-
-// Every device-side check of an integrate / log_jacobian / transform_image call in one launch,
-// read on the host in one copy (CuPy reductions for the same cost ~10 launches of host work).
-// status (zeroed) gets: status[0] bit 0 when a coordinate of `points` is not finite, bit 1 when
-// an entry of `theta` is; status[1] = max_c ||A_c,lin||_F (the step-size guard's norm), kept as
-// the bits of a non-negative double, whose unsigned order is the numeric order (NaN, possible
-// only with a non-finite theta, orders above +inf). Grid-stride loops; one atomic per warp.
-template <typename TP, typename TT, int K>
-__global__ void __launch_bounds__(THREADS)
-call_checks(const TP* __restrict__ points, i64 n_points, const TT* __restrict__ theta,
-            i64 n_theta, const double* __restrict__ A, i64 cells,
-            unsigned long long* __restrict__ status) {
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned bad = 0;
-    for (i64 i = first; i < n_points; i += stride)
-        if (!isfinite(points[i])) bad |= 1u;
-    for (i64 i = first; i < n_theta; i += stride)
-        if (!isfinite(theta[i])) bad |= 2u;
-    unsigned long long largest = 0;
-    for (i64 c = first; c < cells; c += stride) {
-        double s = 0.0;
-        #pragma unroll
-        for (int k = 0; k < K; ++k)
-            #pragma unroll
-            for (int q = 0; q < K; ++q) {
-                const double a = A[c * (K * (K + 1)) + k * (K + 1) + q];
-                s += a * a;
-            }
-        const unsigned long long bits = (unsigned long long)__double_as_longlong(sqrt(s));
-        largest = bits > largest ? bits : largest;
-    }
-    bad = __reduce_or_sync(0xffffffffu, bad);
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, largest, o);
-        largest = other > largest ? other : largest;
-    }
-    if ((threadIdx.x & 31) == 0) {
-        if (bad) atomicOr(status, (unsigned long long)bad);
-        if (largest) atomicMax(status + 1, largest);
-    }
-}
-
 // -- the sparse basis: A = B theta and dL/dtheta = B^T dL/dA -----------------------------------
 
 // y[b, r] = sum_j val[r, j] x[b, idx[r, j]] in float64, in the order of the CSR rows (ELL layout:
@@ -1051,7 +1050,9 @@ ell_product(const int* __restrict__ idx, const double* __restrict__ val, const T
     const i64 b = i / rows, r = i - b * rows;
     const T* xb = x + b * cols;
     double acc = 0.0;
-    for (int j = 0; j < R; ++j) acc += val[r * R + j] * convert<double>(xb[idx[r * R + j]]);
+    // no columns (a tessellation without free parameters): the padding's column 0 is no entry
+    if (cols > 0)
+        for (int j = 0; j < R; ++j) acc += val[r * R + j] * convert<double>(xb[idx[r * R + j]]);
     y[i] = acc;
 }
 
@@ -1196,6 +1197,79 @@ expm_cells(const double* __restrict__ A, T* __restrict__ E, i64 cells, double h)
     expm_inplace<K + 1>(M);
     for (int k = 0; k < K; ++k)
         for (int q = 0; q <= K; ++q) E[c * (K * (K + 1)) + k * (K + 1) + q] = (T)M[k][q];
+}
+
+// -- a call's cells and argument checks in one launch ------------------------------------------
+
+// The per-call set-up of an integrate / log_jacobian / transform_image call in one launch (each
+// launch costs 10-50 us of host time on the device machines, where a call's host time had come
+// to exceed its forward kernel's): blocks [0, cell_blocks) take one (theta item b, cell c) per
+// thread: A_c = rows of B theta_b (ell_product's sums in its order: the same A), the step-size
+// guard's norm ||A_c,lin||_F and E_c = expm(h A~_c) (expm_cells' steps); the blocks after them
+// test the finiteness of `points` and `theta` (grid-stride). status (zeroed) gets: status[0]
+// bit 0 when a coordinate of `points` is not finite, bit 1 when an entry of `theta` is;
+// status[1] = max_c ||A_c,lin||_F as the bits of a non-negative double, whose unsigned order is
+// the numeric order (NaN, possible only with a non-finite theta, orders above +inf). One atomic
+// per warp. A (items C, K, K+1) float64, E the same in the points' dtype T.
+template <typename TT, typename T, int K>
+__global__ void __launch_bounds__(128)
+prepare_cells(const int* __restrict__ idx, const double* __restrict__ val, int R,
+              const TT* __restrict__ theta, i64 d, i64 items, i64 C, double* __restrict__ A,
+              T* __restrict__ E, double h, const T* __restrict__ points, i64 n_points,
+              i64 cell_blocks, unsigned long long* __restrict__ status) {
+    constexpr int SIZE = K * (K + 1);
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    if ((i64)blockIdx.x >= cell_blocks) {  // the finiteness checks
+        const i64 stride = ((i64)gridDim.x - cell_blocks) * blockDim.x;
+        const i64 first = ((i64)blockIdx.x - cell_blocks) * blockDim.x + threadIdx.x;
+        unsigned bad = 0;
+        for (i64 i = first; i < n_points; i += stride)
+            if (!isfinite(points[i])) bad |= 1u;
+        for (i64 i = first; i < items * d; i += stride)
+            if (!isfinite(theta[i])) bad |= 2u;
+        bad = __reduce_or_sync(0xffffffffu, bad);
+        if (lane0 && bad) atomicOr(status, (unsigned long long)bad);
+        return;
+    }
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool valid = i < items * C;
+    double M[K + 1][K + 1];
+    unsigned long long largest = 0;
+    if (valid) {
+        const i64 b = i / C, c = i - b * C;
+        const TT* tb = theta + b * d;
+        #pragma unroll
+        for (int j = 0; j < SIZE; ++j) {
+            const i64 r = c * SIZE + j;
+            double acc = 0.0;
+            if (d > 0)  // else B has no columns, and the padding's column 0 no entry
+                for (int s = 0; s < R; ++s) acc += val[r * R + s] * convert<double>(tb[idx[r * R + s]]);
+            A[i * SIZE + j] = acc;
+            M[j / (K + 1)][j % (K + 1)] = acc;
+        }
+        double norm2 = 0.0;
+        #pragma unroll
+        for (int k = 0; k < K; ++k)
+            #pragma unroll
+            for (int q = 0; q < K; ++q) norm2 += M[k][q] * M[k][q];
+        largest = (unsigned long long)__double_as_longlong(sqrt(norm2));
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, largest, o);
+        largest = other > largest ? other : largest;
+    }
+    if (lane0 && largest) atomicMax(status + 1, largest);
+    if (!valid) return;
+    #pragma unroll
+    for (int k = 0; k < K; ++k)
+        #pragma unroll
+        for (int q = 0; q <= K; ++q) M[k][q] = h * M[k][q];
+    #pragma unroll
+    for (int q = 0; q <= K; ++q) M[K][q] = 0.0;
+    expm_inplace<K + 1>(M);
+    for (int k = 0; k < K; ++k)
+        for (int q = 0; q <= K; ++q) E[i * SIZE + k * (K + 1) + q] = (T)M[k][q];
 }
 
 // L(Y, Z), the Frechet derivative of expm at Y in the direction Z, for (K+1) x (K+1) matrices

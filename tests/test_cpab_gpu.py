@@ -400,30 +400,55 @@ def test_affine_maps_keep_float32_denormals(rng):
 
 @pytest.mark.parametrize("K", [1, 2, 3])
 @pytest.mark.parametrize("theta_dtype", [np.float16, np.float32, np.float64, np.int32])
-def test_call_checks_flags_and_norm(rng, K, theta_dtype):
-    """The call's check kernel against NumPy: which of points and theta hold a non-finite
-    value (one planted at a random place, or none), and max_c ||A_c,lin||_F of random A."""
+def test_prepare_cells_against_numpy(rng, K, theta_dtype):
+    """A call's set-up kernel against NumPy: A = B theta (as tess.affine_maps), which of points
+    and theta hold a non-finite value (one planted at a random place, or none), max_c
+    ||A_c,lin||_F, and the caller's own flags passed through."""
     cp = _cp()
     for case in range(6):
         bad_points, bad_theta = case & 1, (case >> 1) & 1
-        dtype = np.float32 if case < 4 else np.float64
+        dtype = np.dtype(np.float32 if case < 4 else np.float64)
+        tess = Tessellation(tuple(int(n) for n in rng.integers(1, 6, size=K)),
+                            zero_boundary=[None, "noslip", "slip"][case % 3])
         points = rng.random((int(rng.integers(1, 4)), int(rng.integers(1, 3000)), K)).astype(dtype)
-        theta = (rng.standard_normal((int(rng.integers(1, 4)), int(rng.integers(1, 500)))) * 50
-                 ).astype(theta_dtype)
+        theta = (rng.standard_normal((int(rng.integers(1, 4)), tess.n_params)) * 50).astype(theta_dtype)
         if bad_points:
             points.reshape(-1)[rng.integers(points.size)] = rng.choice([np.nan, np.inf, -np.inf])
-        if bad_theta and theta.dtype.kind == "f":
+        expect_theta_bad = bad_theta and theta.dtype.kind == "f" and theta.size > 0
+        if expect_theta_bad:
             theta.reshape(-1)[rng.integers(theta.size)] = rng.choice([np.nan, np.inf, -np.inf])
-        A = rng.standard_normal((int(rng.integers(0, 5000)), K, K + 1)) * rng.uniform(0.1, 100)
-        values = _integrate_cupy._queue_checks(
-            cp.asarray(points), cp.asarray(theta), cp.asarray(A), K,
-            (cp.ones(1), cp.zeros(1))).read()
-        flags, largest, extra = int(values[0]), float(values[1:2].view(np.float64)[0]), values[2:]
-        expect_theta_bad = bad_theta and theta.dtype.kind == "f"
-        assert flags == (1 if bad_points else 0) | (2 if expect_theta_bad else 0)
-        norm = np.sqrt((A[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0)
-        assert largest == pytest.approx(norm, rel=1e-14, abs=0.0)
+        poison_pool()
+        A, E, flags = _integrate_cupy._prepare(cp.asarray(points), cp.asarray(theta), tess, 0.02,
+                                               dtype, (cp.ones(1), cp.zeros(1)))
+        values = flags.read()
+        flag_bits, largest, extra = int(values[0]), float(values[1:2].view(np.float64)[0]), values[2:]
+        assert flag_bits == (1 if bad_points else 0) | (2 if expect_theta_bad else 0)
         assert list(extra) == [1, 0]
+        assert A.shape == (len(theta) * tess.n_cells, K, K + 1) and E.dtype == dtype
+        if expect_theta_bad:
+            continue
+        want = np.asarray(tess.affine_maps(theta.astype(np.float64))).reshape(A.shape)
+        np.testing.assert_allclose(A.get(), want, rtol=1e-13, atol=1e-13 * np.abs(want).max())
+        norm = np.sqrt((want[:, :, :K] ** 2).sum(axis=(1, 2))).max(initial=0.0)
+        assert largest == pytest.approx(norm, rel=1e-12, abs=0.0)
+        assert bool(cp.isfinite(E).all())
+
+
+@pytest.mark.parametrize("shape", [(1,), (2, 1, 1)])
+def test_no_free_parameters_is_the_identity(shape, rng):
+    """A no-slip tessellation without interior vertices has no parameters (theta (0,)): the
+    field is zero, every point stays put, and the kernels read no theta entry."""
+    cp = _cp()
+    tess = Tessellation(shape)
+    assert tess.n_params == 0
+    pts = rng.random((500, len(shape)))
+    theta = cp.zeros((2, 0))
+    np.testing.assert_array_equal(integrate(cp.asarray(pts), theta, tess).get(),
+                                  np.broadcast_to(pts, (2,) + pts.shape))
+    out, pullback = cutopo.vjp(integrate, cp.asarray(pts), theta, tess)
+    grad_points, grad_theta, _ = pullback(cp.ones_like(out))
+    np.testing.assert_array_equal(grad_points.get(), np.full(pts.shape, 2.0))
+    assert grad_theta.shape == (2, 0)
 
 
 def test_theta_not_finite_is_refused(rng):
@@ -478,8 +503,8 @@ def test_checks_read_after_the_kernels(monkeypatch, rng):
     for name, fn, kernel in cases:
         events.clear()
         got = fn(cp.asarray(pts), cp.asarray(theta))
-        order = [e for e in events if e in ("call_checks", kernel, "read")]
-        assert order == ["call_checks", kernel, "read"], (name, events)
+        order = [e for e in events if e in ("prepare_cells", kernel, "read")]
+        assert order == ["prepare_cells", kernel, "read"], (name, events)
         want = fn(pts, theta) if name != "transform_image" else transform_image(image, theta, tess)
         np.testing.assert_allclose(got.get(), want, rtol=1e-10, atol=1e-12)
         for bad_theta, message in ((np.where(np.arange(theta.size) == 3, np.nan, theta),

@@ -1,9 +1,9 @@
 """CuPy path of the CPA ops: launches of ``cuda_src/cpab.cu`` (its header describes the kernels).
 
-Per call (:func:`checked_plan`): A = B theta on the device (an ELL product of the memoized
-sparse basis), the finiteness checks and the step-size guard's norm (``call_checks``, one
-kernel, whose flags are copied to the host behind it and read once the call's kernels are
-queued: :mod:`cutopo._cuda.deferred`), E_c = expm(h A~_c) per cell (``expm_cells``), then one
+Per call (:func:`checked_plan`): one ``prepare_cells`` launch makes A = B theta (an ELL
+product of the memoized sparse basis), the step-size guard's norm and E_c = expm(h A~_c) per
+cell, and checks the finiteness of the points and theta; its flags are copied to the host behind
+it and read once the call's kernels are queued (:mod:`cutopo._cuda.deferred`). Then one
 thread per (batch item, point) for the trajectory. The VJP runs
 ``integrate_backward`` (per-cell moments G_c: float64 atomics from a per-warp queue, see
 MOMENTS), ``frechet_cells`` (dL/dA_c) and B^T (ELL) on the device. The callers in
@@ -20,7 +20,7 @@ import numpy as np
 from .._cuda import tables
 from .._cuda.compile import register_instances
 from .._cuda.deferred import DeferredFlags, reading
-from .._cuda.launch import Signature, launch
+from .._cuda.launch import NULL, Signature, launch
 from ._checks import check_step_size
 from .velocity import raise_not_finite
 
@@ -88,9 +88,10 @@ def _backward_sig(t, K, project, moments="warp"):
                      + ("int32",) * 7 + _GRID, fit_shared=True)
 
 
-def _checks_sig(points_t, theta_t, K):
-    return Signature(FAMILY, f"cutopo::cpab::call_checks<{_CTYPE[points_t]}, {_CTYPE[theta_t]}, {K}>",
-                     (f"ptr:{points_t}", "int64", f"ptr:{theta_t}", "int64", "ptr:float64", "int64",
+def _prepare_sig(theta_t, t, K):
+    return Signature(FAMILY, f"cutopo::cpab::prepare_cells<{_CTYPE[theta_t]}, {_CTYPE[t]}, {K}>",
+                     ("ptr:int32", "ptr:float64", "int32", f"ptr:{theta_t}", "int64", "int64",
+                      "int64", "ptr:float64", f"ptr:{t}", "float64", f"ptr:{t}", "int64", "int64",
                       "ptr:uint64"))
 
 
@@ -120,7 +121,7 @@ def _instances():
             yield _velocity_sig(t, K).name
             yield _expm_sig(t, K).name
             for theta_t in _CTYPE:
-                yield _checks_sig(t, theta_t, K).name
+                yield _prepare_sig(theta_t, t, K).name
             for project in (False, True):
                 yield _forward_sig(t, K, project).name
                 for moments in MOMENT_MODES:
@@ -229,32 +230,39 @@ def affine_maps(tess, theta2):
     return A.reshape(len(theta2) * tess.n_cells, tess.ndim, tess.ndim + 1)
 
 
-# Blocks of call_checks: a grid-stride pass over the points (a few MB) needs no more.
-CHECK_BLOCKS = 1024
+# Check blocks of prepare_cells: a grid-stride pass over the points (a few MB) needs no more.
+CHECK_BLOCKS = 2048
+PREPARE_THREADS = 128  # cpab::prepare_cells' block (expm's registers)
 
 
-def _queue_checks(P, T2, A, K, extra) -> DeferredFlags:
-    """One call_checks launch (finiteness of the points P and theta T2, the guard's norm over
-    A) and the caller's own (1,) float64 flags ``extra``, on their way to the host in one copy
-    (read by :func:`_raise_failed`)."""
+def _prepare(P, T2, tess, h, dtype, extra):
+    """One prepare_cells launch: (A (Bt C, K, K+1) float64, E in ``dtype``, DeferredFlags).
+    The flags (finiteness of the points P and theta T2, the guard's norm over A, then the
+    caller's own (1,) float64 flags ``extra``) go to the host in one copy, read by
+    :func:`_raise_failed`."""
     import cupy
 
-    if T2.dtype.kind == "f":
-        theta = cupy.ascontiguousarray(T2 if T2.dtype in (np.float32, np.float64)
-                                       else T2.astype(np.float32))   # float16: same finiteness
-    else:
-        theta = cupy.empty(0, dtype=np.float64)                     # integers are finite
+    K, C = tess.ndim, tess.n_cells
+    if T2.dtype not in (np.float32, np.float64):
+        T2 = T2.astype(np.float64)       # integers are finite; float16's inf and NaN carry over
+    theta = cupy.ascontiguousarray(T2)
+    (idx, val, R), _ = _basis_tables(tess)
+    cells = len(theta) * C
+    A = cupy.empty((cells, K, K + 1), dtype=np.float64)
+    E = cupy.empty((cells, K, K + 1), dtype=dtype)
     status = cupy.zeros(2 + len(extra), dtype=np.uint64)
-    work = max(P.size, theta.size, len(A))
-    launch(_checks_sig(P.dtype.name, theta.dtype.name, K), max(1, min(_blocks(work), CHECK_BLOCKS)),
-           THREADS, (P, P.size, theta, theta.size, A, len(A), status))
+    cell_blocks = _blocks(cells, PREPARE_THREADS)
+    check_blocks = max(1, min(_blocks(max(P.size, theta.size), PREPARE_THREADS), CHECK_BLOCKS))
+    launch(_prepare_sig(theta.dtype.name, dtype.name, K), cell_blocks + check_blocks,
+           PREPARE_THREADS, (idx, val, R, theta, theta.shape[1], len(theta), C, A, E, h, P, P.size,
+                             cell_blocks, status))
     if extra:
         status[2:] = cupy.concatenate(list(extra))
-    return DeferredFlags(status)
+    return A, E, DeferredFlags(status)
 
 
 def _raise_failed(values, *, n_steps, name, messages):
-    """The ValueError of the first failed check among the values of _queue_checks' flags:
+    """The ValueError of the first failed check among the values of _prepare's flags:
     (flags, largest norm as double bits, the caller's own flags)."""
     flags = int(values[0])
     raise_not_finite((not flags & 1, not flags & 2))
@@ -282,13 +290,10 @@ def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), message
     P = cupy.ascontiguousarray((points if points.ndim == 3 else points[None]).astype(dtype, copy=False))
     T2 = theta if theta.ndim == 2 else theta[None]
     Bp, Bt = len(P), len(T2)
-    A = affine_maps(tess, T2)
-    flags = _queue_checks(P, T2, A, K, extra)
+    h = 1.0 / n_steps
+    A, E, flags = _prepare(P, T2, tess, h, dtype, extra)
     with reading(flags, functools.partial(_raise_failed, n_steps=n_steps, name=name,
                                           messages=messages)):
-        h = 1.0 / n_steps
-        E = cupy.empty(A.shape, dtype=dtype)
-        launch(_expm_sig(dtype.name, K), _blocks(len(A), 128), 128, (A, E, len(A), h))
         yield Plan(shape=tess.shape, K=K, C=C, B=Bt if Bp == 1 else Bp, N=P.shape[1],
                    n_points=Bp, n_theta=Bt, n_steps=n_steps, h=h, dtype=dtype,
                    project=tess.zero_boundary in ("noslip", "slip"), points=P, A=A, E=E, tess=tess)
@@ -322,10 +327,11 @@ def integrate(plan: Plan, *, checkpoint_every=None, log_det=False):
     out = cupy.empty((B, N, K), dtype=dt)
     keep = checkpoint_every is not None
     S = checkpoint_every if keep else plan.n_steps
-    chk = cupy.empty((-(-plan.n_steps // S), B, N, K) if keep else (0,), dtype=dt)
+    # arrays the kernel does not touch are NULL: no allocation per call for them
+    chk = cupy.empty((-(-plan.n_steps // S), B, N, K), dtype=dt) if keep else NULL
     trace = (cupy.ascontiguousarray(cupy.trace(plan.A[:, :, :K], axis1=1, axis2=2)) if log_det
-             else cupy.empty(0, dtype=np.float64))
-    ld = cupy.empty((B, N) if log_det else (0,), dtype=dt)
+             else NULL)
+    ld = cupy.empty((B, N), dtype=dt) if log_det else NULL
     ps, ts = _shared(plan)
     launch(_forward_sig(dt.name, K, plan.project), _blocks(B * N), THREADS,
            (plan.points, plan.E, out, chk, trace, ld, B, N, plan.C, plan.h, ps, ts, plan.n_steps,
@@ -364,16 +370,16 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
     # in the points' dtype: the kernel reads it as float64 (exactly), so no float64 copy of
     # the (B, N, K) cotangent is made (8 bytes per trajectory and coordinate)
     cot = cupy.ascontiguousarray(cotangent.astype(plan.dtype, copy=False).reshape(B, N, K))
-    grad_points = cupy.empty((B, N, K) if need_points else (0,), dtype=np.float64)
+    grad_points = cupy.empty((B, N, K), dtype=np.float64) if need_points else NULL
     size = K * (K + 1)
-    G = cupy.zeros((plan.n_theta * plan.C, size) if need_theta else (0,), dtype=np.float64)
+    G = cupy.zeros((plan.n_theta * plan.C, size), dtype=np.float64) if need_theta else NULL
     ps, ts = _shared(plan)
     recompute = checkpoints is None
     if recompute:
         if -(-plan.n_steps // S) > MAX_LOCAL_CHECKPOINTS or S > MAX_SEGMENT:
             raise ValueError(f"backward: {plan.n_steps} steps in segments of {S} do not fit the "
                              "threads' local checkpoints (see local_segment)")
-        checkpoints = cupy.empty(0, dtype=plan.dtype)
+        checkpoints = NULL
     launch(_backward_sig(plan.dtype.name, K, plan.project, MOMENTS), _blocks(B * N), THREADS,
            (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
             plan.n_steps, S, int(need_points), int(need_theta), int(recompute))
