@@ -65,7 +65,7 @@ def main(argv=None):
         E = cp.empty(A.shape, dtype=dt)
         row("expm_cells", lambda: icp.launch(icp._expm_sig(dt.name, K), icp._blocks(len(A), 128), 128,
                                              (A, E, len(A), plan.h)))
-        row("prepare_cells: A, finiteness, guard, expm in one kernel (1 sync)",
+        row("prepare_cells: A, finiteness, guard, expm in one kernel (flags read)",
             lambda: icp._prepare(plan.points, theta2, tess, plan.h, dt, ())[2].read())
         row("setup (prepare_cells, checks read)",
             lambda: icp.setup(points, theta, tess, T_STEPS, "integrate", dt))

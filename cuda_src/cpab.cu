@@ -48,7 +48,8 @@
 //                            (register's device steps).
 //   prepare_cells            one thread per cell: a call's A = B theta, the guard's norm and
 //                            E = expm(h A~); further blocks: the finiteness checks (grid-
-//                            stride); flags read by the host in one copy.
+//                            stride); the last block stores the flags and the norm in
+//                            page-locked host memory.
 // sampling.cuh (with common.cuh): the fused warp samples as grid_sample does
 #include "sampling.cuh"
 
@@ -505,15 +506,21 @@ __device__ __forceinline__ void flush(const Moments<K, A>& m, i64 cell_offset, d
 // backward with theta on the H200: 2D 0.909 -> 0.845 ms, 3D 1.673 -> 1.599 ms, theta within
 // 4e-6 of the largest (twenty-fifth session). -DCUTOPO_QUEUE_DOUBLE_ENTRIES=1: float64 entries.
 //
-// -DCUTOPO_QUEUE_ENTRY_MAJOR=1 (float32 entries only; a profiling variant, not yet measured):
-// each entry's sums and cell contiguous, 16-byte aligned (32 bytes in 2D, 64 in 3D), so a push
-// is 2 (2D) or 4 (3D) 16-byte stores instead of SIZE + 1 scalar ones, and the drain reads a
-// member's sums in 2 or 3 16-byte loads instead of SIZE.
+// What the queue costs (H200, twenty-seventh session, benchmarks/ab_cpab.py; the backward with
+// theta, float32): without it (-DCUTOPO_PROFILE_MOMENTS=2, the moments still summed) 2D
+// 0.77 -> 0.48 ms, 3D 1.42 -> 0.83; without the drain's atomics (=1) 0.745 and 1.29. So the
+// pushes and the drains' sums cost, not the atomics. A drain that spreads each cell's sums over
+// the lanes (24 lanes, cells one after the other, shuffles) measured slower, 2D 0.78 -> 0.91 ms,
+// 3D 1.43 -> 1.53: a warp's entries fall in many cells, which the leaders here add at once.
+//
+// -DCUTOPO_PROFILE_MOMENTS=1 / 2 (profiling only: the theta cotangent is then wrong): 1 drains
+// the queue without its atomics, 2 keeps the per-lane moments but queues nothing (a push only
+// tests them against a value they never take, so that they are still computed).
 #ifndef CUTOPO_QUEUE_DOUBLE_ENTRIES
 #define CUTOPO_QUEUE_DOUBLE_ENTRIES 0
 #endif
-#ifndef CUTOPO_QUEUE_ENTRY_MAJOR
-#define CUTOPO_QUEUE_ENTRY_MAJOR 0
+#ifndef CUTOPO_PROFILE_MOMENTS
+#define CUTOPO_PROFILE_MOMENTS 0
 #endif
 template <int K, typename A>
 struct MomentQueue {
@@ -523,58 +530,20 @@ struct MomentQueue {
 #else
     typedef A E;
 #endif
-    static constexpr bool ENTRY_MAJOR = CUTOPO_QUEUE_ENTRY_MAJOR != 0 && sizeof(E) == 4;
-    // entry-major: 32-bit words per entry (the sums, the cell's two words, padding)
-    static constexpr int WORDS = (SIZE + 2 + 3) / 4 * 4;
     E* val;
     i64* cell;
-    unsigned* words;
     unsigned live;  // the lanes running the sweep
     int n;          // entries queued (the same in every lane)
 
     __device__ __forceinline__ MomentQueue(double* storage, unsigned live_lanes)
         : val(reinterpret_cast<E*>(storage)), cell(reinterpret_cast<i64*>(storage + 32 * SIZE)),
-          words(reinterpret_cast<unsigned*>(storage)), live(live_lanes), n(0) {}
+          live(live_lanes), n(0) {}
 
-    __device__ __forceinline__ i64 key(int slot) const {
-        if constexpr (ENTRY_MAJOR) return *reinterpret_cast<const i64*>(words + slot * WORDS + SIZE);
-        else return cell[slot];
-    }
-    __device__ __forceinline__ void put(int slot, i64 c, const E (&g)[SIZE]) {
-        if constexpr (ENTRY_MAJOR) {
-            unsigned w[WORDS];
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i) w[i] = __float_as_uint(g[i]);
-            w[SIZE] = (unsigned)(u64)c;
-            w[SIZE + 1] = (unsigned)((u64)c >> 32);
-            #pragma unroll
-            for (int i = SIZE + 2; i < WORDS; ++i) w[i] = 0u;
-            uint4* dst = reinterpret_cast<uint4*>(words + slot * WORDS);
-            #pragma unroll
-            for (int q = 0; q < WORDS / 4; ++q) dst[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
-        } else {
-            cell[slot] = c;
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = g[i];
-        }
-    }
     // sum[i] = (first ? 0 : sum[i]) + entry slot's sum i
     __device__ __forceinline__ void add_entry(int slot, E (&sum)[SIZE], bool first) const {
         E g[SIZE];
-        if constexpr (ENTRY_MAJOR) {
-            const uint4* src = reinterpret_cast<const uint4*>(words + slot * WORDS);
-            #pragma unroll
-            for (int q = 0; q < (SIZE + 3) / 4; ++q) {
-                const uint4 v = src[q];
-                const unsigned u[4] = {v.x, v.y, v.z, v.w};
-                #pragma unroll
-                for (int r = 0; r < 4; ++r)
-                    if (4 * q + r < SIZE) g[4 * q + r] = __uint_as_float(u[r]);
-            }
-        } else {
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i) g[i] = val[i * 32 + slot];
-        }
+        #pragma unroll
+        for (int i = 0; i < SIZE; ++i) g[i] = val[i * 32 + slot];
         #pragma unroll
         for (int i = 0; i < SIZE; ++i) sum[i] = first ? g[i] : sum[i] + g[i];
     }
@@ -583,7 +552,7 @@ struct MomentQueue {
         __syncwarp(live);
         const int lane = threadIdx.x & 31;
         const bool mine = lane < n;
-        const i64 c = mine ? key(lane) : (i64)(-1 - lane);  // idle lanes: keys of their own
+        const i64 c = mine ? cell[lane] : (i64)(-1 - lane);  // idle lanes: keys of their own
         const unsigned group = __match_any_sync(live, (unsigned long long)c);
         if (mine && lane == __ffs(group) - 1) {
             E sum[SIZE];
@@ -593,7 +562,8 @@ struct MomentQueue {
             double* dst = G + c * SIZE;
             #pragma unroll
             for (int i = 0; i < SIZE; ++i)
-                if (sum[i] != E(0)) atomicAdd(dst + i, (double)sum[i]);
+                if (CUTOPO_PROFILE_MOMENTS == 1 ? (double)sum[i] == 0x1.234p-999 : sum[i] != E(0))
+                    atomicAdd(dst + i, (double)sum[i]);
         }
         n = 0;
         __syncwarp(live);
@@ -603,6 +573,13 @@ struct MomentQueue {
     // item's block of G starts at row `cell_offset`.
     __device__ __forceinline__ void push(const Moments<K, A>& m, bool has, i64 cell_offset,
                                          double* __restrict__ G) {
+        if (CUTOPO_PROFILE_MOMENTS == 2) {
+            A total = A(0);
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) total += m.g[i];
+            if (has && (double)total == 0x1.234p-999) atomicAdd(G, 1.0);
+            return;
+        }
         const unsigned who = __ballot_sync(live, has);
         if (!who) return;
         if (live != 0xffffffffu) {
@@ -616,7 +593,9 @@ struct MomentQueue {
             E g[SIZE];
             #pragma unroll
             for (int i = 0; i < SIZE; ++i) g[i] = (E)m.g[i];
-            put(slot, cell_offset + m.cell, g);
+            cell[slot] = cell_offset + m.cell;
+            #pragma unroll
+            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = g[i];
         }
         n += k;
     }
@@ -1206,17 +1185,26 @@ expm_cells(const double* __restrict__ A, T* __restrict__ E, i64 cells, double h)
 // to exceed its forward kernel's): blocks [0, cell_blocks) take one (theta item b, cell c) per
 // thread: A_c = rows of B theta_b (ell_product's sums in its order: the same A), the step-size
 // guard's norm ||A_c,lin||_F and E_c = expm(h A~_c) (expm_cells' steps); the blocks after them
-// test the finiteness of `points` and `theta` (grid-stride). status (zeroed) gets: status[0]
-// bit 0 when a coordinate of `points` is not finite, bit 1 when an entry of `theta` is;
-// status[1] = max_c ||A_c,lin||_F as the bits of a non-negative double, whose unsigned order is
-// the numeric order (NaN, possible only with a non-finite theta, orders above +inf). One atomic
-// per warp. A (items C, K, K+1) float64, E the same in the points' dtype T.
+// test the finiteness of `points` and `theta` (grid-stride). A (items C, K, K+1) float64, E the
+// same in the points' dtype T.
+//
+// The checks reach the host without a copy, an event or a memset per call
+// (cutopo._cuda.deferred.PinnedStatus; together ~25 us of host time per call there): the blocks
+// reduce into `status` (zero at rest: flags, largest norm, finished blocks; one atomic per
+// warp), and the last block to finish (the finished-block count, after a fence in every warp
+// that reduced) takes the totals, zeroes `status` for the next launch and, where `host` is not
+// null, stores the norm in host[1] and then (token << 2) | flags in host[0] (mapped page-locked
+// memory, after a system fence: the host reads host[1] once host[0] carries its token). Flags:
+// bit 0 when a coordinate of `points` is not finite, bit 1 when an entry of `theta` is. The norm
+// is stored as the bits of a non-negative double, whose unsigned order is the numeric order
+// (NaN, possible only with a non-finite theta, orders above +inf).
 template <typename TT, typename T, int K>
 __global__ void __launch_bounds__(128)
 prepare_cells(const int* __restrict__ idx, const double* __restrict__ val, int R,
               const TT* __restrict__ theta, i64 d, i64 items, i64 C, double* __restrict__ A,
               T* __restrict__ E, double h, const T* __restrict__ points, i64 n_points,
-              i64 cell_blocks, unsigned long long* __restrict__ status) {
+              i64 cell_blocks, unsigned long long* __restrict__ status,
+              unsigned long long* __restrict__ host, long long token) {
     constexpr int SIZE = K * (K + 1);
     const bool lane0 = (threadIdx.x & 31) == 0;
     if ((i64)blockIdx.x >= cell_blocks) {  // the finiteness checks
@@ -1228,48 +1216,69 @@ prepare_cells(const int* __restrict__ idx, const double* __restrict__ val, int R
         for (i64 i = first; i < items * d; i += stride)
             if (!isfinite(theta[i])) bad |= 2u;
         bad = __reduce_or_sync(0xffffffffu, bad);
-        if (lane0 && bad) atomicOr(status, (unsigned long long)bad);
-        return;
-    }
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool valid = i < items * C;
-    double M[K + 1][K + 1];
-    unsigned long long largest = 0;
-    if (valid) {
-        const i64 b = i / C, c = i - b * C;
-        const TT* tb = theta + b * d;
-        #pragma unroll
-        for (int j = 0; j < SIZE; ++j) {
-            const i64 r = c * SIZE + j;
-            double acc = 0.0;
-            if (d > 0)  // else B has no columns, and the padding's column 0 no entry
-                for (int s = 0; s < R; ++s) acc += val[r * R + s] * convert<double>(tb[idx[r * R + s]]);
-            A[i * SIZE + j] = acc;
-            M[j / (K + 1)][j % (K + 1)] = acc;
+        if (lane0 && bad) {
+            atomicOr(status, (unsigned long long)bad);
+            __threadfence();
         }
-        double norm2 = 0.0;
-        #pragma unroll
-        for (int k = 0; k < K; ++k)
+    } else {
+        const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+        const bool valid = i < items * C;
+        double M[K + 1][K + 1];
+        unsigned long long largest = 0;
+        if (valid) {
+            const i64 b = i / C, c = i - b * C;
+            const TT* tb = theta + b * d;
             #pragma unroll
-            for (int q = 0; q < K; ++q) norm2 += M[k][q] * M[k][q];
-        largest = (unsigned long long)__double_as_longlong(sqrt(norm2));
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, largest, o);
-        largest = other > largest ? other : largest;
-    }
-    if (lane0 && largest) atomicMax(status + 1, largest);
-    if (!valid) return;
-    #pragma unroll
-    for (int k = 0; k < K; ++k)
+            for (int j = 0; j < SIZE; ++j) {
+                const i64 r = c * SIZE + j;
+                double acc = 0.0;
+                if (d > 0)  // else B has no columns, and the padding's column 0 no entry
+                    for (int s = 0; s < R; ++s) acc += val[r * R + s] * convert<double>(tb[idx[r * R + s]]);
+                A[i * SIZE + j] = acc;
+                M[j / (K + 1)][j % (K + 1)] = acc;
+            }
+            double norm2 = 0.0;
+            #pragma unroll
+            for (int k = 0; k < K; ++k)
+                #pragma unroll
+                for (int q = 0; q < K; ++q) norm2 += M[k][q] * M[k][q];
+            largest = (unsigned long long)__double_as_longlong(sqrt(norm2));
+        }
         #pragma unroll
-        for (int q = 0; q <= K; ++q) M[k][q] = h * M[k][q];
-    #pragma unroll
-    for (int q = 0; q <= K; ++q) M[K][q] = 0.0;
-    expm_inplace<K + 1>(M);
-    for (int k = 0; k < K; ++k)
-        for (int q = 0; q <= K; ++q) E[i * SIZE + k * (K + 1) + q] = (T)M[k][q];
+        for (int o = 16; o > 0; o >>= 1) {
+            const unsigned long long other = __shfl_xor_sync(0xffffffffu, largest, o);
+            largest = other > largest ? other : largest;
+        }
+        if (lane0 && largest) {
+            atomicMax(status + 1, largest);
+            __threadfence();
+        }
+        if (valid) {
+            #pragma unroll
+            for (int k = 0; k < K; ++k)
+                #pragma unroll
+                for (int q = 0; q <= K; ++q) M[k][q] = h * M[k][q];
+            #pragma unroll
+            for (int q = 0; q <= K; ++q) M[K][q] = 0.0;
+            expm_inplace<K + 1>(M);
+            for (int k = 0; k < K; ++k)
+                for (int q = 0; q <= K; ++q) E[i * SIZE + k * (K + 1) + q] = (T)M[k][q];
+        }
+    }
+    __syncthreads();  // this block's reductions are fenced
+    if (threadIdx.x == 0 &&
+        atomicAdd(status + 2, 1ull) == (unsigned long long)gridDim.x - 1) {  // the last block
+        __threadfence();
+        const unsigned long long flags = atomicExch(status, 0ull);
+        const unsigned long long norm = atomicExch(status + 1, 0ull);
+        atomicExch(status + 2, 0ull);
+        if (host != nullptr) {
+            volatile unsigned long long* word = host;
+            word[1] = norm;
+            __threadfence_system();  // the norm lands before the token that releases it
+            word[0] = ((unsigned long long)token << 2) | flags;
+        }
+    }
 }
 
 // L(Y, Z), the Frechet derivative of expm at Y in the direction Z, for (K+1) x (K+1) matrices

@@ -1,6 +1,8 @@
 """Helpers of the GPU test modules (test_*_gpu.py): CuPy on demand, a NaN-poisoned memory pool."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 
@@ -26,3 +28,12 @@ def busy(cp, stream, ms=50.0):
     rate = cp.cuda.Device().attributes["ClockRate"]  # kHz
     with stream:
         spin((1,), (1,), (np.int64(rate * ms),))
+
+
+def begin_capture(stream):
+    """``stream.begin_capture()`` after a garbage collection: an object of an earlier test
+    freed during the capture (pinned host memory, a stream) makes a CUDA call that conflicts
+    with it (cudaFreeHost synchronises the device) and invalidates the capture, a failure of
+    whichever test happens to capture then (as PyTorch's graph capture collects first)."""
+    gc.collect()
+    stream.begin_capture()

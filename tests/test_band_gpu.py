@@ -13,7 +13,7 @@ import pytest
 
 import cutopo
 from cutopo import _ecc_numpy
-from gpu_support import cupy_module as _cp, poison_pool
+from gpu_support import begin_capture, cupy_module as _cp, poison_pool
 
 pytestmark = pytest.mark.gpu
 
@@ -370,13 +370,13 @@ def test_soft_ecc_device_thresholds_refuse_graph_capture(rng):
         cutopo.soft_ecc(img, t_dev, 5.0)  # warm: plans, tables, and a free block of the pool
         cutopo.soft_ecc(img, t, 5.0)      # (CuPy's pool keeps free blocks per stream)
         stream.synchronize()
-        stream.begin_capture()
+        begin_capture(stream)
         try:
             with pytest.raises(RuntimeError, match="CUDA graph capture"):
                 cutopo.soft_ecc(img, t_dev, 5.0)
         finally:
             stream.end_capture()
-        stream.begin_capture()
+        begin_capture(stream)
         out = cutopo.soft_ecc(img, t, 5.0)
         graph = stream.end_capture()
         out.fill(np.nan)

@@ -16,7 +16,7 @@ from cutopo.cpab import Tessellation, integrate, log_jacobian, velocity
 from cutopo.cpab import _integrate_cupy
 from cutopo.cpab.integrate import _setup
 from cutopo.cpab.tessellation import cell_index
-from gpu_support import cupy_module as _cp, poison_pool
+from gpu_support import busy, cupy_module as _cp, poison_pool
 
 pytestmark = pytest.mark.gpu
 
@@ -469,12 +469,11 @@ def test_checks_read_after_the_kernels(monkeypatch, rng):
     forward kernel is launched before the flags are read, a failed check still raises at the
     call, also for values whose kernels ran on them (NaN, inf, a theta whose A overflows), and
     later calls are unaffected."""
-    from cutopo._cuda import deferred
     from cutopo.cpab import _warp_cupy, transform_image
 
     cp = _cp()
     events = []
-    real_read = deferred.DeferredFlags.read
+    real_read = _integrate_cupy._CellFlags.read
 
     def read(self):
         events.append("read")
@@ -486,7 +485,7 @@ def test_checks_read_after_the_kernels(monkeypatch, rng):
             return launch(sig, *args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(deferred.DeferredFlags, "read", read)
+    monkeypatch.setattr(_integrate_cupy._CellFlags, "read", read)
     monkeypatch.setattr(_integrate_cupy, "launch", logged(_integrate_cupy.launch))
     monkeypatch.setattr(_warp_cupy, "launch", logged(_warp_cupy.launch))
     tess = Tessellation((3, 2))
@@ -526,6 +525,45 @@ def test_checks_read_after_the_kernels(monkeypatch, rng):
         transform_image(cp.asarray(bad), cp.asarray(theta), tess)
     again = integrate(cp.asarray(pts), cp.asarray(theta), tess)
     np.testing.assert_allclose(again.get(), integrate(pts, theta, tess), rtol=1e-10, atol=1e-12)
+
+
+def test_prepare_status_is_zero_between_calls(rng):
+    """prepare_cells' device counters (a PinnedStatus per thread and device) are zeroed by the
+    last block of every launch: calls after a failed check, on another stream, after a launch
+    whose flags were never read (an interrupted call) and with one block or thousands get their
+    own flags and norm."""
+    cp = _cp()
+    tess = Tessellation((4, 3))
+    theta = draw_theta(tess, rng, largest=2.0)
+    status = _integrate_cupy._cell_status()
+    assert _integrate_cupy._cell_status() is status
+
+    def flags_of(points, th, stream=None):
+        with stream or cp.cuda.Stream.null:
+            _, _, flags = _integrate_cupy._prepare(cp.asarray(points)[None], cp.asarray(th)[None],
+                                                   tess, 0.02, np.dtype(np.float64), ())
+            values = flags.read()
+        assert not status.counters.get().any()
+        return int(values[0]), float(values[1:2].view(np.float64)[0])
+
+    want = np.sqrt((tess.affine_maps(theta)[:, :, :2] ** 2).sum(axis=(1, 2))).max()
+    bad_theta = theta.copy()
+    bad_theta[int(rng.integers(theta.size))] = np.nan
+    for n in (3, 4000, 300000):                               # 1 check block to CHECK_BLOCKS
+        pts = rng.random((n, 2))
+        bad_pts = pts.copy()
+        bad_pts[int(rng.integers(n)), 0] = np.inf
+        assert flags_of(bad_pts, theta) == (1, pytest.approx(want, rel=1e-12))
+        assert flags_of(pts, bad_theta)[0] == 2
+        assert flags_of(pts, theta) == (0, pytest.approx(want, rel=1e-12))
+        assert flags_of(pts, theta * 0.5, cp.cuda.Stream(non_blocking=True)) == \
+            (0, pytest.approx(want * 0.5, rel=1e-12))
+    # an interrupted call: launched, its flags never read; the next arm waits for it
+    busy(cp, cp.cuda.get_current_stream(), ms=20.0)
+    _integrate_cupy._prepare(cp.asarray(bad_pts)[None], cp.asarray(theta)[None], tess, 0.02,
+                             np.dtype(np.float64), ())
+    assert flags_of(pts, theta, cp.cuda.Stream(non_blocking=True)) == \
+        (0, pytest.approx(want, rel=1e-12))
 
 
 @pytest.mark.parametrize("K", [1, 2, 3])

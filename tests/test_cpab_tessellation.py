@@ -517,6 +517,8 @@ def test_sample_shape_determinism(rng):
     seed = int(rng.integers(2**32))
     a = tess.sample(3, rng=seed)
     assert a.shape == (3, tess.n_params) and a.dtype == np.float64
+    for draws in (a, Tessellation((16, 16)).sample(32, rng=seed)):        # no copy in the ops
+        assert draws.flags.c_contiguous
     np.testing.assert_array_equal(a, tess.sample(3, rng=np.random.default_rng(seed)))
     assert not np.array_equal(a, tess.sample(3, rng=seed + 1))
     assert tess.sample(0, rng=seed).shape == (0, tess.n_params)

@@ -208,7 +208,12 @@ def test_prepared_launch_keys(launch_mod):
     sig = launch_mod.Signature("ecc", "cutopo::ecc::test_kernel",
                                ("ptr:float32", "int32", "float64", launch_mod.HOST_WORD, "int64"))
     slots = launch_mod._slots(sig)
-    assert slots == ((0, 3), (1, 2, 4), (2,))
+    assert slots[0] == (0, 3)
+    assert slots[1](("a", 1, 2.0, "w", 4)) == (1, 2.0, 4) and slots[2](("a", 1, 2.0, "w", 4)) == (2.0,)
+    one = launch_mod.Signature("ecc", "k1", ("ptr:float32", "float32"))
+    none = launch_mod.Signature("ecc", "k0", ("ptr:float32",))
+    assert launch_mod._slots(one)[1](("a", 5.0)) == (5.0,) and launch_mod._slots(none)[2](("a",)) == ()
+    assert hash(sig) == hash(launch_mod.Signature(sig.family, sig.name, sig.params)) and sig != one
 
     def key(args, shared_mem=0, grid=4):
         return launch_mod._prepared_key(sig, grid, 256, shared_mem, (), 0, args, slots)
@@ -223,9 +228,31 @@ def test_prepared_launch_keys(launch_mod):
     assert key((None, 1, 0.0, None, 7)) != key((None, 1, -0.0, None, 7))
     assert key((None, 1, 0.0, None, 7), shared_mem=48 * 1024) is not None
     assert key((None, 1, 0.0, None, 7), shared_mem=48 * 1024 + 1) is None
-    assert key((None, [1], 0.0, None, 7)) is None          # unhashable
+    # unhashable: no prepared launch (the lookup says False), the plain path's error follows
+    assert launch_mod._lookup({}, key((None, [1], 0.0, None, 7))) is False
+    assert launch_mod._lookup({}, base) is None
     assert key((None, 1, "x", None, 7)) is None            # copysign of a string
     assert key((None, 1, 1 + 2j, None, 7)) is None
+
+
+def test_call_int64_kind_is_a_call_time_argument(launch_mod, sig):
+    """CALL_INT64 (an int64 that changes at every call, a check's token) converts and packs as
+    an int64 and stays out of the prepared launches' key: calls that differ only in it share
+    one prepared launch, which takes it at call time like the arrays."""
+    call = launch_mod.CALL_INT64
+    assert launch_mod._convert(7, call, 0, sig) == np.int64(7)
+    for bad in (1.0, True, 2 ** 63, "7"):
+        with pytest.raises(launch_mod.LaunchError):
+            launch_mod._convert(bad, call, 0, sig)
+    tsig = launch_mod.Signature("ecc", "cutopo::ecc::test_kernel", ("ptr:float32", "int32", call))
+    slots = launch_mod._slots(tsig)
+    assert slots[0] == (0, 2) and slots[1]((None, 5, 99)) == (5,)
+    keys = {launch_mod._prepared_key(tsig, 4, 256, 0, (), 0, (None, 5, token), slots)
+            for token in (1, 2, 2 ** 62)}
+    assert len(keys) == 1
+    block = launch_mod.ParameterBlock(np.zeros(3, dtype=np.uint64))
+    block.write(2, call, np.int64(-3))
+    assert block.i64[2] == -3
 
 
 def test_host_word_kind_takes_a_pinned_word_or_null(launch_mod, sig):
@@ -443,7 +470,7 @@ def test_ab_cpab_variants_compile_without_a_gpu(monkeypatch, capsys):
         ab_cpab.main(["--case", "4d"])
     names = [icp._backward_sig(t, K, True, "queue").name for t in ("float32", "float64") for K in (2, 3)]
     for flags in (("-DCUTOPO_CPAB_ADJOINT_DOUBLE=1",), ("-DCUTOPO_QUEUE_DOUBLE_ENTRIES=1",),
-                  ("-DCUTOPO_QUEUE_ENTRY_MAJOR=1",),
+                  ("-DCUTOPO_PROFILE_MOMENTS=1",), ("-DCUTOPO_PROFILE_MOMENTS=2",),
                   ("-DCUTOPO_BACKWARD_MIN_BLOCKS_2D=5", "-DCUTOPO_BACKWARD_MIN_BLOCKS_3D=4")):
         cubin, _ = compile_.compile_offline(icp.FAMILY, names, "90", flags)
         assert cubin[:4] == b"\x7fELF"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import operator
 import os
@@ -34,9 +35,12 @@ from .compile import get_function
 from .deferred import PinnedWord
 
 # Declared parameter kinds: "ptr:<numpy dtype>" for arrays, a numpy dtype name for scalars, and
-# HOST_WORD for a page-locked host word that the kernel writes (a PinnedWord, or NULL).
+# HOST_WORD for a page-locked host word that the kernel writes (a PinnedWord, or NULL), and
+# CALL_INT64 for an int64 that changes at every call (a check's token): launch() keeps it out of
+# the key of its prepared launches, whose call-time arguments it is, like the arrays.
 _SCALAR_KINDS = {"int32", "int64", "float32", "float64"}
 HOST_WORD = "host:uint64"
+CALL_INT64 = "call:int64"
 # The device addresses a launch packs: an array's (NULL: 0) and a host word's (NULL: 0)
 _ARRAY_POINTER = operator.attrgetter("data.ptr")
 _WORD_POINTER = operator.attrgetter("device_ptr")
@@ -53,6 +57,15 @@ class Signature:
     # its launches ask for no more shared memory per multiprocessor than its resident blocks
     # use, so that L1 holds the rest (see _fit_shared_carveout)
     fit_shared: bool = False
+    # Every launch looks a signature up in a few tables (its slots, its prepared launches): a
+    # dataclass rehashes all its fields each time (~1 us per lookup), so the hash is kept.
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.family, self.name, self.params, self.fit_shared)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 class LaunchError(RuntimeError):
@@ -154,7 +167,7 @@ def _convert(value, kind: str, index: int, sig: Signature, device=None):
             return value
         raise LaunchError(f"{sig.name}: argument {index} must be a PinnedWord or NULL, got "
                           f"{type(value).__name__}")
-    scalar = _scalar_kind(kind)
+    scalar = _scalar_kind("int64" if kind == CALL_INT64 else kind)
     if scalar is None:
         raise LaunchError(f"{sig.name}: unknown parameter kind {kind!r}")
     dtype, lo, hi = scalar
@@ -235,12 +248,25 @@ def _after_launch(sig: Signature) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _slots(sig: Signature) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(array and host-word slots, scalar slots, floating-point scalar slots) of a signature."""
-    arrays = tuple(i for i, k in enumerate(sig.params) if k.startswith("ptr:") or k == HOST_WORD)
+def _slots(sig: Signature):
+    """(call-time slots: arrays, host words and CALL_INT64, a getter of the other scalar
+    arguments, a getter of the floating-point scalar arguments) of a signature; the getters
+    return tuples."""
+    arrays = tuple(i for i, k in enumerate(sig.params)
+                   if k.startswith("ptr:") or k in (HOST_WORD, CALL_INT64))
     scalars = tuple(i for i in range(len(sig.params)) if i not in arrays)
     floats = tuple(i for i in scalars if sig.params[i].startswith("float"))
-    return arrays, scalars, floats
+    return arrays, _tuple_getter(scalars), _tuple_getter(floats)
+
+
+def _tuple_getter(indices):
+    """args -> tuple(args[i] for i in indices), in C (itemgetter) where it can."""
+    if not indices:
+        return lambda args: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*indices)
 
 
 # launch()'s prepared launches, by (signature, geometry, options, device, scalar arguments),
@@ -264,19 +290,25 @@ def _prepared_key(sig: Signature, grid, block, shared_mem, options, device, args
     """The key of a launch's PreparedLaunch, or None when it gets none: scalars by type and
     value (1 and 1.0, or 1 and True, convert differently or not at all), floats also by sign
     (-0.0 == 0.0). Shared memory past the 48 KB default (a per-kernel limit, which a later
-    launch of another size would lower) and unhashable arguments (a conversion error to come)
-    get none."""
+    launch of another size would lower) gets none. An unhashable argument (a conversion error
+    to come) makes a key that raises TypeError when it is looked up."""
     if shared_mem > 48 * 1024:
         return None
     _, scalars, floats = slots
-    values = tuple(args[i] for i in scalars)
+    values = scalars(args)
     try:
-        key = (sig, grid, block, shared_mem, options, device, values, tuple(map(type, values)),
-               tuple(math.copysign(1.0, args[i]) for i in floats))
-        hash(key)
+        signs = tuple(map(math.copysign, itertools.repeat(1.0), floats(args)))
     except TypeError:
         return None
-    return key
+    return (sig, grid, block, shared_mem, options, device, values, tuple(map(type, values)), signs)
+
+
+def _lookup(table: dict, key):
+    """table.get(key), or False for a key that cannot be hashed."""
+    try:
+        return table.get(key)
+    except TypeError:
+        return False
 
 
 def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: int = 0,
@@ -288,8 +320,8 @@ def launch(sig: Signature, grid: int, block: int, args: tuple, *, shared_mem: in
     if grid > 0 and PREPARE_REPEATS:
         slots = _slots(sig)
         key = _prepared_key(sig, grid, block, shared_mem, options, device, args, slots)
-        if key is not None:
-            prepared = _PREPARED.get(key)
+        prepared = None if key is None else _lookup(_PREPARED, key)
+        if prepared is not False and key is not None:
             if prepared is None and key in _SEEN:
                 prepared = PreparedLaunch(sig, grid, block, tuple(
                     None if i in slots[0] else a for i, a in enumerate(args)),
@@ -338,7 +370,7 @@ class ParameterBlock:
             return self.u64, i, _WORD_POINTER
         if kind in ("int32", "float32"):
             return (self.i32 if kind == "int32" else self.f32), 2 * i, None
-        return (self.i64 if kind == "int64" else self.f64), i, None
+        return (self.i64 if kind in ("int64", CALL_INT64) else self.f64), i, None
 
     def write(self, i: int, kind: str, value) -> None:
         """Store the converted ``value`` (a checked CuPy array, a PinnedWord, NULL or a NumPy
@@ -410,10 +442,11 @@ class PreparedLaunch:
         sig = self.sig
         self._check_device(device)
         block = self._block()
-        for (i, dtype, kind), a in zip(self._slot_kinds, values):
+        for (i, dtype, kind), (view, index, getter), a in zip(self._slot_kinds, self._local.writers,
+                                                              values):
             a = (_check_array(a, dtype, i, sig, device) if dtype is not None
                  else _convert(a, kind, i, sig))
-            block.write(i, kind, a)
+            view[index] = a if getter is None else getter(a)
         if self.kernel is not None:
             self._launch(block)
 

@@ -2,8 +2,9 @@
 
 Per call (:func:`checked_plan`): one ``prepare_cells`` launch makes A = B theta (an ELL
 product of the memoized sparse basis), the step-size guard's norm and E_c = expm(h A~_c) per
-cell, and checks the finiteness of the points and theta; its flags are copied to the host behind
-it and read once the call's kernels are queued (:mod:`cutopo._cuda.deferred`). Then one
+cell, and checks the finiteness of the points and theta; its last block stores the flags and
+the norm in page-locked host memory (a PinnedStatus), read once the call's kernels are queued
+(:mod:`cutopo._cuda.deferred`). Then one
 thread per (batch item, point) for the trajectory. The VJP runs
 ``integrate_backward`` (per-cell moments G_c: float64 atomics from a per-warp queue, see
 MOMENTS), ``frechet_cells`` (dL/dA_c) and B^T (ELL) on the device. The callers in
@@ -14,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 
+from .._array import as_c_contiguous
 from .._cuda import tables
 from .._cuda.compile import register_instances
-from .._cuda.deferred import DeferredFlags, reading
-from .._cuda.launch import NULL, Signature, launch
+from .._cuda.deferred import DeferredFlags, PinnedStatus, reading
+from .._cuda.launch import CALL_INT64, HOST_WORD, NULL, Signature, launch
 from ._checks import check_step_size
 from .velocity import raise_not_finite
 
@@ -61,25 +64,31 @@ _CTYPE = {"float32": "float", "float64": "double"}
 _GRID = ("int32",) * 3
 
 
+@functools.lru_cache(maxsize=None)  # a launch per call looks it up
 def _cell_sig(t, K):
     return Signature(FAMILY, f"cutopo::cpab::cell_index<{_CTYPE[t]}, {K}>",
                      (f"ptr:{t}", "ptr:int64", "int64") + _GRID)
 
 
+@functools.lru_cache(maxsize=None)
 def _velocity_sig(t, K):
     return Signature(FAMILY, f"cutopo::cpab::velocity<{_CTYPE[t]}, {K}>",
                      (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "int64", "int64", "int64", "int32", "int32")
                      + _GRID)
 
 
+@functools.lru_cache(maxsize=None)
 def _forward_sig(t, K, project):
+    t = np.dtype(t).name  # a dtype or its name (memoized: the name costs ~2 us per launch)
     name = f"cutopo::cpab::integrate_forward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}>"
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64",
                                     f"ptr:{t}", "int64", "int64", "int64", "float64")
                      + ("int32",) * 6 + _GRID)
 
 
+@functools.lru_cache(maxsize=None)
 def _backward_sig(t, K, project, moments="warp"):
+    t = np.dtype(t).name
     name = (f"cutopo::cpab::integrate_backward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}, "
             f"{MOMENT_MODES[moments]}>")
     # fit_shared: the segment's local arrays want L1 (launch._fit_shared_carveout)
@@ -88,24 +97,30 @@ def _backward_sig(t, K, project, moments="warp"):
                      + ("int32",) * 7 + _GRID, fit_shared=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _prepare_sig(theta_t, t, K):
+    theta_t, t = np.dtype(theta_t).name, np.dtype(t).name
     return Signature(FAMILY, f"cutopo::cpab::prepare_cells<{_CTYPE[theta_t]}, {_CTYPE[t]}, {K}>",
                      ("ptr:int32", "ptr:float64", "int32", f"ptr:{theta_t}", "int64", "int64",
                       "int64", "ptr:float64", f"ptr:{t}", "float64", f"ptr:{t}", "int64", "int64",
-                      "ptr:uint64"))
+                      "ptr:uint64", HOST_WORD, CALL_INT64))
 
 
+@functools.lru_cache(maxsize=None)
 def _expm_sig(t, K):
     return Signature(FAMILY, f"cutopo::cpab::expm_cells<{_CTYPE[t]}, {K}>",
                      ("ptr:float64", f"ptr:{t}", "int64", "float64"))
 
 
+@functools.lru_cache(maxsize=None)
 def _ell_sig(t):
+    t = np.dtype(t).name
     return Signature(FAMILY, f"cutopo::cpab::ell_product<{_CTYPE[t]}>",
                      ("ptr:int32", "ptr:float64", f"ptr:{t}", "ptr:float64", "int64", "int64", "int64",
                       "int32"))
 
 
+@functools.lru_cache(maxsize=None)
 def _frechet_sig(K):
     return Signature(FAMILY, f"cutopo::cpab::frechet_cells<{K}>",
                      ("ptr:float64", "ptr:float64", "ptr:float64", "int64", "float64"))
@@ -214,7 +229,7 @@ def _ell_product(table, x, rows):
     idx, val, R = table
     batch, cols = x.shape
     y = cupy.empty((batch, rows), dtype=np.float64)
-    launch(_ell_sig(x.dtype.name), _blocks(batch * rows), THREADS,
+    launch(_ell_sig(x.dtype), _blocks(batch * rows), THREADS,
            (idx, val, x, y, rows, cols, batch, R))
     return y
 
@@ -235,30 +250,61 @@ CHECK_BLOCKS = 2048
 PREPARE_THREADS = 128  # cpab::prepare_cells' block (expm's registers)
 
 
+_STATUS = threading.local()
+
+
+def _cell_status():
+    """This thread's PinnedStatus on the current device (prepare_cells' flags and norm)."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    table = getattr(_STATUS, "table", None)
+    if table is None:
+        table = _STATUS.table = {}
+    status = table.get(device)
+    if status is None:
+        status = table[device] = PinnedStatus()
+    return status
+
+
+class _CellFlags:
+    """The values :func:`_raise_failed` reads, as one uint64 array: prepare_cells' flags and
+    norm (a PinnedStatus), then the caller's own flags (a DeferredFlags copy, or none)."""
+
+    def __init__(self, status, extra):
+        self._status, self._extra, self._values = status, extra, None
+
+    def read(self) -> np.ndarray:
+        if self._values is None:
+            flags, norm = self._status.read_status()
+            extra = () if self._extra is None else self._extra.read().astype(np.uint64)
+            self._values = np.array([flags, norm, *extra], dtype=np.uint64)
+        return self._values
+
+
 def _prepare(P, T2, tess, h, dtype, extra):
-    """One prepare_cells launch: (A (Bt C, K, K+1) float64, E in ``dtype``, DeferredFlags).
-    The flags (finiteness of the points P and theta T2, the guard's norm over A, then the
-    caller's own (1,) float64 flags ``extra``) go to the host in one copy, read by
-    :func:`_raise_failed`."""
+    """One prepare_cells launch: (A (Bt C, K, K+1) float64, E in ``dtype``, flags). The flags
+    (finiteness of the points P and theta T2, the guard's norm over A, then the caller's own
+    (1,) float64 flags ``extra``) are read by :func:`_raise_failed`: the kernel's straight from
+    page-locked memory, the caller's through one copy."""
     import cupy
 
     K, C = tess.ndim, tess.n_cells
     if T2.dtype not in (np.float32, np.float64):
         T2 = T2.astype(np.float64)       # integers are finite; float16's inf and NaN carry over
-    theta = cupy.ascontiguousarray(T2)
+    theta = as_c_contiguous(T2)
     (idx, val, R), _ = _basis_tables(tess)
     cells = len(theta) * C
     A = cupy.empty((cells, K, K + 1), dtype=np.float64)
     E = cupy.empty((cells, K, K + 1), dtype=dtype)
-    status = cupy.zeros(2 + len(extra), dtype=np.uint64)
+    status = _cell_status()
     cell_blocks = _blocks(cells, PREPARE_THREADS)
     check_blocks = max(1, min(_blocks(max(P.size, theta.size), PREPARE_THREADS), CHECK_BLOCKS))
-    launch(_prepare_sig(theta.dtype.name, dtype.name, K), cell_blocks + check_blocks,
+    launch(_prepare_sig(theta.dtype, dtype, K), cell_blocks + check_blocks,
            PREPARE_THREADS, (idx, val, R, theta, theta.shape[1], len(theta), C, A, E, h, P, P.size,
-                             cell_blocks, status))
-    if extra:
-        status[2:] = cupy.concatenate(list(extra))
-    return A, E, DeferredFlags(status)
+                             cell_blocks, status.counters, status, status.arm()))
+    copied = DeferredFlags(cupy.concatenate(list(extra))) if extra else None
+    return A, E, _CellFlags(status, copied)
 
 
 def _raise_failed(values, *, n_steps, name, messages):
@@ -284,10 +330,8 @@ def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), message
     are safe on non-finite input: cells and sample coordinates are clamped, every loop is
     bounded, expm's squarings are at most ~1100). A failed check raises its ValueError at the
     end of the ``with`` block, so the body's results must not escape it before."""
-    import cupy
-
     K, C = tess.ndim, tess.n_cells
-    P = cupy.ascontiguousarray((points if points.ndim == 3 else points[None]).astype(dtype, copy=False))
+    P = as_c_contiguous((points if points.ndim == 3 else points[None]).astype(dtype, copy=False))
     T2 = theta if theta.ndim == 2 else theta[None]
     Bp, Bt = len(P), len(T2)
     h = 1.0 / n_steps
@@ -333,7 +377,7 @@ def integrate(plan: Plan, *, checkpoint_every=None, log_det=False):
              else NULL)
     ld = cupy.empty((B, N), dtype=dt) if log_det else NULL
     ps, ts = _shared(plan)
-    launch(_forward_sig(dt.name, K, plan.project), _blocks(B * N), THREADS,
+    launch(_forward_sig(dt, K, plan.project), _blocks(B * N), THREADS,
            (plan.points, plan.E, out, chk, trace, ld, B, N, plan.C, plan.h, ps, ts, plan.n_steps,
             S, int(keep), int(log_det)) + _grid(plan.shape))
     return out, (chk if keep else None), (ld if log_det else None)
@@ -369,7 +413,7 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
     B, N, K = plan.B, plan.N, plan.K
     # in the points' dtype: the kernel reads it as float64 (exactly), so no float64 copy of
     # the (B, N, K) cotangent is made (8 bytes per trajectory and coordinate)
-    cot = cupy.ascontiguousarray(cotangent.astype(plan.dtype, copy=False).reshape(B, N, K))
+    cot = as_c_contiguous(cotangent.astype(plan.dtype, copy=False).reshape(B, N, K))
     grad_points = cupy.empty((B, N, K), dtype=np.float64) if need_points else NULL
     size = K * (K + 1)
     G = cupy.zeros((plan.n_theta * plan.C, size), dtype=np.float64) if need_theta else NULL
@@ -380,7 +424,7 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
             raise ValueError(f"backward: {plan.n_steps} steps in segments of {S} do not fit the "
                              "threads' local checkpoints (see local_segment)")
         checkpoints = NULL
-    launch(_backward_sig(plan.dtype.name, K, plan.project, MOMENTS), _blocks(B * N), THREADS,
+    launch(_backward_sig(plan.dtype, K, plan.project, MOMENTS), _blocks(B * N), THREADS,
            (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
             plan.n_steps, S, int(need_points), int(need_theta), int(recompute))
            + _grid(plan.shape))

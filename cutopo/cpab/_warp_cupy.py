@@ -10,6 +10,7 @@ roundings); the theta cotangent sums the same terms in another order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -31,6 +32,7 @@ TYPES = {"float32": (("float16", "float32", "float32"), ("float32", "float32", "
                      ("float64", "float64", "float64"))}
 
 
+@functools.lru_cache(maxsize=None)  # a launch per call looks it up
 def _forward_sig(t, ti, r, o, K, project, nearest):
     name = (f"cutopo::cpab::warp_forward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {_CTYPE[o]}, {K}, "
             f"{_flag(project)}, {_flag(nearest)}>")
@@ -38,6 +40,7 @@ def _forward_sig(t, ti, r, o, K, project, nearest):
                                     "int64") + ("int32",) * 13)
 
 
+@functools.lru_cache(maxsize=None)
 def _backward_sig(t, ti, r, K, project, nearest):
     name = (f"cutopo::cpab::warp_backward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {K}, "
             f"{_flag(project)}, {_flag(nearest)}>")

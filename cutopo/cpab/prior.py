@@ -66,4 +66,5 @@ def sample_vertex_prior(tess, n, *, length_scale, scale, rng):
                          "batches") from None
     slot = np.searchsorted(axes_used, tess.dof_axis)
     grid = tess.vertex_grid[tess.dof_vertex]                             # (d, K)
-    return scale * field[(slice(None), slot) + tuple(grid.T)]
+    # C order: the gather leaves the batch axis innermost, and every op would copy it first
+    return np.ascontiguousarray(scale * field[(slice(None), slot) + tuple(grid.T)])
