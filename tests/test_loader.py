@@ -4,6 +4,7 @@ None of these need a GPU (the launch helper imports CuPy, which imports fine wit
 """
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -233,6 +234,23 @@ def test_prepared_launch_keys(launch_mod):
     assert launch_mod._lookup({}, base) is None
     assert key((None, 1, "x", None, 7)) is None            # copysign of a string
     assert key((None, 1, 1 + 2j, None, 7)) is None
+
+
+def test_signature_pickles_with_this_process_hash(launch_mod):
+    """A Signature keeps its hash; one pickled by another process (another string-hash seed)
+    must come back with this process's hash, or the launch tables would never find it."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from cutopo._cuda.launch import Signature; "
+            "sys.stdout.buffer.write(pickle.dumps(Signature('cpab', 'k<float>', ('ptr:float32', "
+            "'int64'), True)))")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    blob = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout
+    got = pickle.loads(blob)
+    want = launch_mod.Signature("cpab", "k<float>", ("ptr:float32", "int64"), True)
+    assert got == want and hash(got) == hash(want) and {want: 1}[got] == 1
 
 
 def test_call_int64_kind_is_a_call_time_argument(launch_mod, sig):

@@ -67,6 +67,10 @@ class Signature:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        # rebuilt, not restored: string hashes differ between processes (hash randomisation)
+        return (Signature, (self.family, self.name, self.params, self.fit_shared))
+
 
 class LaunchError(RuntimeError):
     pass
