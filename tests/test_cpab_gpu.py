@@ -570,7 +570,8 @@ def test_prepare_status_is_zero_between_calls(rng):
 def test_frechet_cells_equals_scipy(rng, K):
     """frechet_cells (Taylor series of the block exponential, scaling and squaring) against
     scipy.linalg.expm_frechet, an independent implementation: dL/dA_c = h L(h A~_c^T, [G_c;
-    0])[:K], over norms from 1e-3 to ~10 (up to five squarings), G over ten decades, zero G."""
+    0])[:K], over norms from 1e-3 to ~10 (up to five squarings), G over ten decades, zero G;
+    and in place (dA over G, as theta_cotangent runs it), bit for bit the same."""
     from scipy.linalg import expm_frechet
 
     from cutopo._cuda.launch import launch
@@ -585,6 +586,8 @@ def test_frechet_cells_equals_scipy(rng, K):
     out = cp.full(d_A.shape, np.nan)
     launch(_integrate_cupy._frechet_sig(K), -(-cells // 64), 64, (d_A, d_G, out, cells, h))
     got = out.get().reshape(cells, K, K + 1)
+    launch(_integrate_cupy._frechet_sig(K), -(-cells // 64), 64, (d_A, d_G, d_G, cells, h))
+    np.testing.assert_array_equal(d_G.get(), out.get())
     for c in range(cells):
         Y = np.zeros((K + 1, K + 1))
         Y[:, :K] = (h * A[c]).T                               # (h A~)^T: zero last column
