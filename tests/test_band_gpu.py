@@ -461,15 +461,20 @@ def _kept_lists(res, image, ndim, tconn, periodic, T, dtype):
 @pytest.mark.parametrize("conn_is_ndim", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("boundary", ["box", "periodic"])
-def test_soft_ecc_kept_entries(rng, ndim, shape, conn_is_ndim, dtype, boundary):
+def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, shape, conn_is_ndim,
+                               dtype, boundary):
     """A forward made for a backward keeps the critical pixels with a non-empty band, exactly
     those of the NumPy path (index and contribution), and the backward of an image whose list
     fits reads it instead of sweeping; an image whose list overflows (white noise in the middle
     of the batch) is swept. Both give the NumPy path's cotangents, and pixels off the list get
     exactly zero."""
-    from cutopo import _soft_ecc
+    from cutopo import _soft_ecc, _soft_ecc_cupy
 
     cp = _cp()
+    # a slot per 4 pixels: the random waves' lists (up to ~15 % of the pixels in 3D, 379 of 2688
+    # seen) fit with room to spare, the noise's (about half) overflow; the default, a slot per
+    # 8 pixels, left a few draws of waves without room
+    monkeypatch.setattr(_soft_ecc_cupy, "KEPT_PIXELS_PER_SLOT", 4)
     conn = ndim if conn_is_ndim else 1
     img = _waves(rng, shape, ndim, dtype)
     img[1] = rng.random(shape[1:]).astype(dtype) * 4 - 2  # noise: about half its pixels critical
