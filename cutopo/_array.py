@@ -36,16 +36,6 @@ def array_module(x):
     return _cupy() if is_cupy_array(x) else np
 
 
-def as_c_contiguous(x):
-    """``x`` itself when it is C-contiguous, else a C-contiguous copy (NumPy or CuPy): CuPy's
-    ascontiguousarray costs ~9 us of host time even on a C-contiguous array, a launch's worth.
-    For arrays of at least one dimension (ascontiguousarray makes a 0-d array 1-d)."""
-    flag = getattr(x, "_c_contiguous", None)     # CuPy's internal attribute: no flags object
-    if x.flags.c_contiguous if flag is None else flag:
-        return x
-    return array_module(x).ascontiguousarray(x)
-
-
 def native_byte_order(x):
     """``x``, or a copy in the machine's byte order of a NumPy array stored in the other one
     (big-endian data from FITS, HDF5 or Zarr files): the dtype rules (``dtype == float64``),

@@ -243,7 +243,7 @@ def test_available_host_bytes_reads_meminfo():
 def test_as_c_contiguous_keeps_contiguous_arrays():
     """as_c_contiguous returns a C-contiguous array itself (no copy, no call into the array
     library) and a C-contiguous copy of anything else, with the same values."""
-    from cutopo._array import as_c_contiguous
+    from cutopo._cuda.launch import as_c_contiguous
 
     a = np.arange(24.0).reshape(2, 3, 4)
     assert as_c_contiguous(a) is a

@@ -14,7 +14,8 @@ returns, on the success path and on the error path alike (:func:`reading`).
 
 Where the op's own first kernel can do the check (one of its blocks), it writes the flags
 straight into a :class:`PinnedWord` in page-locked host memory, which the host reads as soon
-as they land: no check kernel, copy or event at all.
+as they land: no check kernel, copy or event at all; a check reduced over all of a kernel's
+blocks goes the same way through a :class:`PinnedStatus` (its last block stores it).
 """
 from __future__ import annotations
 

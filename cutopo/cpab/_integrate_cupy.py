@@ -19,11 +19,10 @@ import threading
 
 import numpy as np
 
-from .._array import as_c_contiguous
 from .._cuda import tables
 from .._cuda.compile import register_instances
 from .._cuda.deferred import DeferredFlags, PinnedStatus, reading
-from .._cuda.launch import CALL_INT64, HOST_WORD, NULL, Signature, launch
+from .._cuda.launch import CALL_INT64, HOST_WORD, NULL, Signature, as_c_contiguous, launch
 from ._checks import check_step_size
 from .velocity import raise_not_finite
 
@@ -64,14 +63,18 @@ _CTYPE = {"float32": "float", "float64": "double"}
 _GRID = ("int32",) * 3
 
 
-@functools.lru_cache(maxsize=None)  # a launch per call looks it up
+# The kernels' signatures, memoized (a call looks up several); each takes dtypes or their
+# names (a dtype's name costs ~2 us, so the hot path passes dtypes).
+@functools.lru_cache(maxsize=None)
 def _cell_sig(t, K):
+    t = np.dtype(t).name
     return Signature(FAMILY, f"cutopo::cpab::cell_index<{_CTYPE[t]}, {K}>",
                      (f"ptr:{t}", "ptr:int64", "int64") + _GRID)
 
 
 @functools.lru_cache(maxsize=None)
 def _velocity_sig(t, K):
+    t = np.dtype(t).name
     return Signature(FAMILY, f"cutopo::cpab::velocity<{_CTYPE[t]}, {K}>",
                      (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "int64", "int64", "int64", "int32", "int32")
                      + _GRID)
@@ -79,7 +82,7 @@ def _velocity_sig(t, K):
 
 @functools.lru_cache(maxsize=None)
 def _forward_sig(t, K, project):
-    t = np.dtype(t).name  # a dtype or its name (memoized: the name costs ~2 us per launch)
+    t = np.dtype(t).name
     name = f"cutopo::cpab::integrate_forward<{_CTYPE[t]}, {K}, {'true' if project else 'false'}>"
     return Signature(FAMILY, name, (f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", f"ptr:{t}", "ptr:float64",
                                     f"ptr:{t}", "int64", "int64", "int64", "float64")
@@ -108,6 +111,7 @@ def _prepare_sig(theta_t, t, K):
 
 @functools.lru_cache(maxsize=None)
 def _expm_sig(t, K):
+    t = np.dtype(t).name
     return Signature(FAMILY, f"cutopo::cpab::expm_cells<{_CTYPE[t]}, {K}>",
                      ("ptr:float64", f"ptr:{t}", "int64", "float64"))
 
@@ -437,11 +441,10 @@ def theta_cotangent(plan: Plan, G):
     adjoint Frechet derivative of expm, then B^T. G is overwritten by dL/dA (frechet_cells in
     place: one per-cell float64 array fewer at the VJP's peak)."""
     cells = len(G)
-    dA = G
-    launch(_frechet_sig(plan.K), _blocks(cells, 64), 64, (plan.A, G, dA, cells, plan.h))
+    launch(_frechet_sig(plan.K), _blocks(cells, 64), 64, (plan.A, G, G, cells, plan.h))
     _, basis_t = _basis_tables(plan.tess)
     # the row length spelled out: an empty batch (n_theta = 0) leaves no -1 to infer
-    rows = dA.reshape(plan.n_theta, plan.C * plan.K * (plan.K + 1))
+    rows = G.reshape(plan.n_theta, plan.C * plan.K * (plan.K + 1))
     return _ell_product(basis_t, rows, plan.tess.n_params)
 
 

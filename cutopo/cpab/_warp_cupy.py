@@ -32,7 +32,7 @@ TYPES = {"float32": (("float16", "float32", "float32"), ("float32", "float32", "
                      ("float64", "float64", "float64"))}
 
 
-@functools.lru_cache(maxsize=None)  # a launch per call looks it up
+@functools.lru_cache(maxsize=None)  # memoized: a call looks it up
 def _forward_sig(t, ti, r, o, K, project, nearest):
     name = (f"cutopo::cpab::warp_forward<{_CTYPE[t]}, {_CTYPE[ti]}, {_CTYPE[r]}, {_CTYPE[o]}, {K}, "
             f"{_flag(project)}, {_flag(nearest)}>")
