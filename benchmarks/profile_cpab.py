@@ -29,8 +29,9 @@ from cutopo.cpab.velocity import check_points_theta  # noqa: E402
 
 CASES = {"2d": Case("2d b32 256^2 tess 16", 32, (256, 256), (16, 16)),
          "3d": Case("3d 128^3 tess 10", 1, (128, 128, 128), (10, 10, 10)),
-         # bench_cpab's largest tessellations of the scaling cases
+         # bench_cpab's smallest and largest tessellations of the scaling cases
          "2d64": Case("2d b32 256^2 tess 64", 32, (256, 256), (64, 64)),
+         "3d2": Case("3d 128^3 tess 2", 1, (128, 128, 128), (2, 2, 2)),
          "3d30": Case("3d 128^3 tess 30", 1, (128, 128, 128), (30, 30, 30))}
 
 

@@ -495,23 +495,33 @@ __device__ __forceinline__ void flush(const Moments<K, A>& m, i64 cell_offset, d
 // MODE 2: a lane done with a cell appends its sums to a queue of 32 entries per warp in shared
 // memory (a ballot gives each appending lane its slot); when the next appends would not fit,
 // and at the end, the whole warp drains it: the entries of one cell, from any lanes and any
-// steps, are added together and one lane issues the atomics. A trajectory changes cell every
-// ~10 steps, so nearly every step some lane of a warp flushes: MODE 1 paid a warp-wide flush
-// (match, shared exchange, atomics) at almost every step, this a ballot per step and a drain
-// every few. A warp with exited lanes (the grid's tail) adds directly (MODE 0).
-// `storage`: this warp's 32 * (SIZE + 1) doubles (sums [SIZE][32] of type E, then 32 cells).
+// steps, are added together and added to G. A trajectory changes cell every ~10 steps, so
+// nearly every step some lane of a warp flushes: MODE 1 paid a warp-wide flush (match, shared
+// exchange, atomics) at almost every step, this a ballot per step and a drain every few. A warp
+// with exited lanes (the grid's tail) adds directly (MODE 0).
+// `storage`: this warp's MomentQueue::BYTES (32 slots of PITCH sums of type E, then 32 cells).
 // The entries keep the sums in the adjoint's type A, so a push stores them as they are (float64
 // entries for float32 sums cost each push a conversion, and its flush of float32 denormals,
 // per sum); the drain adds a cell's entries in A and widens the total for the atomic. Float32
 // backward with theta on the H200: 2D 0.909 -> 0.845 ms, 3D 1.673 -> 1.599 ms, theta within
 // 4e-6 of the largest (twenty-fifth session). -DCUTOPO_QUEUE_DOUBLE_ENTRIES=1: float64 entries.
 //
-// What the queue costs (H200, twenty-seventh session, benchmarks/ab_cpab.py; the backward with
-// theta, float32): without it (-DCUTOPO_PROFILE_MOMENTS=2, the moments still summed) 2D
-// 0.77 -> 0.48 ms, 3D 1.42 -> 0.83; without the drain's atomics (=1) 0.745 and 1.29. So the
-// pushes and the drains' sums cost, not the atomics. A drain that spreads each cell's sums over
-// the lanes (24 lanes, cells one after the other, shuffles) measured slower, 2D 0.78 -> 0.91 ms,
-// 3D 1.43 -> 1.53: a warp's entries fall in many cells, which the leaders here add at once.
+// The drain's atomics go out SIZE lanes to a cell, a cell's SIZE consecutive doubles (3 or 1.5
+// sectors) in one instruction: one lane per cell issuing SIZE atomics sent every sum in a
+// sector of its own, and at fine tessellations (a warp's 32 entries in ~20 cells) the L2's
+// atomic throughput bounded the backward: 3D 128^3 tess 30, 2.34 ms, 1.57 without the atomics
+// (-DCUTOPO_PROFILE_MOMENTS=1), 1.07 without the queue (=2). Who adds a cell's entries: with
+// few cells in the queue (at most PER, one round), the lanes, each one sum over the cell's
+// entries (add_by_lanes); with more, in 3D, a leader lane per cell adds all SIZE sums of its
+// entries, in parallel over the cells, and the sums move to the first slots for the lanes'
+// atomics (add_by_leaders; in 2D, 5 cells per round, the lanes alone measured 1-2 % faster,
+// with 13 registers fewer). The VJP (bench_cpab.py, H200, twenty-eighth session, old and new
+// trees alternating in one call, 3 rounds, ms): 3D 128^3 tess 2 0.95-1.01 -> 0.88-0.89, tess 10
+// 1.55-1.61 -> 1.35-1.42, tess 30 1.99-2.64 -> 1.59-1.73; 2D b32 256^2 tess 16 0.76-0.78 ->
+// 0.71-0.73, tess 64 1.33-1.43 -> 1.24-1.25. Slot-major entries with an odd
+// pitch keep the pushes (a lane to a slot) and both drains' reads free of bank conflicts, and
+// the queue sized by its entries' type (it was 32 * (SIZE + 1) doubles whatever the type)
+// leaves L1 more room: 3D 27 -> 15 KB per block.
 //
 // -DCUTOPO_PROFILE_MOMENTS=1 / 2 (profiling only: the theta cotangent is then wrong): 1 drains
 // the queue without its atomics, 2 keeps the per-lane moments but queues nothing (a push only
@@ -522,30 +532,89 @@ __device__ __forceinline__ void flush(const Moments<K, A>& m, i64 cell_offset, d
 #ifndef CUTOPO_PROFILE_MOMENTS
 #define CUTOPO_PROFILE_MOMENTS 0
 #endif
+template <typename A> struct QueueEntry {
+#if CUTOPO_QUEUE_DOUBLE_ENTRIES
+    typedef double type;
+#else
+    typedef A type;
+#endif
+};
+
 template <int K, typename A>
 struct MomentQueue {
     static constexpr int SIZE = K * (K + 1);
-#if CUTOPO_QUEUE_DOUBLE_ENTRIES
-    typedef double E;
-#else
-    typedef A E;
-#endif
-    E* val;
+    static constexpr int PITCH = SIZE + 1;      // odd: a slot's sums, pushes and reads conflict-free
+    static constexpr int PER = 32 / SIZE;       // cells a drain adds to G per instruction
+    static constexpr bool BY_LEADERS = K == 3;  // drains of more than PER cells: add_by_leaders
+    typedef typename QueueEntry<A>::type E;
+    // bytes of one warp's queue: 32 slots of PITCH sums, then 32 cells
+    static constexpr int BYTES = 32 * PITCH * (int)sizeof(E) + 32 * (int)sizeof(i64);
+    E* val;         // slot s's sum i at val[s * PITCH + i]
     i64* cell;
     unsigned live;  // the lanes running the sweep
     int n;          // entries queued (the same in every lane)
 
     __device__ __forceinline__ MomentQueue(double* storage, unsigned live_lanes)
-        : val(reinterpret_cast<E*>(storage)), cell(reinterpret_cast<i64*>(storage + 32 * SIZE)),
+        : val(reinterpret_cast<E*>(storage)),
+          cell(reinterpret_cast<i64*>(reinterpret_cast<char*>(storage) + 32 * PITCH * sizeof(E))),
           live(live_lanes), n(0) {}
 
-    // sum[i] = (first ? 0 : sum[i]) + entry slot's sum i
-    __device__ __forceinline__ void add_entry(int slot, E (&sum)[SIZE], bool first) const {
-        E g[SIZE];
-        #pragma unroll
-        for (int i = 0; i < SIZE; ++i) g[i] = val[i * 32 + slot];
-        #pragma unroll
-        for (int i = 0; i < SIZE; ++i) sum[i] = first ? g[i] : sum[i] + g[i];
+    __device__ __forceinline__ static bool wanted(E v) {
+        return CUTOPO_PROFILE_MOMENTS == 1 ? (double)v == 0x1.234p-999 : v != E(0);
+    }
+
+    // The leader of each cell adds its entries, the sums move to the first slots (in the
+    // leaders' order), then the warp adds them to G PER cells per instruction.
+    __device__ __forceinline__ void add_by_leaders(double* __restrict__ G, i64 c, unsigned group,
+                                                   bool leader, unsigned leaders, int groups,
+                                                   int part, int i) {
+        const int lane = threadIdx.x & 31;
+        E sum[SIZE];
+        if (leader) {
+            #pragma unroll
+            for (int q = 0; q < SIZE; ++q) sum[q] = val[lane * PITCH + q];
+            for (unsigned rest = group & (group - 1); rest; rest &= rest - 1) {
+                const int other = __ffs(rest) - 1;
+                #pragma unroll
+                for (int q = 0; q < SIZE; ++q) sum[q] += val[other * PITCH + q];
+            }
+        }
+        __syncwarp(live);  // every entry read before the sums take the first slots
+        if (leader) {
+            const int r = __popc(leaders & ((1u << lane) - 1u));
+            #pragma unroll
+            for (int q = 0; q < SIZE; ++q) val[r * PITCH + q] = sum[q];
+            cell[r] = c;
+        }
+        __syncwarp(live);
+        for (int base = 0; base < groups; base += PER) {
+            const int r = base + part;
+            if (part < PER && r < groups) {
+                const E v = val[r * PITCH + i];
+                if (wanted(v)) atomicAdd(G + cell[r] * SIZE + i, (double)v);
+            }
+        }
+    }
+
+    // PER cells a round: the lanes of each add one sum over that cell's entries each.
+    __device__ __forceinline__ void add_by_lanes(double* __restrict__ G, i64 c, unsigned group,
+                                                 unsigned leaders, int part, int i) {
+        for (unsigned rest = leaders; rest;) {  // warp-uniform
+            int mine_leader = -1;
+            #pragma unroll
+            for (int p = 0; p < PER; ++p) {
+                const int l = __ffs(rest) - 1;
+                if (p == part) mine_leader = l;
+                rest &= rest - 1;
+            }
+            const unsigned members = __shfl_sync(live, group, mine_leader & 31);
+            const i64 cc = __shfl_sync(live, c, mine_leader & 31);
+            if (part < PER && mine_leader >= 0) {
+                E v = E(0);
+                for (unsigned m = members; m; m &= m - 1) v += val[(__ffs(m) - 1) * PITCH + i];
+                if (wanted(v)) atomicAdd(G + cc * SIZE + i, (double)v);
+            }
+        }
     }
 
     __device__ __forceinline__ void drain(double* __restrict__ G) {
@@ -554,17 +623,14 @@ struct MomentQueue {
         const bool mine = lane < n;
         const i64 c = mine ? cell[lane] : (i64)(-1 - lane);  // idle lanes: keys of their own
         const unsigned group = __match_any_sync(live, (unsigned long long)c);
-        if (mine && lane == __ffs(group) - 1) {
-            E sum[SIZE];
-            add_entry(lane, sum, true);
-            for (unsigned rest = group & (group - 1); rest; rest &= rest - 1)
-                add_entry(__ffs(rest) - 1, sum, false);
-            double* dst = G + c * SIZE;
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i)
-                if (CUTOPO_PROFILE_MOMENTS == 1 ? (double)sum[i] == 0x1.234p-999 : sum[i] != E(0))
-                    atomicAdd(dst + i, (double)sum[i]);
-        }
+        const bool leader = mine && lane == __ffs(group) - 1;
+        const unsigned leaders = __ballot_sync(live, leader);
+        const int groups = __popc(leaders);
+        const int part = lane / SIZE, i = lane - part * SIZE;
+        if (BY_LEADERS && groups > PER)
+            add_by_leaders(G, c, group, leader, leaders, groups, part, i);
+        else
+            add_by_lanes(G, c, group, leaders, part, i);
         n = 0;
         __syncwarp(live);
     }
@@ -595,15 +661,18 @@ struct MomentQueue {
             for (int i = 0; i < SIZE; ++i) g[i] = (E)m.g[i];
             cell[slot] = cell_offset + m.cell;
             #pragma unroll
-            for (int i = 0; i < SIZE; ++i) val[i * 32 + slot] = g[i];
+            for (int i = 0; i < SIZE; ++i) val[slot * PITCH + i] = g[i];
         }
         n += k;
     }
 };
 
-// Shared doubles per warp that moment mode MODE needs.
-template <int K, int MODE> struct MomentScratch {
-    static constexpr int value = MODE == 0 ? 0 : 32 * (K * (K + 1) + (MODE == 2 ? 1 : 0));
+// Shared doubles per warp that moment mode MODE needs (trajectories of type T).
+template <typename T, int K, int MODE> struct MomentScratch {
+    static constexpr int value =
+        MODE == 0 ? 0
+        : MODE == 1 ? 32 * K * (K + 1)
+        : (MomentQueue<K, typename Adjoint<T>::type>::BYTES + 7) / 8;
 };
 
 // The forward once more, x_t kept at t = 0, S, 2S, ... in `own` (the same steps in the same
@@ -777,7 +846,7 @@ integrate_backward(const T* __restrict__ points, const T* __restrict__ E,
                    double* __restrict__ grad_points, double* __restrict__ G, i64 B, i64 N, i64 C,
                    int points_shared, int theta_shared, int n_steps, int S, int need_points,
                    int need_theta, int recompute, int n0, int n1, int n2) {
-    constexpr int PER_WARP = MomentScratch<K, MODE>::value;
+    constexpr int PER_WARP = MomentScratch<T, K, MODE>::value;
     __shared__ __align__(16) double scratch[MODE >= 1 ? WARPS * PER_WARP : 1];
     Item it;
     const bool valid = item_of(B, N, points_shared, theta_shared, C, it);
@@ -923,7 +992,7 @@ warp_backward(const T* __restrict__ E, const TI* __restrict__ image, const R* __
               i64 B, i64 C, int theta_shared, int image_shared, int channels, int n_steps,
               int S_seg, int recompute, int padding, int need_image, int need_theta, int n0,
               int n1, int n2, int d, int h, int w) {
-    constexpr int PER_WARP = MomentScratch<K, CUTOPO_WARP_BACKWARD_MOMENTS>::value;
+    constexpr int PER_WARP = MomentScratch<T, K, CUTOPO_WARP_BACKWARD_MOMENTS>::value;
     __shared__ __align__(16) double scratch[WARPS * PER_WARP];
     const sampling::Dims<i64, K> dims(d, h, w);
     Pixel px;
