@@ -518,14 +518,18 @@ __device__ __forceinline__ void flush(const Moments<K, A>& m, i64 cell_offset, d
 // with 13 registers fewer). The VJP (bench_cpab.py, H200, twenty-eighth session, old and new
 // trees alternating in one call, 3 rounds, ms): 3D 128^3 tess 2 0.95-1.01 -> 0.88-0.89, tess 10
 // 1.55-1.61 -> 1.35-1.42, tess 30 1.99-2.64 -> 1.59-1.73; 2D b32 256^2 tess 16 0.76-0.78 ->
-// 0.71-0.73, tess 64 1.33-1.43 -> 1.24-1.25. Slot-major entries with an odd
-// pitch keep the pushes (a lane to a slot) and both drains' reads free of bank conflicts, and
-// the queue sized by its entries' type (it was 32 * (SIZE + 1) doubles whatever the type)
-// leaves L1 more room: 3D 27 -> 15 KB per block.
+// 0.71-0.73, tess 64 1.33-1.43 -> 1.24-1.25. The entries are slot-major, a slot's sums in
+// whole 16-byte words (3D float: a push is 3 vector stores instead of 12, the shared-memory
+// pipe's work per push), the cells 32-bit (a 32-bit match and store), and the queue is sized
+// by its entries' type (it was 32 * (SIZE + 1) doubles whatever the type; 3D 27 -> 13 KB per
+// block, more of L1 for the local arrays): backward with theta 2-6 % faster (3D tess 10
+// 1.303 -> 1.229 ms, tess 30 1.700 -> 1.609, 2D tess 16 0.744 -> 0.729, tess 64 1.275 ->
+// 1.240; one process, twenty-eighth session).
 //
-// -DCUTOPO_PROFILE_MOMENTS=1 / 2 (profiling only: the theta cotangent is then wrong): 1 drains
-// the queue without its atomics, 2 keeps the per-lane moments but queues nothing (a push only
-// tests them against a value they never take, so that they are still computed).
+// -DCUTOPO_PROFILE_MOMENTS=1 / 2 / 3 (profiling only: the theta cotangent is then wrong): 1
+// drains the queue without its atomics, 2 keeps the per-lane moments but queues nothing (a push
+// only tests them against a value they never take, so that they are still computed), 3 pushes
+// but drains nothing.
 #ifndef CUTOPO_QUEUE_DOUBLE_ENTRIES
 #define CUTOPO_QUEUE_DOUBLE_ENTRIES 0
 #endif
@@ -543,21 +547,62 @@ template <typename A> struct QueueEntry {
 template <int K, typename A>
 struct MomentQueue {
     static constexpr int SIZE = K * (K + 1);
-    static constexpr int PITCH = SIZE + 1;      // odd: a slot's sums, pushes and reads conflict-free
+    typedef typename QueueEntry<A>::type E;
+    static constexpr int W = 16 / (int)sizeof(E);        // entries per 16-byte word
+    static constexpr int PITCH = (SIZE + W - 1) / W * W;  // a slot's sums in whole words
     static constexpr int PER = 32 / SIZE;       // cells a drain adds to G per instruction
     static constexpr bool BY_LEADERS = K == 3;  // drains of more than PER cells: add_by_leaders
-    typedef typename QueueEntry<A>::type E;
+    typedef int Key;  // G's row: the host keeps a call's cells below 2^31 (MAX_CELL_ROWS)
     // bytes of one warp's queue: 32 slots of PITCH sums, then 32 cells
-    static constexpr int BYTES = 32 * PITCH * (int)sizeof(E) + 32 * (int)sizeof(i64);
+    static constexpr int BYTES = 32 * PITCH * (int)sizeof(E) + 32 * (int)sizeof(Key);
     E* val;         // slot s's sum i at val[s * PITCH + i]
-    i64* cell;
+    Key* cell;
     unsigned live;  // the lanes running the sweep
     int n;          // entries queued (the same in every lane)
 
     __device__ __forceinline__ MomentQueue(double* storage, unsigned live_lanes)
         : val(reinterpret_cast<E*>(storage)),
-          cell(reinterpret_cast<i64*>(reinterpret_cast<char*>(storage) + 32 * PITCH * sizeof(E))),
+          cell(reinterpret_cast<Key*>(reinterpret_cast<char*>(storage) + 32 * PITCH * sizeof(E))),
           live(live_lanes), n(0) {}
+
+    // slot s's SIZE sums, in 16-byte words where the pitch allows
+    __device__ __forceinline__ void store_slot(int s, const E (&g)[SIZE]) const {
+        E* dst = val + s * PITCH;
+        #pragma unroll
+        for (int j = 0; j + W <= SIZE; j += W) {
+            typename Vec<E, W>::type v;
+            E* e = reinterpret_cast<E*>(&v);
+            #pragma unroll
+            for (int w = 0; w < W; ++w) e[w] = g[j + w];
+            *reinterpret_cast<typename Vec<E, W>::type*>(dst + j) = v;
+        }
+        if constexpr (SIZE % W != 0) {  // 2D float: the last 2 sums
+            constexpr int R = SIZE % W, J = SIZE - R;
+            typename Vec<E, R>::type v;
+            E* e = reinterpret_cast<E*>(&v);
+            #pragma unroll
+            for (int w = 0; w < R; ++w) e[w] = g[J + w];
+            *reinterpret_cast<typename Vec<E, R>::type*>(dst + J) = v;
+        }
+    }
+
+    __device__ __forceinline__ void load_slot(int s, E (&g)[SIZE]) const {
+        const E* src = val + s * PITCH;
+        #pragma unroll
+        for (int j = 0; j + W <= SIZE; j += W) {
+            const typename Vec<E, W>::type v = *reinterpret_cast<const typename Vec<E, W>::type*>(src + j);
+            const E* e = reinterpret_cast<const E*>(&v);
+            #pragma unroll
+            for (int w = 0; w < W; ++w) g[j + w] = e[w];
+        }
+        if constexpr (SIZE % W != 0) {
+            constexpr int R = SIZE % W, J = SIZE - R;
+            const typename Vec<E, R>::type v = *reinterpret_cast<const typename Vec<E, R>::type*>(src + J);
+            const E* e = reinterpret_cast<const E*>(&v);
+            #pragma unroll
+            for (int w = 0; w < R; ++w) g[J + w] = e[w];
+        }
+    }
 
     __device__ __forceinline__ static bool wanted(E v) {
         return CUTOPO_PROFILE_MOMENTS == 1 ? (double)v == 0x1.234p-999 : v != E(0);
@@ -565,39 +610,38 @@ struct MomentQueue {
 
     // The leader of each cell adds its entries, the sums move to the first slots (in the
     // leaders' order), then the warp adds them to G PER cells per instruction.
-    __device__ __forceinline__ void add_by_leaders(double* __restrict__ G, i64 c, unsigned group,
+    __device__ __forceinline__ void add_by_leaders(double* __restrict__ G, Key c, unsigned group,
                                                    bool leader, unsigned leaders, int groups,
                                                    int part, int i) {
         const int lane = threadIdx.x & 31;
         E sum[SIZE];
         if (leader) {
-            #pragma unroll
-            for (int q = 0; q < SIZE; ++q) sum[q] = val[lane * PITCH + q];
+            load_slot(lane, sum);
             for (unsigned rest = group & (group - 1); rest; rest &= rest - 1) {
-                const int other = __ffs(rest) - 1;
+                E g[SIZE];
+                load_slot(__ffs(rest) - 1, g);
                 #pragma unroll
-                for (int q = 0; q < SIZE; ++q) sum[q] += val[other * PITCH + q];
+                for (int q = 0; q < SIZE; ++q) sum[q] += g[q];
             }
         }
         __syncwarp(live);  // every entry read before the sums take the first slots
         if (leader) {
             const int r = __popc(leaders & ((1u << lane) - 1u));
-            #pragma unroll
-            for (int q = 0; q < SIZE; ++q) val[r * PITCH + q] = sum[q];
-            cell[r] = c;
+            store_slot(r, sum);
+            cell[r] = (Key)c;
         }
         __syncwarp(live);
         for (int base = 0; base < groups; base += PER) {
             const int r = base + part;
             if (part < PER && r < groups) {
                 const E v = val[r * PITCH + i];
-                if (wanted(v)) atomicAdd(G + cell[r] * SIZE + i, (double)v);
+                if (wanted(v)) atomicAdd(G + (i64)cell[r] * SIZE + i, (double)v);
             }
         }
     }
 
     // PER cells a round: the lanes of each add one sum over that cell's entries each.
-    __device__ __forceinline__ void add_by_lanes(double* __restrict__ G, i64 c, unsigned group,
+    __device__ __forceinline__ void add_by_lanes(double* __restrict__ G, Key c, unsigned group,
                                                  unsigned leaders, int part, int i) {
         for (unsigned rest = leaders; rest;) {  // warp-uniform
             int mine_leader = -1;
@@ -608,21 +652,25 @@ struct MomentQueue {
                 rest &= rest - 1;
             }
             const unsigned members = __shfl_sync(live, group, mine_leader & 31);
-            const i64 cc = __shfl_sync(live, c, mine_leader & 31);
+            const Key cc = __shfl_sync(live, c, mine_leader & 31);
             if (part < PER && mine_leader >= 0) {
                 E v = E(0);
                 for (unsigned m = members; m; m &= m - 1) v += val[(__ffs(m) - 1) * PITCH + i];
-                if (wanted(v)) atomicAdd(G + cc * SIZE + i, (double)v);
+                if (wanted(v)) atomicAdd(G + (i64)cc * SIZE + i, (double)v);
             }
         }
     }
 
     __device__ __forceinline__ void drain(double* __restrict__ G) {
         __syncwarp(live);
+        if (CUTOPO_PROFILE_MOMENTS == 3) {  // profiling: the pushes without their drains
+            n = 0;
+            return;
+        }
         const int lane = threadIdx.x & 31;
         const bool mine = lane < n;
-        const i64 c = mine ? cell[lane] : (i64)(-1 - lane);  // idle lanes: keys of their own
-        const unsigned group = __match_any_sync(live, (unsigned long long)c);
+        const Key c = mine ? cell[lane] : (Key)(-1 - lane);  // idle lanes: keys of their own
+        const unsigned group = __match_any_sync(live, c);
         const bool leader = mine && lane == __ffs(group) - 1;
         const unsigned leaders = __ballot_sync(live, leader);
         const int groups = __popc(leaders);
@@ -659,9 +707,8 @@ struct MomentQueue {
             E g[SIZE];
             #pragma unroll
             for (int i = 0; i < SIZE; ++i) g[i] = (E)m.g[i];
-            cell[slot] = cell_offset + m.cell;
-            #pragma unroll
-            for (int i = 0; i < SIZE; ++i) val[slot * PITCH + i] = g[i];
+            cell[slot] = (Key)(cell_offset + m.cell);
+            store_slot(slot, g);
         }
         n += k;
     }
@@ -672,7 +719,7 @@ template <typename T, int K, int MODE> struct MomentScratch {
     static constexpr int value =
         MODE == 0 ? 0
         : MODE == 1 ? 32 * K * (K + 1)
-        : (MomentQueue<K, typename Adjoint<T>::type>::BYTES + 7) / 8;
+        : (MomentQueue<K, typename Adjoint<T>::type>::BYTES + 15) / 16 * 2;  // 16-byte slots
 };
 
 // The forward once more, x_t kept at t = 0, S, 2S, ... in `own` (the same steps in the same

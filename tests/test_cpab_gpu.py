@@ -382,6 +382,22 @@ def test_errors(rng):
         cell_index(cp.asarray(pts, dtype=np.float16), (2, 2))
 
 
+def test_batch_beyond_the_kernels_cell_numbers(rng, monkeypatch):
+    """A theta batch with more cells in all than the backward's queue numbers (32-bit keys;
+    lowered here to two items' worth) is refused, naming theta, before any launch; one item
+    fewer runs."""
+    cp = _cp()
+    tess = Tessellation((2, 3))
+    monkeypatch.setattr(_integrate_cupy, "MAX_CELL_ROWS", 2 * tess.n_cells)
+    pts = cp.asarray(rng.random((7, 2)))
+    theta = draw_theta(tess, rng, n=3)
+    for fn in (integrate, log_jacobian):
+        with pytest.raises(ValueError, match="theta's batch of 3 items on 24 cells"):
+            fn(pts, cp.asarray(theta), tess)
+    out = integrate(pts, cp.asarray(theta[:2]), tess)
+    np.testing.assert_allclose(out.get(), integrate(pts.get(), theta[:2], tess), rtol=1e-12, atol=1e-12)
+
+
 def test_affine_maps_keep_float32_denormals(rng):
     """A = B theta reads float32 theta through convert<double, float> (common.cuh): denormal
     entries must reach A exactly, although CuPy compiles with -ftz=true (a plain cast would

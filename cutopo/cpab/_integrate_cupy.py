@@ -58,6 +58,9 @@ SPARSE_COPIES = 3
 # per-block shared-memory cache of cells and flushed once per block, measured slower than
 # "warp" (shared float64 atomics and a larger shared footprint) and was removed.
 MOMENTS = "queue"
+# The backward's moment queue numbers the cells of a call's whole batch in 32-bit integers
+# (cpab.cu, MomentQueue::Key: a 32-bit match and store per entry; 2-5 % of the backward).
+MAX_CELL_ROWS = 2 ** 31 - 1
 MOMENT_MODES = {"lane": 0, "warp": 1, "queue": 2}
 _CTYPE = {"float32": "float", "float64": "double"}
 _GRID = ("int32",) * 3
@@ -335,8 +338,12 @@ def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), message
     bounded, expm's squarings are at most ~1100). A failed check raises its ValueError at the
     end of the ``with`` block, so the body's results must not escape it before."""
     K, C = tess.ndim, tess.n_cells
-    P = as_c_contiguous((points if points.ndim == 3 else points[None]).astype(dtype, copy=False))
     T2 = theta if theta.ndim == 2 else theta[None]
+    if len(T2) * C > MAX_CELL_ROWS:
+        raise ValueError(f"cpab.{name}: theta's batch of {len(T2)} items on {C} cells each is "
+                         f"{len(T2) * C} cells, more than the CuPy kernels number "
+                         f"({MAX_CELL_ROWS}); split the batch")
+    P = as_c_contiguous((points if points.ndim == 3 else points[None]).astype(dtype, copy=False))
     Bp, Bt = len(P), len(T2)
     h = 1.0 / n_steps
     A, E, flags = _prepare(P, T2, tess, h, dtype, extra)

@@ -353,7 +353,8 @@ def integrate(points, theta, tess, *, n_steps=50, checkpoint_every=4):
     ValueError
         Shapes that do not fit ``tess`` or each other, non-finite points or theta, ``n_steps``
         or ``checkpoint_every`` below 1, ``n_steps`` too small for ``theta`` (the guard), or
-        (VJP of CuPy inputs) ``checkpoint_every`` above 17.
+        (CuPy inputs) ``checkpoint_every`` above 17 for the VJP, a theta batch of 2**31 cells
+        or more in all (``len(theta) * tess.n_cells``: the backward numbers them in 32 bits).
     TypeError
         ``tess`` not a :class:`Tessellation`, non-real dtypes, ``n_steps`` or
         ``checkpoint_every`` not an int, one of points and theta a CuPy array and the other not.
