@@ -187,8 +187,9 @@ class Plan:
 
 
 def _ell(csr, owner):
-    """A scipy CSR matrix as device ELL tables: (indices (rows, R) int32, values (rows, R)
-    float64, R), rows padded with zeros (pointing at column 0); ready for kernels on any
+    """A scipy CSR matrix as device ELL tables: (indices (R, rows) int32, values (R, rows)
+    float64, R), rows padded with zeros (pointing at column 0), entry-major (every row's j-th
+    entry together: coalesced in the kernels, one thread per row); ready for kernels on any
     stream, and retired when ``owner`` (the tessellation that memoizes them) is collected."""
     csr = csr.tocsr()
     csr.sort_indices()
@@ -196,10 +197,10 @@ def _ell(csr, owner):
     R = max(int(counts.max(initial=0)), 1)
     rows = np.repeat(np.arange(csr.shape[0]), counts)
     slot = np.arange(csr.nnz) - np.repeat(csr.indptr[:-1], counts)
-    idx = np.zeros((csr.shape[0], R), dtype=np.int32)
-    val = np.zeros((csr.shape[0], R))
-    idx[rows, slot] = csr.indices
-    val[rows, slot] = csr.data
+    idx = np.zeros((R, csr.shape[0]), dtype=np.int32)
+    val = np.zeros((R, csr.shape[0]))
+    idx[slot, rows] = csr.indices
+    val[slot, rows] = csr.data
     idx, val = tables.upload(idx), tables.upload(val)
     tables.retire_with(owner, idx, val)
     return idx, val, R
