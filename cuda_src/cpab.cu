@@ -628,7 +628,7 @@ struct MomentQueue {
         if (leader) {
             const int r = __popc(leaders & ((1u << lane) - 1u));
             store_slot(r, sum);
-            cell[r] = (Key)c;
+            cell[r] = c;
         }
         __syncwarp(live);
         for (int base = 0; base < groups; base += PER) {

@@ -261,14 +261,18 @@ def moments(request):
     _integrate_cupy.MOMENTS = old
 
 
-def test_vjp_pools_a_warp_in_one_cell(rng, moments):
-    """Every point of a warp in the same cell (the warp-pooled flush path), and every point in
-    a different cell (the scattered path), with and without pooling."""
+@pytest.mark.parametrize("shape", [(8, 8), (4, 4, 4)])
+def test_vjp_pools_a_warp_in_one_cell(rng, moments, shape):
+    """Every point of a warp in the same cell (the warp-pooled flush path; in the queue's
+    drains, the lanes add each cell's few entries), and every point in a different cell (the
+    scattered path; in 3D, leader lanes add the many cells' entries), with and without
+    pooling."""
     cp = _cp()
-    tess = Tessellation((8, 8))
+    tess = Tessellation(shape)
+    K = tess.ndim
     theta = draw_theta(tess, rng, largest=3.0)
-    same = np.repeat(rng.random((40, 2)), 32, axis=0) + rng.random((1280, 2)) * 1e-4
-    spread = rng.random((1280, 2))
+    same = np.repeat(rng.random((40, K)), 32, axis=0) + rng.random((1280, K)) * 1e-4
+    spread = rng.random((1280, K))
     for pts in (same, spread):
         out_np, pb_np = cutopo.vjp(integrate, pts, theta, tess, n_steps=25)
         cot = rng.standard_normal(out_np.shape)
