@@ -1,6 +1,6 @@
 """Host-side (Python) cost of repeated op calls on CuPy arrays: cProfile of N calls.
 
-    python benchmarks/profile_host.py [grid_sample|grid_sample_vjp|integrate|integrate_vjp|register|
+    python benchmarks/profile_host.py [ecc|ecc_uint8|grid_sample|grid_sample_vjp|integrate|integrate_vjp|register|
                                        soft_ecc|soft_ecc_vjp|soft_ecc_both|soft_ect|soft_ect_vjp|
                                        grid_sample_stages|soft_ect_stages|soft_ecc_stages] [--calls N]
 
@@ -59,6 +59,14 @@ def make_call(cp, which):
 
     if which == "register":
         return _register_call(cp)
+    if which in ("ecc", "ecc_uint8"):
+        # bench_ecc's single 1024^2 image, its host thresholds (256)
+        from bench_ecc import make_image
+
+        dtype = "uint8" if which == "ecc_uint8" else "float32"
+        image = make_image(cp, (1024, 1024), dtype, seed=0)
+        t = np.linspace(0, 255, 256) if dtype == "uint8" else np.linspace(0, 1, 256, dtype=np.float32)
+        return lambda: cutopo.ecc(image, t)
 
     if which.startswith("grid_sample"):
         image, grid = _grid_sample_inputs(cp)
