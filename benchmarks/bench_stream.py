@@ -169,27 +169,34 @@ def main(argv=None):
     only = (lambda name: args.only in name) if args.only else (lambda name: True)
     dev = cp.cuda.runtime.getDeviceProperties(0)
     name = dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"]
-    pinned_probe = cupyx.empty_pinned(1 << 30, dtype=np.uint8)
-    pinned_probe[:] = 1
-    pageable_probe = np.ones(1 << 30, dtype=np.uint8)
-    bw_pinned = h2d_bandwidth(cp, pinned_probe, reps)
-    bw_pageable = h2d_bandwidth(cp, pageable_probe, reps)
-    reg_ms, reg_copy_ms, unreg_ms = register_cost(cp, pageable_probe, reps)
-    # What staging a pageable source can reach: the pageable -> pinned copy on cutopo's threads.
-    with concurrent.futures.ThreadPoolExecutor(_stream.READ_THREADS) as pool:
-        bw_host = copy_rate(pageable_probe, pinned_probe[:128 << 20], _stream.READ_THREADS, pool, reps)
-    del pinned_probe, pageable_probe
-    cp.get_default_memory_pool().free_all_blocks()
-    print(f"# GPU: {name}; host-to-device copy bandwidth {bw_pinned:.1f} GB/s pinned, "
-          f"{bw_pageable:.1f} GB/s pageable (1 GiB, median of {reps})")
-    print(f"# page-locking 1 GiB of pageable memory in place: cudaHostRegister {reg_ms:.1f} ms "
-          f"({1.074 / reg_ms * 1e3:.0f} GB/s), copy {reg_copy_ms:.1f} ms "
-          f"({1.074 / reg_copy_ms * 1e3:.1f} GB/s), cudaHostUnregister {unreg_ms:.1f} ms")
-    print(f"# host copy of 1 GiB pageable -> pinned on {_stream.READ_THREADS} threads (what staging "
-          f"can reach): {bw_host:.1f} GB/s")
-    report = {"device": name, "h2d_pinned_gbs": bw_pinned, "h2d_pageable_gbs": bw_pageable,
-              "host_register_ms": reg_ms, "host_registered_copy_ms": reg_copy_ms,
-              "host_unregister_ms": unreg_ms, "host_copy_gbs": bw_host, "stream": [], "dask": []}
+    report = {"device": name, "stream": [], "dask": []}
+    # The host-copy probes only serve the streaming rows: skipped when none is selected (they
+    # take ~10 s and pin and register GiBs of host memory).
+    if any(only(case) for case, *_ in stream_cases(args.quick)):
+        pinned_probe = cupyx.empty_pinned(1 << 30, dtype=np.uint8)
+        pinned_probe[:] = 1
+        pageable_probe = np.ones(1 << 30, dtype=np.uint8)
+        bw_pinned = h2d_bandwidth(cp, pinned_probe, reps)
+        bw_pageable = h2d_bandwidth(cp, pageable_probe, reps)
+        reg_ms, reg_copy_ms, unreg_ms = register_cost(cp, pageable_probe, reps)
+        # What staging a pageable source can reach: the pageable -> pinned copy on cutopo's threads.
+        with concurrent.futures.ThreadPoolExecutor(_stream.READ_THREADS) as pool:
+            bw_host = copy_rate(pageable_probe, pinned_probe[:128 << 20], _stream.READ_THREADS, pool,
+                                reps)
+        del pinned_probe, pageable_probe
+        cp.get_default_memory_pool().free_all_blocks()
+        print(f"# GPU: {name}; host-to-device copy bandwidth {bw_pinned:.1f} GB/s pinned, "
+              f"{bw_pageable:.1f} GB/s pageable (1 GiB, median of {reps})")
+        print(f"# page-locking 1 GiB of pageable memory in place: cudaHostRegister {reg_ms:.1f} ms "
+              f"({1.074 / reg_ms * 1e3:.0f} GB/s), copy {reg_copy_ms:.1f} ms "
+              f"({1.074 / reg_copy_ms * 1e3:.1f} GB/s), cudaHostUnregister {unreg_ms:.1f} ms")
+        print(f"# host copy of 1 GiB pageable -> pinned on {_stream.READ_THREADS} threads (what "
+              f"staging can reach): {bw_host:.1f} GB/s")
+        report.update(h2d_pinned_gbs=bw_pinned, h2d_pageable_gbs=bw_pageable,
+                      host_register_ms=reg_ms, host_registered_copy_ms=reg_copy_ms,
+                      host_unregister_ms=unreg_ms, host_copy_gbs=bw_host)
+    else:
+        print(f"# GPU: {name}; no streaming row selected: host-copy probes skipped")
     targets = []
 
     print("\n# Streaming from host memory (cutopo.ecc(host, t, device='cuda'), default slabs)")

@@ -6,6 +6,8 @@ For 1024^3 chunked 256 x 1024 x 1024 (bench_stream.py's Dask case), CuPy chunks,
 synchronous scheduler with side streams:
 
 * the single call: wall ms (device synchronised) and GPU ms (CUDA events);
+* ``cutopo.dask.ecc(...).compute()`` with the graph built in the call, the build alone, a
+  prebuilt graph's compute, with and without Dask's graph optimisation;
 * one compute's timeline (medians): host ms from the call to the first chunk task, to the
   last task's return, to compute()'s return, to the device being idle; and the GPU's span from
   the first chunk task's entry (an event on the current stream) to the end;
@@ -144,6 +146,7 @@ def main(argv=None):
         single_wall = wall_ms(cp, lambda: cutopo.ecc(g, t), args.reps)
         single_gpu = time_gpu(cp, lambda: cutopo.ecc(g, t), args.reps)
         full = wall_ms(cp, lambda: cd.ecc(d, t).compute(scheduler="sync"), args.reps)
+        build = wall_ms(cp, lambda: cd.ecc(d, t), args.reps)
         with dask.config.set(scheduler="sync"):
             lazy = cd.ecc(d, t)
             prebuilt = wall_ms(cp, lambda: lazy.compute(), args.reps)
@@ -152,8 +155,8 @@ def main(argv=None):
         print(f"\n## 1024^3 {dtype}, chunks 256 x 1024 x 1024, sync scheduler, "
               f"{cd.SIDE_STREAMS} side streams")
         print(f"single call: wall {single_wall:.3f} ms, GPU {single_gpu:.3f} ms")
-        print(f"dask (build + compute) {full:.3f} ms ({full / single_wall:.3f}x); prebuilt "
-              f"{prebuilt:.3f}; prebuilt, optimize_graph=False {unopt:.3f}")
+        print(f"dask (build + compute) {full:.3f} ms ({full / single_wall:.3f}x); build alone "
+              f"{build:.3f}; prebuilt {prebuilt:.3f}; prebuilt, optimize_graph=False {unopt:.3f}")
         if tl:
             print(f"timeline (host ms from compute()): first chunk task {tl[0]:.3f}, last task "
                   f"returns {tl[1]:.3f}, compute returns {tl[2]:.3f}, device idle {tl[3]:.3f}; "

@@ -35,6 +35,9 @@ The task graph is built directly (no map_blocks/rechunk/reduction layers), one t
   planes, not a chunk): no face task, no concatenation of a face from many chunks;
 * otherwise every face is a task of its own, which reads the thin pieces of the chunks it
   crosses from one "edges" task per chunk (a tuple of views: the planes that faces need of it);
+* the graph is minimal as built, so the result (an Array subclass) skips Dask's array
+  optimisation when the input needs none either (chunks in memory, or one element-wise map
+  over them: :func:`_optimize`), ~0.3-0.45 ms per compute on the H200's host;
 * the per-task histograms stay where they were computed (device arrays for CuPy chunks, no
   host synchronisation in any task) and are added by a tree sum of fan-in :data:`SPLIT_EVERY`,
   whose last task also cumulates: one task per batch chunk of the result;
@@ -57,7 +60,9 @@ and kernel plans are kept per shape and device, uploaded once per process. NumPy
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -68,7 +73,8 @@ import numpy as np
 try:
     import dask.array as da
     from dask.base import tokenize
-    from dask.highlevelgraph import HighLevelGraph
+    from dask.blockwise import Blockwise
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
     from dask.sizeof import sizeof
 except ImportError as exc:  # pragma: no cover - exercised in a process without dask
     raise ImportError("cutopo.dask needs Dask: install it with pip install 'cutopo[dask]' (or "
@@ -152,9 +158,9 @@ class _Axis:
 
     def __init__(self, chunks, halo=False):
         self.chunks = tuple(int(c) for c in chunks)
-        self.starts = np.concatenate([[0], np.cumsum(self.chunks)]).astype(int)
-        self.n = int(self.starts[-1])
-        self.boundaries = [int(s) for s in self.starts[1:-1]]
+        self.starts = (0, *itertools.accumulate(self.chunks))
+        self.n = self.starts[-1]
+        self.boundaries = list(self.starts[1:-1])
         self.seam = np.zeros(self.n, dtype=bool)
         # owner[i]: the boundary that counts seam coordinate i (the first one it is next to).
         self.owner = np.full(self.n, -1, dtype=np.int64)
@@ -170,17 +176,54 @@ class _Axis:
             self.owner[[0, -1]] = -1
 
     def span(self, j):
-        return int(self.starts[j]), int(self.starts[j + 1])
+        return self.starts[j], self.starts[j + 1]
 
     def blocks_of(self, r0, r1):
         """Indices of the chunks that planes [r0, r1) cross."""
-        first = int(np.searchsorted(self.starts, r0, side="right")) - 1
-        last = int(np.searchsorted(self.starts, r1 - 1, side="right")) - 1
+        first = bisect.bisect_right(self.starts, r0) - 1
+        last = bisect.bisect_right(self.starts, r1 - 1) - 1
         return range(first, last + 1)
 
 
-def _axes(x, ndim, halo=False):
-    return [_Axis(c, halo) for c in x.chunks[x.ndim - ndim:]]
+@functools.lru_cache(maxsize=16)
+def _layout(chunks, halo):
+    """What the task graph of the spatial chunking ``chunks`` needs, computed once per chunking
+    (building it took ~0.2 ms of a graph build on the H200's host, four chunks): the axes, the
+    faces ``{(a, s): (r0, r1, masks, origin)}`` that own pixels, and per chunk index J how its
+    task counts its interior (:class:`_Interior`, one per distinct seam pattern: a regular
+    chunking has at most 3^ndim) and its origin. The arrays are shared by every graph of this
+    chunking, so they are read-only."""
+    axes = [_Axis(c, halo) for c in chunks]
+    ndim = len(axes)
+    faces = {}
+    for a in range(ndim):
+        for s in axes[a].boundaries:
+            r0, r1 = max(s - 2, 0), min(s + 2, axes[a].n)
+            masks = _face_masks(axes, a, s, r0, r1)
+            if all(m.any() for m in masks):
+                faces[(a, s)] = (r0, r1, _frozen(masks), tuple(r0 if b == a else 0 for b in range(ndim)))
+    spans = [[ax.span(j) for j in range(len(ax.chunks))] for ax in axes]
+    seams = [[_frozen([ax.seam[c0:c1].copy()])[0] if ax.seam[c0:c1].any() else None
+              for c0, c1 in spans[b]] for b, ax in enumerate(axes)]
+    # chunks j, j' of an axis with equal lengths and seams are alike for their interiors
+    kinds = [[(c1 - c0, None if m is None else m.tobytes()) for (c0, c1), m in zip(spans[b], seams[b])]
+             for b in range(ndim)]
+    interiors, chunk_interiors = {}, {}
+    for J in itertools.product(*(range(len(ax.chunks)) for ax in axes)):
+        kind = tuple(kinds[b][j] for b, j in enumerate(J))
+        if kind not in interiors:
+            interiors[kind] = _Interior(tuple(seams[b][j] for b, j in enumerate(J)),
+                                        [n for n, _ in kind])
+        chunk_interiors[J] = (interiors[kind], tuple(spans[b][j][0] for b, j in enumerate(J)))
+    for ax in axes:
+        _frozen([ax.seam, ax.owner, ax.counted])
+    return axes, faces, chunk_interiors
+
+
+def _frozen(arrays):
+    for m in arrays:
+        m.flags.writeable = False
+    return arrays
 
 
 def _face_masks(axes, a, s, r0, r1):
@@ -213,22 +256,69 @@ def _cupy():
 # The task graph
 
 
-class _ChunkSpec:
-    """What a chunk task counts: ``seam`` (per spatial axis, the chunk's seam coordinates as a
-    local bool array, or None where it has none), ``origin`` (the chunk's first coordinate per
-    spatial axis) and ``face`` (None, or the merged face: axis a, the chunk's own planes [lo, hi)
-    of it, the face's masks and origin)."""
+class _Interior:
+    """How a chunk task counts the chunk's interior (its pixels without a seam coordinate),
+    worked out once per chunking (a task's host time before its first launch delays the GPU):
 
-    __slots__ = ("seam", "origin", "face")
+    * ``seam``: per spatial axis, the chunk's seam coordinates as a local bool array, or None
+      where it has none;
+    * ``own``: per axis, the coordinates to count (None when the chunk has no seam at all);
+      ``empty``: some axis has none; ``shortest``: the shortest axis with seams (the plain way
+      needs PLAIN_MIN_LENGTH);
+    * ``planes``: the plain way's corrections, the chunk's seam pixels as the chunk alone sees
+      them (truncated at its faces), split by their first seam axis a: coordinates before a not
+      seam, the chunk's first or last plane along a (distinct planes when the chunk is at least
+      2 long), anything after a. A two-plane slab at that face holds every neighbour they have
+      in the chunk, with the same truncation, so it gives the same contributions. Each entry
+      (a, take, masks): planes [take, take + 2) along a, counted where ``masks``."""
 
-    def __init__(self, seam, origin, face=None):
-        self.seam, self.origin, self.face = seam, origin, face
+    __slots__ = ("seam", "own", "empty", "shortest", "planes")
+
+    def __init__(self, seam, lengths):
+        self.seam = seam
+        self.own, self.empty, self.shortest, self.planes = None, False, math.inf, ()
+        if all(s is None for s in seam):
+            return
+        self.own = own = tuple(_frozen([np.ones(n, dtype=bool) if s is None else ~s])[0]
+                               for s, n in zip(seam, lengths))
+        self.empty = not all(m.any() for m in own)
+        self.shortest = min(s.size for s in seam if s is not None)
+        if self.empty or self.shortest < 2:
+            return
+        planes = []
+        for a, s in enumerate(seam):
+            if s is None:
+                continue
+            for take, upper in ((0, False), (s.size - 2, True)):
+                if s[-1 if upper else 0]:
+                    masks = [own[b] if b < a else np.ones(lengths[b], dtype=bool)
+                             for b in range(len(seam))]
+                    masks[a] = np.array([not upper, upper])
+                    planes.append((a, take, tuple(_frozen(masks))))
+        self.planes = tuple(planes)
 
     def __getstate__(self):
-        return (self.seam, self.origin, self.face)
+        return (self.seam, self.own, self.empty, self.shortest, self.planes)
 
     def __setstate__(self, state):
-        self.seam, self.origin, self.face = state
+        self.seam, self.own, self.empty, self.shortest, self.planes = state
+
+
+class _ChunkSpec:
+    """What a chunk task counts: ``interior`` (:class:`_Interior`), ``origin`` (the chunk's
+    first coordinate per spatial axis) and ``face`` (None, or the merged face: axis a, the
+    chunk's own planes [lo, hi) of it, the face's masks and origin)."""
+
+    __slots__ = ("interior", "origin", "face")
+
+    def __init__(self, interior, origin, face=None):
+        self.interior, self.origin, self.face = interior, origin, face
+
+    def __getstate__(self):
+        return (self.interior, self.origin, self.face)
+
+    def __setstate__(self, state):
+        self.interior, self.origin, self.face = state
 
 
 class _FaceSpec:
@@ -251,20 +341,13 @@ def _graph(x, ndim, counter, prefix, halo=False):
     (see the module docstring); ``halo``: the outermost coordinates of every spatial axis are
     a wrapped copy, not counted (:func:`ecc`'s periodic case)."""
     lead = x.ndim - ndim
-    axes = _axes(x, ndim, halo)
+    axes, faces, chunk_interiors = _layout(tuple(x.chunks[lead:]), halo)
     nblocks = [len(ax.chunks) for ax in axes]
     chunked = [a for a in range(ndim) if nblocks[a] > 1]
     merge = len(chunked) <= 1
     name = f"{prefix}-{tokenize(x.name, counter.token(), halo)}"
     part_name, piece_name, edge_name, face_name, sum_name = (
         name + "-part", name + "-piece", name + "-edges", name + "-face", name + "-sum")
-    faces = {}
-    for a in range(ndim):
-        for s in axes[a].boundaries:
-            r0, r1 = max(s - 2, 0), min(s + 2, axes[a].n)
-            masks = _face_masks(axes, a, s, r0, r1)
-            if all(m.any() for m in masks):
-                faces[(a, s)] = (r0, r1, masks, tuple(r0 if b == a else 0 for b in range(ndim)))
 
     dsk = {}
     for B in itertools.product(*(range(len(c)) for c in x.chunks[:lead])):
@@ -284,12 +367,7 @@ def _graph(x, ndim, counter, prefix, halo=False):
 
         parts = []
         for J in itertools.product(*(range(n) for n in nblocks)):
-            seam, origin = [], []
-            for b, ax in enumerate(axes):
-                c0, c1 = ax.span(J[b])
-                local = ax.seam[c0:c1]
-                seam.append(local.copy() if local.any() else None)
-                origin.append(c0)
+            interior, origin = chunk_interiors[J]
             face, before, after = None, [], []
             if merge and chunked:
                 a = chunked[0]
@@ -302,7 +380,7 @@ def _graph(x, ndim, counter, prefix, halo=False):
                             (before if j < J[a] else after).append(planes_of(K, a, r0, r1))
                     face = (a, max(r0, c0) - c0, min(r1, c1) - c0, masks, face_origin)
             key = (part_name, *B, *J)
-            dsk[key] = (_chunk_task, (x.name, *B, *J), counter, _ChunkSpec(seam, tuple(origin), face),
+            dsk[key] = (_chunk_task, (x.name, *B, *J), counter, _ChunkSpec(interior, origin, face),
                         before, after)
             parts.append(key)
         if not merge:
@@ -343,9 +421,57 @@ def _graph(x, ndim, counter, prefix, halo=False):
         shape = tuple(x.chunks[b][B[b]] for b in range(lead)) + counter.tail
         dsk[(name, *B) + (0,) * len(counter.tail)] = (_finish, parts, counter, shape)
 
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=[x])
+    graph = HighLevelGraph.from_collections(name, _CountLayer(dsk), dependencies=[x])
     chunks = tuple(x.chunks[:lead]) + tuple((n,) for n in counter.tail)
-    return da.Array(graph, name, chunks, meta=_meta(x, lead + len(counter.tail)))
+    return _Counts(graph, name, chunks, meta=_meta(x, lead + len(counter.tail)))
+
+
+class _CountLayer(MaterializedLayer):
+    """The tasks of :func:`_graph`: minimal as built (nothing to cull, no chain to fuse)."""
+
+
+def _in_memory(layer):
+    """Whether a layer only holds arrays (NumPy or CuPy): a from_array of a NumPy array, the
+    array that from_array of a CuPy array slices, a persisted array."""
+    return type(layer) is MaterializedLayer and all(
+        isinstance(v, np.ndarray) or is_cupy_array(v) for v in layer.mapping.values())
+
+
+def _optimize(dsk, keys, **kwargs):
+    """Dask's array optimisation, skipped when it has nothing to do.
+
+    Our counting tasks are minimal as built; what the optimisation would fuse or cull is the
+    input's. It is skipped when every layer our tasks read from, directly or not, holds arrays
+    in memory or is one element-wise map (Blockwise: from_array's slicing of a CuPy array,
+    ``x + 1``) over such layers only; what comes after our tasks is Dask's finalisation. It
+    costs ~0.3-0.45 ms per compute of a 1024^3 volume in four chunks on the H200's host
+    (benchmarks/RESULTS.md), a twentieth of the GPU work. Any other input (a Zarr or file read,
+    slicing, chains of operations) goes through it as usual."""
+    ours = [n for n, layer in dsk.layers.items() if isinstance(layer, _CountLayer)]
+    upstream, todo = set(), [d for n in ours for d in dsk.dependencies[n]]
+    while todo:
+        n = todo.pop()
+        if n not in upstream:
+            upstream.add(n)
+            todo.extend(dsk.dependencies[n])
+
+    def needless(n):
+        layer = dsk.layers[n]
+        if _in_memory(layer):
+            return True
+        return isinstance(layer, Blockwise) and all(_in_memory(dsk.layers[d])
+                                                    for d in dsk.dependencies[n])
+
+    if ours and all(needless(n) for n in upstream):
+        return dsk
+    return da.Array.__dask_optimize__(dsk, keys, **kwargs)
+
+
+class _Counts(da.Array):
+    """The lazy result of :func:`ecc` and :func:`ect`: a ``dask.array.Array`` in every respect
+    but its graph optimisation (:func:`_optimize`). What is derived from it is a plain Array."""
+
+    __dask_optimize__ = staticmethod(_optimize)
 
 
 def _nimg(block, ndim):
@@ -368,7 +494,7 @@ def _chunk_task(block, counter, spec, before, after):
         if hist.shape[0] == 0:
             return hist
         with _side_stream(xp, hist, (block, before, after), counter) as side:
-            _add_interior(counter, xp, hist, block, spec.seam, spec.origin)
+            _add_interior(counter, xp, hist, block, spec.interior, spec.origin)
             if spec.face is not None:
                 a, lo, hi, masks, origin = spec.face
                 axis = block.ndim - counter.ndim + a
@@ -408,43 +534,28 @@ def _face_task(pieces, counter, spec):
     return side.result
 
 
-def _add_interior(counter, xp, hist, block, seam, origin):
-    """Add the histogram of the pixels of ``block`` without a seam coordinate to ``hist``."""
-    ndim = counter.ndim
-    if all(s is None for s in seam):
+def _add_interior(counter, xp, hist, block, inner, origin):
+    """Add the histogram of the pixels of ``block`` without a seam coordinate (``inner``, an
+    :class:`_Interior`) to ``hist``."""
+    if inner.own is None:
         counter.add(hist, block, None, origin)
         return
-    own = [np.ones(block.shape[block.ndim - ndim + b], dtype=bool) if s is None else ~s
-           for b, s in enumerate(seam)]
-    if not all(m.any() for m in own):
+    if inner.empty:
         return
+    lead = block.ndim - counter.ndim
     kind = "cupy" if xp is not np else "numpy"
     if (not counter.plain_ok or INTERIOR.get(kind) != "plain"
-            or any(s is not None and s.size < max(PLAIN_MIN_LENGTH, 2) for s in seam)):
-        counter.add(hist, block, own, origin)
+            or inner.shortest < max(PLAIN_MIN_LENGTH, 2)):
+        counter.add(hist, block, list(inner.own), origin)
         return
-    # The whole chunk unmasked, minus its seam pixels as the chunk alone sees them (truncated
-    # at the chunk's faces). Those are split by their first seam axis a: coordinates before a
-    # not seam, the chunk's first or last plane along a (distinct planes: the chunk is at least
-    # 2 long), anything after a. A two-plane slab at that face holds every neighbour they have
-    # in the chunk, with the same truncation, so it gives the same contributions.
+    # The whole chunk unmasked, minus its seam pixels as the chunk alone sees them (see
+    # _Interior.planes).
     counter.add(hist, block, None, origin)
     neg = counter.zeros(xp, hist.shape[0])
-    lead = block.ndim - ndim
-    for a in range(ndim):
-        s = seam[a]
-        if s is None:
-            continue
-        n = s.size
-        for take, upper in ((0, False), (n - 2, True)):
-            if not s[-1 if upper else 0]:
-                continue
-            masks = [own[b] if b < a else np.ones(block.shape[lead + b], dtype=bool)
-                     for b in range(ndim)]
-            masks[a] = np.array([not upper, upper])
-            sub = block[(slice(None),) * (lead + a) + (slice(take, take + 2),)]
-            counter.add(neg, sub, masks,
-                        tuple(o + take if b == a else o for b, o in enumerate(origin)))
+    for a, take, masks in inner.planes:
+        sub = block[(slice(None),) * (lead + a) + (slice(take, take + 2),)]
+        counter.add(neg, sub, list(masks),
+                    tuple(o + take if b == a else o for b, o in enumerate(origin)))
     hist -= neg
 
 
@@ -604,6 +715,13 @@ class _EccCounter:
         self.t, self.ndim, self.tconn = t, ndim, tconn
         self.tail = (int(t.size),)
         self._plans = {}
+        self._token = None
+
+    @classmethod
+    def of(cls, t, ndim, tconn):
+        """The counter of these thresholds, shared by the graphs that count with them, so that
+        its token and plans (the kernels' tables on each device) are made once."""
+        return _ecc_counter(t.tobytes(), t.dtype.str, ndim, tconn)
 
     def __getstate__(self):
         return (self.t, self.ndim, self.tconn)
@@ -612,7 +730,9 @@ class _EccCounter:
         self.__init__(*state)
 
     def token(self):
-        return ("ecc", self.t, self.ndim, self.tconn)
+        if self._token is None:
+            self._token = tokenize("ecc", self.t, self.ndim, self.tconn)
+        return self._token
 
     def zeros(self, xp, nimg):
         return xp.zeros((nimg,) + self.tail, dtype=np.int64)
@@ -654,6 +774,12 @@ class _EccCounter:
 
     def finish(self, total):
         return total.cumsum(axis=-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _ecc_counter(t_bytes, dtype, ndim, tconn):
+    t = np.frombuffer(t_bytes, dtype=dtype)  # read-only, as the counter's thresholds stay
+    return _EccCounter(t, ndim, tconn)
 
 
 class _EctCounter:
@@ -778,7 +904,7 @@ def ecc(darr, thresholds, *, ndim=None, connectivity=1, boundary="box"):
     t, _ = check_thresholds(thresholds, probe)
     if periodic:
         x = _wrapped(x, ndim)
-    return _graph(x, ndim, _EccCounter(t, ndim, tconn), "cutopo-ecc", halo=periodic)
+    return _graph(x, ndim, _EccCounter.of(t, ndim, tconn), "cutopo-ecc", halo=periodic)
 
 
 def _wrapped(x, ndim):

@@ -150,6 +150,57 @@ def test_task_counts():
     assert graph_tasks(lazy) == {"input": 8, "part": 8, "edges": 8, "face": 4, "final": 1}
 
 
+class Sliced(np.ndarray):
+    """An array type that from_array slices in tasks (as it does CuPy arrays), not eagerly."""
+
+
+def test_graph_optimisation_only_for_inputs_that_need_it(rng):
+    """Dask's array optimisation (seen through its ``array_optimize`` hook) is skipped for a
+    graph whose counting tasks read arrays in memory (from_array of a NumPy array or, sliced in
+    tasks, of another array type; a persisted array; one element-wise map over those) and
+    applied when the input needs it (slicing, a chain of operations); the curves are exact
+    either way, and what is derived from a result is a plain Array."""
+    import pickle
+
+    import dask
+    from dask.array.optimization import optimize
+
+    calls = []
+
+    def spy(dsk, keys, **kwargs):
+        calls.append(len(dict(dsk)))
+        return optimize(dsk, keys, **kwargs)
+
+    img = tied_across_faces(rng, (30, 12, 10), (8, 12, 10), 3, levels=4)
+    t = [0.0, 1.0, 2.0, 3.0]
+    want = cutopo.ecc(img, t)
+    d = da.from_array(img, chunks=(8, 12, 10))
+    in_tasks = da.from_array(img.view(Sliced), chunks=(8, 12, 10), asarray=False)
+    persisted = d.persist(scheduler="sync")
+    with dask.config.set(array_optimize=spy, scheduler="sync"):
+        for source, expected in ((d, want), (in_tasks, want), (persisted, want),
+                                 (d + 1, cutopo.ecc(img + 1, t))):
+            lazy = cd.ecc(source, t)
+            graph = lazy.__dask_graph__()
+            assert lazy.__dask_optimize__(graph, lazy.__dask_keys__()) is graph
+            np.testing.assert_array_equal(lazy.compute(), expected)
+        assert calls == []
+        for source, expected in ((d[2:], cutopo.ecc(img[2:], t)),
+                                 ((d + 1) * 2, cutopo.ecc((img + 1) * 2, t))):
+            np.testing.assert_array_equal(cd.ecc(source, t).compute(), expected)
+            assert len(calls) == 1
+            calls.clear()
+        lazy = cd.ecc(d, t)
+        derived = lazy * 2
+        assert type(derived) is da.Array
+        np.testing.assert_array_equal(derived.compute(), 2 * want)
+        assert calls  # a derived Array is optimised as any other
+        both = dask.compute(lazy, cd.ect(d > 1, [[1.0, 0.0, 0.0]], 4), d.sum())
+    np.testing.assert_array_equal(both[0], want)
+    np.testing.assert_array_equal(both[1], cutopo.ect(img > 1, [[1.0, 0.0, 0.0]], 4))
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(lazy)).compute(), want)
+
+
 @pytest.mark.parametrize("interior", ["masked", "plain"])
 def test_tree_sum(rng, monkeypatch, interior):
     """Several levels of the tree sum, batch chunks, both ways of counting chunk interiors."""
@@ -241,9 +292,13 @@ class FakeDeviceArray(np.ndarray):
 def fake_cupy(monkeypatch, launches):
     """cutopo.dask's CuPy calls on the host: arrays are FakeDeviceArray, the histogram plans
     are owned_histogram (checking that masked plans get masks and plain ones none)."""
+    import functools
     import types
 
     from cutopo import _band_cupy, _ecc_cupy, _ect
+
+    # counters keep their plans: the fake ones stay in a cache of this test's own
+    monkeypatch.setattr(cd, "_ecc_counter", functools.lru_cache(maxsize=16)(cd._ecc_counter.__wrapped__))
 
     def dev(a):
         return np.asarray(a).view(FakeDeviceArray)
