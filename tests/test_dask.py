@@ -199,6 +199,9 @@ def test_graph_optimisation_only_for_inputs_that_need_it(rng):
     np.testing.assert_array_equal(both[0], want)
     np.testing.assert_array_equal(both[1], cutopo.ect(img > 1, [[1.0, 0.0, 0.0]], 4))
     np.testing.assert_array_equal(pickle.loads(pickle.dumps(lazy)).compute(), want)
+    np.testing.assert_array_equal(lazy.to_delayed().ravel()[0].compute(), want)
+    (kept,) = dask.persist(lazy, scheduler="sync")
+    np.testing.assert_array_equal(kept.compute(), want)
 
 
 @pytest.mark.parametrize("interior", ["masked", "plain"])
