@@ -201,10 +201,11 @@ def _layout(chunks, halo):
             r0, r1 = max(s - 2, 0), min(s + 2, axes[a].n)
             masks = _face_masks(axes, a, s, r0, r1)
             if all(m.any() for m in masks):
-                faces[(a, s)] = (r0, r1, _frozen(masks), tuple(r0 if b == a else 0 for b in range(ndim)))
+                faces[(a, s)] = (r0, r1, [_frozen(m) for m in masks],
+                                 tuple(r0 if b == a else 0 for b in range(ndim)))
     spans = [[ax.span(j) for j in range(len(ax.chunks))] for ax in axes]
-    seams = [[_frozen([ax.seam[c0:c1].copy()])[0] if ax.seam[c0:c1].any() else None
-              for c0, c1 in spans[b]] for b, ax in enumerate(axes)]
+    seams = [[_frozen(ax.seam[c0:c1]) if ax.seam[c0:c1].any() else None for c0, c1 in spans[b]]
+             for b, ax in enumerate(axes)]
     # chunks j, j' of an axis with equal lengths and seams are alike for their interiors
     kinds = [[(c1 - c0, None if m is None else m.tobytes()) for (c0, c1), m in zip(spans[b], seams[b])]
              for b in range(ndim)]
@@ -216,14 +217,15 @@ def _layout(chunks, halo):
                                         [n for n, _ in kind])
         chunk_interiors[J] = (interiors[kind], tuple(spans[b][j][0] for b, j in enumerate(J)))
     for ax in axes:
-        _frozen([ax.seam, ax.owner, ax.counted])
+        for m in (ax.seam, ax.owner, ax.counted):
+            _frozen(m)
     return axes, faces, chunk_interiors
 
 
-def _frozen(arrays):
-    for m in arrays:
-        m.flags.writeable = False
-    return arrays
+def _frozen(m):
+    """``m``, made read-only (it is shared by every graph of a chunking)."""
+    m.flags.writeable = False
+    return m
 
 
 def _face_masks(axes, a, s, r0, r1):
@@ -279,7 +281,7 @@ class _Interior:
         self.own, self.empty, self.shortest, self.planes = None, False, math.inf, ()
         if all(s is None for s in seam):
             return
-        self.own = own = tuple(_frozen([np.ones(n, dtype=bool) if s is None else ~s])[0]
+        self.own = own = tuple(_frozen(np.ones(n, dtype=bool) if s is None else ~s)
                                for s, n in zip(seam, lengths))
         self.empty = not all(m.any() for m in own)
         self.shortest = min(s.size for s in seam if s is not None)
@@ -294,7 +296,7 @@ class _Interior:
                     masks = [own[b] if b < a else np.ones(lengths[b], dtype=bool)
                              for b in range(len(seam))]
                     masks[a] = np.array([not upper, upper])
-                    planes.append((a, take, tuple(_frozen(masks))))
+                    planes.append((a, take, tuple(_frozen(m) for m in masks)))
         self.planes = tuple(planes)
 
     def __getstate__(self):
