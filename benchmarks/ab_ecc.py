@@ -37,6 +37,11 @@ CASES += [(f"2d 64x1024^2 {d}", (64, 1024, 1024), 2, d, False) for d in ("float3
 CASES += [("2d 8192^2 float32 T", (8192, 8192), 2, "float32", True),
           ("2d 8192^2 float64", (8192, 8192), 2, "float64", False)]
 CASES += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8") for n in (256, 512, 1024)]
+# Inputs that bin through the comparison types' other paths: float16 (float32 thresholds: compared
+# in float32), uint16 (microscopy; float64 thresholds over its range compare in float64).
+CASES += [("2d 8192^2 float16", (8192, 8192), 2, "float16", False),
+          ("2d 8192^2 uint16", (8192, 8192), 2, "uint16", False),
+          ("3d 512^3 uint16", (512,) * 3, 3, "uint16", False)]
 # --small: one-wave launches, where the blocks' final atomics weigh
 SMALL = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8", "bool")
          for n in (128, 512, 1024, 2048)]
@@ -139,10 +144,13 @@ def main(argv=None):
         if args.only and args.only not in name:
             continue
         seed = np.random.SeedSequence().entropy % 2**32
-        image = make_image(cp, shape, "float32" if dtype == "float32" else "uint8", seed)
+        image = make_image(cp, shape, "float32" if dtype.startswith("float") else "uint8", seed)
+        if dtype == "uint16":
+            image = (image.astype(cp.uint16) << 8) | make_image(cp, shape, "uint8", seed + 1)
         image = image > 127 if dtype == "bool" else image.astype(dtype)
-        t = np.linspace(0, 255, T) if dtype == "uint8" else np.linspace(0, 1, T)
-        t, _ = check_thresholds(t.astype(np.float32) if dtype == "float32" else t,
+        top = {"uint8": 255, "uint16": 65535}.get(dtype, 1)
+        t = np.linspace(0, top, T)
+        t, _ = check_thresholds(t.astype(np.float32) if dtype in ("float32", "float16") else t,
                                 np.empty(0, dtype=image.dtype))  # as cutopo.ecc compares
         flat = _ecc_cupy._image_view(image).reshape((-1,) + image.shape[-ndim:])
         plans = {v: plan_for(spec, image, t, ndim, tconn) for v, spec in variants.items()}
