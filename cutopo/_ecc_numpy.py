@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from ._bins import threshold_bins
+from ._bins import value_bins
 
 # Elements per tile of the contribution pass (see _tiles): at most about 60 bytes of temporaries
 # per element live at once (bool arrays of the tile's size), and staying in the caches pays
@@ -223,7 +223,7 @@ def ecc(image, thresholds, ndim, tconn, periodic=False):
     for b0 in range(0, nimg, chunk):
         part = x[b0:b0 + chunk]
         # bin = first k with f <= t_k, T when none (NaN sorts last in searchsorted).
-        bins = threshold_bins(thresholds, part.astype(thresholds.dtype, copy=False), key_dtype)
+        bins = value_bins(thresholds, part, key_dtype)
         c = contributions_from_keys(bins, ndim, tconn, outside=key_dtype(T + 1), periodic=periodic)
         nonzero = np.flatnonzero(c)
         rows = nonzero // per_image
@@ -283,9 +283,9 @@ def owned_histogram(block, thresholds, ndim, tconn, own=None, periodic=False, st
     padded = np.full((nimg,) + tuple(hi - lo + 2 for lo, hi in ranges), outside, dtype=key_dtype)
     for box in _tiles((nimg,) + tuple(b - a for a, b in need), step_elements):
         src = tuple(slice(a + n0_, b + n0_) for (a, b), (n0_, _) in zip(box[1:], need))
-        part = np.asarray(x[(slice(*box[0]),) + src]).astype(thresholds.dtype, copy=False)
+        part = np.asarray(x[(slice(*box[0]),) + src])
         dst = tuple(slice(s.start - lo + 1, s.stop - lo + 1) for s, (lo, _) in zip(src, ranges))
-        padded[(slice(*box[0]),) + dst] = threshold_bins(thresholds, part, key_dtype)
+        padded[(slice(*box[0]),) + dst] = value_bins(thresholds, part, key_dtype)
         del part
     if periodic:
         # The axes after the first wrap within the block (they are whole); axis 0 has its halo.

@@ -100,3 +100,33 @@ def test_values_far_outside_the_thresholds_warn_nothing(rng, side):
         warnings.simplefilter("error")
         got = threshold_bins(t, v, side=side)
     np.testing.assert_array_equal(got, np.searchsorted(t, v, side=side))
+
+
+@pytest.mark.parametrize("vdtype", ["bool", "int8", "uint8", "int16", "uint16"])
+@pytest.mark.parametrize("tdtype", ["float16", "float32", "float64", "int64", "uint64"])
+@pytest.mark.parametrize("table", [True, False])
+def test_value_bins_of_small_integer_images(rng, monkeypatch, vdtype, tdtype, table):
+    """value_bins(t, v) is numpy.searchsorted(t, v.astype(t.dtype), "left"): through the table
+    of every value's bin (bool and 1-2 byte integers) or without it, for thresholds in each
+    comparison dtype numpy.result_type gives such images (ties, duplicates, values past both
+    ends), C-order, strided and byte-swapped images."""
+    monkeypatch.setattr(_bins, "TABLE_MIN_VALUES_PER_ENTRY", 0 if table else 10**12)
+    vd = np.dtype(vdtype)
+    cmp = np.result_type(vd, np.dtype(tdtype))
+    if vd.kind == "b":
+        v = rng.random((37, 41)) < 0.4
+        t = np.array([-1, 0, 0, 1, 2]) if np.dtype(tdtype).kind != "u" else np.array([0, 0, 1, 2])
+    else:
+        info = np.iinfo(vd)
+        v = rng.integers(info.min, info.max, (37, 41), endpoint=True).astype(vd)
+        v[0, :2] = [info.min, info.max]
+        lo, hi = max(float(info.min) - 40, 0.0 if np.dtype(tdtype).kind == "u" else -1e9), float(info.max) + 40
+        t = np.concatenate([rng.uniform(lo, hi, 60), rng.choice(v.ravel(), 20), [lo, hi]])
+        if np.dtype(tdtype).kind == "f":  # float16 ends at 65504
+            t = np.clip(t, -float(np.finfo(tdtype).max), float(np.finfo(tdtype).max))
+    t = np.sort(t.astype(tdtype)).astype(cmp)
+    for image in (v, v[::2, 1::3], v.astype(vd.newbyteorder())):
+        want = np.searchsorted(t, image.astype(cmp), side="left")
+        got = _bins.value_bins(t, image, np.uint16)
+        assert got.dtype == np.uint16 and got.shape == image.shape
+        np.testing.assert_array_equal(got, want)
