@@ -120,7 +120,8 @@ def test_value_bins_of_small_integer_images(rng, monkeypatch, vdtype, tdtype, ta
         info = np.iinfo(vd)
         v = rng.integers(info.min, info.max, (37, 41), endpoint=True).astype(vd)
         v[0, :2] = [info.min, info.max]
-        lo, hi = max(float(info.min) - 40, 0.0 if np.dtype(tdtype).kind == "u" else -1e9), float(info.max) + 40
+        floor = 0.0 if np.dtype(tdtype).kind == "u" else -1e9
+        lo, hi = max(float(info.min) - 40, floor), float(info.max) + 40
         t = np.concatenate([rng.uniform(lo, hi, 60), rng.choice(v.ravel(), 20), [lo, hi]])
         if np.dtype(tdtype).kind == "f":  # float16 ends at 65504
             t = np.clip(t, -float(np.finfo(tdtype).max), float(np.finfo(tdtype).max))
