@@ -619,62 +619,75 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
 }  // namespace packed
 
 // One entry of the threshold table: bin k's bounds lo = t_{k-1} and hi = t_k, in the comparison
-// domain (Ordered<Cmp>); entry 0 is (t_0, t_0) and entry T (t_{T-1}, t_{T-1}), so that an
-// estimate of 0 or T walks into [1, T-1]. Checking an estimate of the bin then reads one 8- or
-// 16-byte entry instead of two dependent thresholds.
+// type; checking an estimate of the bin then reads one 8- or 16-byte entry instead of two
+// dependent thresholds. Entry 0 and entry T: (t_0, t_0) and (t_{T-1}, t_{T-1}), so that an
+// estimate of 0 or T walks into [1, T-1]; in float32 (NaN, t_0) and (t_{T-1}, NaN), bounds that
+// every value passes (a NaN compares false), so that an estimate checks without early outs.
 template <typename Tab>
 struct alignas(2 * sizeof(Tab)) Bounds {
     Tab lo, hi;
 };
 
 // Threshold bin of a value: the first k with v <= t_k (T when there is none, NaN included).
-// t_0 and t_{T-1} are held in registers: most values need one table read (with an estimate),
-// those outside [t_0, t_{T-1}] none.
+// Most values need one table read (with an estimate).
 template <typename Cmp>
 struct ThresholdBins {
-    typedef typename Ordered<Cmp>::type Tab;
-    const Bounds<Tab>* bounds;  // T + 1 entries, shared or global memory
-    Tab first, last;            // t_0, t_{T-1}
+    const Bounds<Cmp>* bounds;  // T + 1 entries, shared or global memory
+    Cmp first, last;            // t_0, t_{T-1}
     int T, estimate;
     double t0, inv_dt;          // the estimate (k - 1 < (v - t0) inv_dt <= k) in double
     float offset, inv_dt_f;     // and in float: 0.5 - t0 inv_dt, inv_dt
+    static constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
 
-    __device__ __forceinline__ ThresholdBins(const Bounds<Tab>* b, int T_, int estimate_, double t0_,
+    __device__ __forceinline__ ThresholdBins(const Bounds<Cmp>* b, int T_, int estimate_, double t0_,
                                              double inv_dt_)
         : bounds(b), first(b[0].hi), last(b[T_ - 1].hi), T(T_), estimate(estimate_), t0(t0_),
           inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_) {}
 
     __device__ __forceinline__ int operator()(Cmp v) const {
-        const Tab w = Ordered<Cmp>::of(v);
-        if (!(w <= last)) return T;
-        if (w <= first) return 0;
-        // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
         int k;
-        if (estimate) {
-            // Evenly spaced thresholds: an O(1) guess, made exact by the comparisons below (the
-            // host allows this only when the guess is within a bin or so of the answer).
-            if constexpr (sizeof(Tab) == 4) {
-                // float32: round((v - t0) / dt + 1/2), i.e. about ceil, by adding 1.5 * 2^23:
-                // no float-to-int conversion, and no clamp: the host takes the estimate only
-                // where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so the float errors stay below
-                // 1/4 bin and k lies in [0, T] (_ecc_cupy._uniform_estimate).
-                const float y = __fadd_rn(__fmaf_rn((float)v, inv_dt_f, offset), 12582912.0f);
-                k = __float_as_int(y) - 0x4B400000;
-            } else {
-                k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
-                k = min(max(k, 1), T - 1);
+        if constexpr (sizeof(Cmp) == 4) {  // float32 (the other comparison types are 8 bytes)
+            if (estimate) {
+                // round((v - t0) / dt + 1/2), i.e. about ceil, clamped to [0, T] in float (NaN
+                // to T: fminf returns the other operand), then checked against the entry's
+                // bounds: no early outs, no order keys (the comparisons are exact, le/gt). The
+                // host takes the estimate only where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so
+                // its float errors stay below 1/4 bin for v in [t_0, t_{T-1}]
+                // (_ecc_cupy._uniform_estimate). In the sm_90 SASS a value's common path took
+                // 26 instructions with order keys and early outs, 15 now (benchmarks/RESULTS.md,
+                // thirtieth session).
+                float y = __fadd_rn(__fmaf_rn(v, inv_dt_f, offset), ROUND);
+                y = fmaxf(fminf(y, ROUND + (float)T), ROUND);
+                k = __float_as_int(y) - __float_as_int(ROUND);
+                const Bounds<Cmp> b = bounds[k];
+                if (le(v, b.lo)) {
+                    do --k; while (le(v, bounds[k].lo));
+                } else if (gt(v, b.hi)) {
+                    do ++k; while (gt(v, bounds[k].hi));
+                }
+                return k;
             }
-            const Bounds<Tab> b = bounds[k];
-            if (w <= b.lo) {
-                do --k; while (w <= bounds[k].lo);
-            } else if (!(w <= b.hi)) {
-                do ++k; while (!(w <= bounds[k].hi));
+        }
+        if (!le(v, last)) return T;
+        if (le(v, first)) return 0;
+        // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
+        if (estimate) {
+            // Evenly spaced thresholds (float64 here): an O(1) guess, made exact by the
+            // comparisons below (the host allows this only when the guess is within a bin or so
+            // of the answer).
+            k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
+            k = min(max(k, 1), T - 1);
+            const Bounds<Cmp> b = bounds[k];
+            if (le(v, b.lo)) {
+                do --k; while (le(v, bounds[k].lo));
+            } else if (!le(v, b.hi)) {
+                do ++k; while (!le(v, bounds[k].hi));
             }
         } else {  // binary search keeping v <= t_hi and not v <= t_lo
             int lo = 0, hi = T - 1;
             while (hi - lo > 1) {
                 const int mid = (lo + hi) >> 1;
-                if (w <= bounds[mid].hi) hi = mid; else lo = mid;
+                if (le(v, bounds[mid].hi)) hi = mid; else lo = mid;
             }
             k = hi;
         }
@@ -799,21 +812,20 @@ struct HistSink {
 // The body of the histogram kernels: the pixels for which counts(z, y, x) holds are counted.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, class Region>
 __device__ __forceinline__ void
-histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
+histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
                 long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
                 int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
                 const Region& counts, unsigned* __restrict__ done, bool block_prefix = false) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
-    typedef typename Ordered<Cmp>::type Tab;
-    const Bounds<Tab>* tab = thresholds;
+    const Bounds<Cmp>* tab = thresholds;
     int* hist_s = nullptr;
     size_t offset = 0;
     if (table_in_smem) {
-        Bounds<Tab>* t = reinterpret_cast<Bounds<Tab>*>(dynamic_smem);
+        Bounds<Cmp>* t = reinterpret_cast<Bounds<Cmp>*>(dynamic_smem);
         for (int i = threadIdx.x; i <= T; i += THREADS) t[i] = thresholds[i];
         tab = t;
-        offset = ((size_t)(T + 1) * sizeof(Bounds<Tab>) + 15) & ~(size_t)15;
+        offset = ((size_t)(T + 1) * sizeof(Bounds<Cmp>) + 15) & ~(size_t)15;
     }
     if (hist_in_smem) {
         hist_s = reinterpret_cast<int*>(dynamic_smem + offset);
@@ -913,7 +925,7 @@ histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>
 // hist accumulates (blocks of one volume added by several launches), done is not touched.
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
-ecc_histogram(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
+ecc_histogram(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
               int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
               unsigned* __restrict__ done, int cumulate) {
@@ -930,7 +942,7 @@ ecc_histogram(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS_MASKED)
 ecc_histogram_masked(const In* __restrict__ image,
-                     const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
+                     const Bounds<Cmp>* __restrict__ thresholds,
                      long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk,
                      int blocks_per_image, int T, int estimate, double t0, double inv_dt,
                      int table_in_smem, int hist_in_smem, const unsigned char* __restrict__ own_z,

@@ -56,19 +56,15 @@ def _compare_type(dtype: np.dtype) -> tuple[str, np.dtype]:
     return "long long", np.dtype("int64")
 
 
-def _float32_order_keys(t: np.ndarray) -> np.ndarray:
-    """uint32 keys ordered like the float32 values (common.cuh order_key; t is finite)."""
-    bits = t.astype(np.float32).view(np.uint32).copy()
-    bits[(bits & 0x7FFFFFFF) == 0] = 0  # -0.0 -> +0.0
-    return np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
-
-
 def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
-    """(T + 1, 2) bounds of the bins, as the kernel compares them (float32 through order keys,
-    the rest as values): row k is (t_{k-1}, t_k), row 0 (t_0, t_0) and row T (t_{T-1},
-    t_{T-1}) (ecc.cu's Bounds)."""
-    keys = _float32_order_keys(t) if cmp_dtype == np.float32 else t.astype(cmp_dtype)
-    return np.stack([np.concatenate([keys[:1], keys]), np.concatenate([keys, keys[-1:]])], axis=1)
+    """(T + 1, 2) bounds of the bins in the comparison type (ecc.cu's Bounds): row k is
+    (t_{k-1}, t_k); rows 0 and T are (t_0, t_0) and (t_{T-1}, t_{T-1}), in float32 (NaN, t_0)
+    and (t_{T-1}, NaN)."""
+    keys = t.astype(cmp_dtype)
+    first, last = keys[:1], keys[-1:]
+    if cmp_dtype == np.float32:
+        first = last = np.full(1, np.nan, dtype=np.float32)
+    return np.stack([np.concatenate([first, keys]), np.concatenate([keys, last])], axis=1)
 
 
 def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
