@@ -621,12 +621,23 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
 // One entry of the threshold table: bin k's bounds lo = t_{k-1} and hi = t_k, in the comparison
 // type; checking an estimate of the bin then reads one 8- or 16-byte entry instead of two
 // dependent thresholds. Entry 0 and entry T: (t_0, t_0) and (t_{T-1}, t_{T-1}), so that an
-// estimate of 0 or T walks into [1, T-1]; in float32 (NaN, t_0) and (t_{T-1}, NaN), bounds that
-// every value passes (a NaN compares false), so that an estimate checks without early outs.
+// estimate of 0 or T walks into [1, T-1]; in the 4-byte types bounds that every value passes,
+// so that an estimate checks without early outs: float32 (NaN, t_0) and (t_{T-1}, NaN) (a NaN
+// compares false), int32 (INT_MIN, t_0) and (t_{T-1}, INT_MAX) (the int32 table of 16-bit
+// integer images holds floor(t), clipped to just beyond their range: _ecc_cupy).
 template <typename Tab>
 struct alignas(2 * sizeof(Tab)) Bounds {
     Tab lo, hi;
 };
+
+// A 4-byte comparison value as the float the bin estimate starts from: a float32 itself; an
+// int32 (a pixel of a 16-bit integer image, |v| < 2^22) exactly, as the float whose bits are
+// those of 1.5 * 2^23 + v, less 1.5 * 2^23 (an integer and a float add on the full-rate pipes,
+// where a conversion instruction would take the slower one).
+__device__ __forceinline__ float estimate_arg(float v) { return v; }
+__device__ __forceinline__ float estimate_arg(int v) {
+    return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
+}
 
 // Threshold bin of a value: the first k with v <= t_k (T when there is none, NaN included).
 // Most values need one table read (with an estimate).
@@ -646,17 +657,18 @@ struct ThresholdBins {
 
     __device__ __forceinline__ int operator()(Cmp v) const {
         int k;
-        if constexpr (sizeof(Cmp) == 4) {  // float32 (the other comparison types are 8 bytes)
+        if constexpr (sizeof(Cmp) == 4) {  // float32, or int32 (16-bit integer images)
             if (estimate) {
                 // round((v - t0) / dt + 1/2), i.e. about ceil, clamped to [0, T] in float (NaN
                 // to T: fminf returns the other operand), then checked against the entry's
                 // bounds: no early outs, no order keys (the comparisons are exact, le/gt). The
                 // host takes the estimate only where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so
                 // its float errors stay below 1/4 bin for v in [t_0, t_{T-1}]
-                // (_ecc_cupy._uniform_estimate). In the sm_90 SASS a value's common path took
-                // 26 instructions with order keys and early outs, 15 now (benchmarks/RESULTS.md,
-                // thirtieth session).
-                float y = __fadd_rn(__fmaf_rn(v, inv_dt_f, offset), ROUND);
+                // (_ecc_cupy._uniform_estimate). In the sm_90 SASS a float32 value's common
+                // path took 26 instructions with order keys and early outs, 15 now; a 16-bit
+                // integer's took a float64 conversion, comparisons and rounding (three
+                // conversions on the slow pipe) (benchmarks/RESULTS.md, thirtieth session).
+                float y = __fadd_rn(__fmaf_rn(estimate_arg(v), inv_dt_f, offset), ROUND);
                 y = fmaxf(fminf(y, ROUND + (float)T), ROUND);
                 k = __float_as_int(y) - __float_as_int(ROUND);
                 const Bounds<Cmp> b = bounds[k];

@@ -67,6 +67,29 @@ def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
     return np.stack([np.concatenate([first, keys]), np.concatenate([keys, last])], axis=1)
 
 
+# Images of 16-bit integers compare in int32 against integer bounds (_integer_threshold_table):
+# their bins then take integer comparisons and a float32 estimate, where float thresholds would
+# take float64 ones and three slow conversions per pixel.
+_INT16_IMAGES = (np.dtype("uint16"), np.dtype("int16"))
+_INT16_BEYOND = 65537  # bounds clipped to [-65537, 65536]: past every 16-bit value either side
+
+
+def _integer_threshold_table(t: np.ndarray) -> np.ndarray:
+    """(T + 1, 2) int32 bounds of the bins for images of 16-bit integers, thresholds ``t`` in
+    their comparison dtype (numpy.result_type with the image's, which holds every 16-bit value
+    exactly). An integer v satisfies v <= t exactly when v <= floor(t), and clipping floor(t)
+    to just past the 16-bit range keeps every such comparison: row k is (floor t_{k-1},
+    floor t_k) clipped, rows 0 and T (INT32_MIN, t_0) and (t_{T-1}, INT32_MAX) (ecc.cu's
+    Bounds)."""
+    # float16/32/64 values are exact in float64; 64-bit integers past 2^53 round, far past the clip
+    f = np.floor(t.astype(np.float64))
+    keys = np.clip(f, -_INT16_BEYOND, _INT16_BEYOND - 1).astype(np.int32)
+    info = np.iinfo(np.int32)
+    lo = np.concatenate([np.array([info.min], dtype=np.int32), keys])
+    hi = np.concatenate([keys, np.array([info.max], dtype=np.int32)])
+    return np.stack([lo, hi], axis=1)
+
+
 def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
     return (f"cutopo::ecc::ecc_histogram<{in_ctype}, {cmp_ctype}, {key_ctype}, {ndim}, "
             f"{'true' if tconn else 'false'}>")
@@ -98,7 +121,7 @@ def _range_sig(dtype: np.dtype) -> Signature:
 
 def _instances():
     """Instances the offline compile check builds: every input type, both ranks and constructions."""
-    natural_cmp = {"unsigned char": "long long", "unsigned short": "long long", "short": "long long",
+    natural_cmp = {"unsigned char": "long long", "unsigned short": "int", "short": "int",
                    "int": "long long", "cutopo::half": "float", "float": "float", "double": "double"}
     for in_ctype in sorted(set(_INPUT_CTYPE.values())):
         for ndim in (2, 3):
@@ -107,13 +130,14 @@ def _instances():
                 yield contributions_instance(in_ctype, ndim, tconn)
                 yield contributions_instance(in_ctype, ndim, tconn, periodic=True)
     yield histogram_instance("float", "double", "unsigned int", 3, False)
-    yield histogram_instance("unsigned short", "unsigned long long", "unsigned short", 2, True)
+    yield histogram_instance("unsigned char", "unsigned long long", "unsigned short", 2, True)
+    yield histogram_instance("unsigned short", "int", "unsigned int", 3, False)
     # The masked variant shares the sweeps above; one instance per sweep (packed 16-bit keys in
     # 2D and 3D, V and T; scalar 32-bit keys) keeps the compile check short.
     yield masked_histogram_instance("unsigned char", "long long", "unsigned short", 3, False)
     yield masked_histogram_instance("float", "float", "unsigned short", 3, True)
     yield masked_histogram_instance("float", "double", "unsigned int", 3, False)
-    yield masked_histogram_instance("unsigned short", "long long", "unsigned short", 2, True)
+    yield masked_histogram_instance("unsigned short", "int", "unsigned short", 2, True)
     yield CUMSUM.name
     for dtype in _INPUT_CTYPE:
         yield _range_sig(dtype).name
@@ -179,12 +203,12 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
     return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
-def _uniform_estimate(t: np.ndarray):
+def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
     """(t0, 1/dt) when thresholds are close enough to evenly spaced for the O(1) bin guess.
 
-    float32 thresholds are guessed in float arithmetic without a clamp, so they also need
-    (|t_0| + |t_{T-1}|) / dt + T <= 2^21: the guess's rounding errors (about 2^-24 times those
-    magnitudes each) then stay below 1/4 bin, and the guess within the table's rows 0..T."""
+    Guesses in float32 (``float_guess``; by default for float16 and float32 thresholds, which
+    compare in float32) also need (|t_0| + |t_{T-1}|) / dt + T <= 2^21: the guess's rounding
+    errors (about 2^-24 times those magnitudes each) then stay below 1/4 bin."""
     T = t.size
     if T < 3:
         return None
@@ -195,8 +219,7 @@ def _uniform_estimate(t: np.ndarray):
             return None
         if not np.max(np.abs(tt - (tt[0] + dt * np.arange(T)))) <= 0.25 * dt:
             return None
-        # float16 and float32 thresholds compare (and are guessed) in float32
-        in_float32 = t.dtype.kind == "f" and t.dtype.itemsize <= 4
+        in_float32 = (t.dtype.kind == "f" and t.dtype.itemsize <= 4) if float_guess is None else float_guess
         if in_float32 and (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** 21:
             return None
     return float(tt[0]), float(1.0 / dt)
@@ -214,10 +237,15 @@ class HistogramPlan:
         T = self.T
         in_ctype = _INPUT_CTYPE[dtype]
         view = _INPUT_VIEW.get(dtype, dtype)
-        cmp_ctype, cmp_dtype = _compare_type(thresholds.dtype)
         key_ctype = "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
-        self.table = tables.upload(_threshold_table(thresholds, cmp_dtype))  # any stream reads it
-        estimate = _uniform_estimate(thresholds)
+        if dtype in _INT16_IMAGES:
+            cmp_ctype, table = "int", _integer_threshold_table(thresholds)
+            estimate = _uniform_estimate(thresholds, float_guess=True)
+        else:
+            cmp_ctype, cmp_dtype = _compare_type(thresholds.dtype)
+            table = _threshold_table(thresholds, cmp_dtype)
+            estimate = _uniform_estimate(thresholds)
+        self.table = tables.upload(table)  # any stream reads it
         table_bytes = self.table.nbytes
         table_in_smem = table_bytes <= TABLE_SMEM_MAX
         hist_in_smem = T <= HIST_SMEM_MAX_BINS

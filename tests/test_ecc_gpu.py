@@ -116,6 +116,39 @@ def test_comparison_dtype_is_result_type(rng):
     assert_same_ecc(ints.astype(np.uint16), np.arange(0, 6, dtype=np.uint64))
 
 
+@pytest.mark.parametrize("dtype", ["uint16", "int16"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_16bit_integer_images_bin_on_integer_bounds(rng, dtype, ndim):
+    """uint16/int16 images bin against int32 bounds floor(t) with a float32 estimate, whatever
+    the thresholds' dtype: evenly spaced float thresholds (the estimate, fractional and on
+    integers), jittered ones, integer ones, float16/float32 ones, thresholds past both ends of
+    the dtype's range, few (no estimate) and many (the scalar sweep, T > 4096); pixels on, next
+    to and between the thresholds and at the dtype's extremes."""
+    info = np.iinfo(dtype)
+    shape = (3, 70, 90) if ndim == 2 else (40, 30, 70)
+    full = float(info.max) - float(info.min)
+    cases = [np.linspace(info.min - 100.5, info.max + 100.5, 256),               # estimate, past both ends
+             np.linspace(info.min + 0.3 * full, info.min + 0.3 * full + 300, 200),  # dt ~ 1.5
+             np.arange(info.min + 1000, info.min + 1256, dtype=np.int64),          # integer thresholds
+             np.linspace(info.min, info.max, 5000),                                 # T > 4096
+             np.array([info.min + 0.5 * full]),                                     # one threshold
+             np.linspace(-60000.0, 60000.0, 64).astype(np.float32),
+             np.linspace(-1000.0, 1000.0, 80).astype(np.float16)]
+    jittered = np.linspace(info.min + 0.2 * full, info.min + 0.4 * full, 300)
+    jittered[1:-1] += rng.uniform(-0.2, 0.2, 298) * (jittered[1] - jittered[0])
+    cases.append(np.sort(jittered))
+    for t in cases:
+        lo, hi = max(float(info.min), float(t[0]) - 3), min(float(info.max), float(t[-1]) + 3)
+        near = np.clip(np.floor(rng.choice(t.astype(np.float64), size=shape)) + rng.integers(-1, 2, size=shape),
+                       info.min, info.max)
+        between = rng.uniform(lo, hi, size=shape)
+        img = np.where(rng.random(shape) < 0.5, near, between).astype(dtype)
+        img[rng.random(shape) < 0.02] = info.min
+        img[rng.random(shape) < 0.02] = info.max
+        for connectivity in (1, ndim):
+            assert_same_ecc(img, t, ndim=ndim, connectivity=connectivity)
+
+
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_float32_bin_estimate_at_bin_edges(rng, ndim):
     """float32 images against float32 thresholds take the estimated bin (round((v - t0) / dt +
