@@ -684,9 +684,9 @@ struct ThresholdBins {
         if (le(v, first)) return 0;
         // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
         if (estimate) {
-            // Evenly spaced thresholds (float64 here): an O(1) guess, made exact by the
-            // comparisons below (the host allows this only when the guess is within a bin or so
-            // of the answer).
+            // Evenly spaced thresholds, the 8-byte comparison types: an O(1) guess in float64,
+            // made exact by the comparisons below (the host allows this only when the guess is
+            // within a bin or so of the answer).
             k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
             k = min(max(k, 1), T - 1);
             const Bounds<Cmp> b = bounds[k];
