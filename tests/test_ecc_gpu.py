@@ -127,11 +127,12 @@ def test_16bit_integer_images_bin_on_integer_bounds(rng, dtype, ndim):
     info = np.iinfo(dtype)
     shape = (3, 70, 90) if ndim == 2 else (40, 30, 70)
     full = float(info.max) - float(info.min)
-    cases = [np.linspace(info.min - 100.5, info.max + 100.5, 256),               # estimate, past both ends
-             np.linspace(info.min + 0.3 * full, info.min + 0.3 * full + 300, 200),  # dt ~ 1.5
-             np.arange(info.min + 1000, info.min + 1256, dtype=np.int64),          # integer thresholds
-             np.linspace(info.min, info.max, 5000),                                 # T > 4096
-             np.array([info.min + 0.5 * full]),                                     # one threshold
+    low = info.min + 0.3 * full
+    cases = [np.linspace(info.min - 100.5, info.max + 100.5, 256),  # estimate, past both ends
+             np.linspace(low, low + 300, 200),                        # dt ~ 1.5
+             np.arange(info.min + 1000, info.min + 1256, dtype=np.int64),
+             np.linspace(info.min, info.max, 5000),                   # T > 4096
+             np.array([info.min + 0.5 * full]),                       # one threshold
              np.linspace(-60000.0, 60000.0, 64).astype(np.float32),
              np.linspace(-1000.0, 1000.0, 80).astype(np.float16)]
     jittered = np.linspace(info.min + 0.2 * full, info.min + 0.4 * full, 300)
@@ -139,8 +140,8 @@ def test_16bit_integer_images_bin_on_integer_bounds(rng, dtype, ndim):
     cases.append(np.sort(jittered))
     for t in cases:
         lo, hi = max(float(info.min), float(t[0]) - 3), min(float(info.max), float(t[-1]) + 3)
-        near = np.clip(np.floor(rng.choice(t.astype(np.float64), size=shape)) + rng.integers(-1, 2, size=shape),
-                       info.min, info.max)
+        on = np.floor(rng.choice(t.astype(np.float64), size=shape))
+        near = np.clip(on + rng.integers(-1, 2, size=shape), info.min, info.max)
         between = rng.uniform(lo, hi, size=shape)
         img = np.where(rng.random(shape) < 0.5, near, between).astype(dtype)
         img[rng.random(shape) < 0.02] = info.min
