@@ -61,10 +61,17 @@ def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
     (t_{k-1}, t_k); rows 0 and T are (t_0, t_0) and (t_{T-1}, t_{T-1}), in float32 (NaN, t_0)
     and (t_{T-1}, NaN)."""
     keys = t.astype(cmp_dtype)
-    first, last = keys[:1], keys[-1:]
     if cmp_dtype == np.float32:
-        first = last = np.full(1, np.nan, dtype=np.float32)
-    return np.stack([np.concatenate([first, keys]), np.concatenate([keys, last])], axis=1)
+        return _bounds(keys, np.nan, np.nan)
+    return _bounds(keys, keys[0], keys[-1])
+
+
+def _bounds(keys, first, last):
+    """The (T + 1, 2) rows (t_{k-1}, t_k) of ``keys``, with ``first`` before t_0 and ``last``
+    after t_{T-1}, in keys' dtype."""
+    lo = np.concatenate([np.array([first], dtype=keys.dtype), keys])
+    hi = np.concatenate([keys, np.array([last], dtype=keys.dtype)])
+    return np.stack([lo, hi], axis=1)
 
 
 # Images of 16-bit integers compare in int32 against integer bounds (_integer_threshold_table):
@@ -85,9 +92,7 @@ def _integer_threshold_table(t: np.ndarray) -> np.ndarray:
     f = np.floor(t.astype(np.float64))
     keys = np.clip(f, -_INT16_BEYOND, _INT16_BEYOND - 1).astype(np.int32)
     info = np.iinfo(np.int32)
-    lo = np.concatenate([np.array([info.min], dtype=np.int32), keys])
-    hi = np.concatenate([keys, np.array([info.max], dtype=np.int32)])
-    return np.stack([lo, hi], axis=1)
+    return _bounds(keys, info.min, info.max)
 
 
 def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
