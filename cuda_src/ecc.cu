@@ -176,6 +176,44 @@ struct NoRowsHook {
     __device__ __forceinline__ void rows_done(Args...) const {}
 };
 
+// The tiles first, first + step, ... of an ntx x nty x ntz grid (x fastest) that a block
+// sweeps. 3D: the tile number, its coordinates divided out per tile (64-bit divisions,
+// amortized over the tile's planes).
+template <int NDIM>
+struct TileWalk {
+    i64 ntx, nty, ntiles, t, step;
+    __device__ __forceinline__ TileWalk(i64 ntx_, i64 nty_, i64 ntz, i64 first, i64 step_)
+        : ntx(ntx_), nty(nty_), ntiles(ntx_ * nty_ * ntz), t(first), step(step_) {}
+    __device__ __forceinline__ bool valid() const { return t < ntiles; }
+    __device__ __forceinline__ void next() { t += step; }
+    __device__ __forceinline__ i64 x() const { return t % ntx; }
+    __device__ __forceinline__ i64 y() const { return (t / ntx) % nty; }
+    __device__ __forceinline__ i64 z() const { return t / (ntx * nty); }
+};
+
+// 2D: a tile is one plane, so the divisions (on their 32-bit fast path ~25 instructions each,
+// issued by every warp for every tile: ~10 % of a 2D float32 tile's instructions by the SASS)
+// are made once per block: the tile's column and row advance by the step's with a carry. (In
+// 3D, where they are amortized, the same walk made the register-capped kernels spill.)
+template <>
+struct TileWalk<2> {
+    i64 ntx, nty;
+    i64 tx, ty;  // the current tile
+    i64 sx, sy;  // the step
+    __device__ __forceinline__ TileWalk(i64 ntx_, i64 nty_, i64, i64 first, i64 step)
+        : ntx(ntx_), nty(nty_), tx(first % ntx_), ty(first / ntx_), sx(step % ntx_), sy(step / ntx_) {}
+    __device__ __forceinline__ bool valid() const { return ty < nty; }
+    __device__ __forceinline__ void next() {
+        tx += sx;
+        const bool carry = tx >= ntx;  // tx + sx < 2 ntx
+        if (carry) tx -= ntx;
+        ty += sy + carry;
+    }
+    __device__ __forceinline__ i64 x() const { return tx; }
+    __device__ __forceinline__ i64 y() const { return ty; }
+    __device__ __forceinline__ i64 z() const { return 0; }
+};
+
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
 // (each thread at most PY times per plane, once per row it owns); after the rows of every
@@ -192,12 +230,11 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
     const i64 ntx = (nx + TX - 1) / TX;
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
-    const i64 ntiles = ntx * nty * ntz;
 
-    for (i64 t = first; t < ntiles; t += step) {
-        const i64 x0 = (t % ntx) * TX;
-        const i64 y0 = ((t / ntx) % nty) * TY;
-        const i64 z0 = NDIM == 3 ? (t / (ntx * nty)) * zchunk : 0;
+    for (TileWalk<NDIM> w(ntx, nty, ntz, first, step); w.valid(); w.next()) {
+        const i64 x0 = w.x() * TX;
+        const i64 y0 = w.y() * TY;
+        const i64 z0 = NDIM == 3 ? w.z() * zchunk : 0;
         const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
 
         // Keys of plane z into dst: the 32 tile columns row by row (lane = column, no division),
@@ -383,33 +420,79 @@ __device__ __forceinline__ void precedence_ties(const unsigned (&W)[pow3(NDIM)],
     }
 }
 
-// AND of own[] over the children of J (J with one non-zero component zeroed, centre excluded).
-template <int NDIM, int J, int A = 0>
+// In 3D each cube (level 3) is paired with one of its squares, no square twice (zeroing axis 2
+// where o_2 > 0, else axis 0 or 1: the eight cubes take eight of the twelve squares). A cube is
+// owned only when its squares are, and the two have opposite signs, so together they count
+// sign(square) x (square and not cube), one bit: a count (LEA.HI) per cube less, 8 of the 26
+// per word. -1 where J is not a cube (2D: none). CUTOPO_ECC_NO_CUBE_PAIRS: every cell counted
+// on its own (the form before, for benchmarks/ab_ecc.py --variant).
+template <int NDIM>
+__device__ constexpr int paired_square(int j) {
+#ifdef CUTOPO_ECC_NO_CUBE_PAIRS
+    return -1;
+#else
+    if (NDIM != 3 || j == (pow3(NDIM) - 1) / 2 || level<NDIM>(j) != 3) return -1;
+    const int axis = digit<NDIM>(j, 2) > 0 ? 2 : (digit<NDIM>(j, 0) == digit<NDIM>(j, 1) ? 0 : 1);
+    return j - digit<NDIM>(j, axis) * pow3(NDIM - 1 - axis);
+#endif
+}
+
+template <int NDIM>
+__device__ constexpr bool is_paired(int j) {
+    for (int k = 0; k < pow3(NDIM); ++k)
+        if (paired_square<NDIM>(k) == j) return true;
+    return false;
+}
+
+template <int NDIM>
+__device__ constexpr int paired_count() {
+    int n = 0;
+    for (int j = 0; j < pow3(NDIM); ++j) n += is_paired<NDIM>(j);
+    return n;
+}
+#ifndef CUTOPO_ECC_NO_CUBE_PAIRS
+static_assert(paired_count<3>() == 8 && paired_count<2>() == 0, "each cube pairs with its own square");
+#endif
+
+// AND of own[] over the children of J (J with one non-zero component zeroed, centre excluded),
+// child SKIP left out.
+template <int NDIM, int J, int SKIP = -1, int A = 0>
 __device__ __forceinline__ unsigned children_and(const unsigned (&own)[pow3(NDIM)]) {
     if constexpr (A == NDIM) {
         return 0xffffffffu;
     } else {
         constexpr int d = digit<NDIM>(J, A);
         constexpr int child = J - d * pow3(NDIM - 1 - A);
-        if constexpr (d != 0 && child != (pow3(NDIM) - 1) / 2)
-            return own[child] & children_and<NDIM, J, A + 1>(own);
+        if constexpr (d != 0 && child != (pow3(NDIM) - 1) / 2 && child != SKIP)
+            return own[child] & children_and<NDIM, J, SKIP, A + 1>(own);
         else
-            return children_and<NDIM, J, A + 1>(own);
+            return children_and<NDIM, J, SKIP, A + 1>(own);
     }
 }
 
 // Ownership bits of the cells of one level (number of non-zero offset components), added to
-// the positive or negative count by the cell's sign.
+// the positive or negative count by the cell's sign; a cube and its paired square as one bit.
 template <int NDIM, bool TCONN, int LEVEL, int J = 0>
 __device__ __forceinline__ void own_level(const unsigned (&P)[pow3(NDIM)], unsigned (&own)[pow3(NDIM)],
                                           unsigned& pos, unsigned& neg) {
     if constexpr (J < pow3(NDIM)) {
         if constexpr (J != (pow3(NDIM) - 1) / 2 && level<NDIM>(J) == LEVEL) {
             const unsigned test = TCONN ? ~P[J] : P[J];
-            const unsigned o = test & children_and<NDIM, J>(own) & H;
-            own[J] = o;
-            if constexpr (cell_sign<NDIM, TCONN>(J) > 0) pos += o >> 15;
-            else neg += o >> 15;
+            constexpr int PAIR = paired_square<NDIM>(J);
+            if constexpr (PAIR >= 0) {
+                // cube = own[PAIR] & rest; own[PAIR] - cube = own[PAIR] & ~rest
+                const unsigned rest = test & children_and<NDIM, J, PAIR>(own) & H;
+                const unsigned o = own[PAIR] & ~rest;
+                if constexpr (cell_sign<NDIM, TCONN>(PAIR) > 0) pos += o >> 15;
+                else neg += o >> 15;
+            } else {
+                const unsigned o = test & children_and<NDIM, J>(own) & H;
+                own[J] = o;
+                if constexpr (!is_paired<NDIM>(J)) {
+                    if constexpr (cell_sign<NDIM, TCONN>(J) > 0) pos += o >> 15;
+                    else neg += o >> 15;
+                }
+            }
         }
         own_level<NDIM, TCONN, LEVEL, J + 1>(P, own, pos, neg);
     }
@@ -455,12 +538,11 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
     const i64 ntx = (nx + TXP - 1) / TXP;
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
-    const i64 ntiles = ntx * nty * ntz;
 
-    for (i64 t = first; t < ntiles; t += step) {
-        const i64 x0 = (t % ntx) * TXP;
-        const i64 y0 = ((t / ntx) % nty) * TY;
-        const i64 z0 = NDIM == 3 ? (t / (ntx * nty)) * zchunk : 0;
+    for (TileWalk<NDIM> w(ntx, nty, ntz, first, step); w.valid(); w.next()) {
+        const i64 x0 = w.x() * TXP;
+        const i64 y0 = w.y() * TY;
+        const i64 z0 = NDIM == 3 ? w.z() * zchunk : 0;
         const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
 
         // Keys of plane z into dst. Tiles away from the image border skip the bounds checks and,
@@ -491,27 +573,38 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                         const int ey = threadIdx.x >> 1, ex = (threadIdx.x & 1) ? TXP + 1 : 0;
                         typename KeyOf::In end_value{};
                         if (end_thread) end_value = key_of.load(corner + (i64)ey * nx + ex);
+                        // Round u reads row r0 + u RSTEP of the thread's column v (as below).
+                        static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+                        constexpr int RSTEP = THREADS / PER_ROW;
+                        const int v = threadIdx.x % PER_ROW, r0 = threadIdx.x / PER_ROW;
+                        const i64 stride = (i64)RSTEP * nx;
+                        const i64 at = corner + (i64)r0 * nx + 1 + v * VEC;
 #pragma unroll
                         for (int g = 0; g < ROUNDS; g += GROUP) {
                             uint4 raw[GROUP];
 #pragma unroll
                             for (int u = 0; u < GROUP; ++u) {
-                                const int i = threadIdx.x + (g + u) * THREADS;
-                                if (g + u < ROUNDS && i < VECTORS)
-                                    raw[u] = key_of.load16(corner + (i64)(i / PER_ROW) * nx + 1 + (i % PER_ROW) * VEC);
+                                if (g + u < ROUNDS && r0 + (g + u) * RSTEP < ROWS)
+                                    raw[u] = key_of.load16(at + (g + u) * stride);
                             }
 #pragma unroll
                             for (int u = 0; u < GROUP; ++u) {
-                                const int i = threadIdx.x + (g + u) * THREADS;
-                                if (g + u < ROUNDS && i < VECTORS) store_keys(key_of, raw[u], dst, i / PER_ROW, i % PER_ROW);
+                                if (g + u < ROUNDS && r0 + (g + u) * RSTEP < ROWS)
+                                    store_keys(key_of, raw[u], dst, r0 + (g + u) * RSTEP, v);
                             }
                         }
                         if (end_thread) keys[ey * ROWK + KEY0 + ex] = (unsigned short)key_of.of_value(end_value);
                         return;
                     } else {
-                        for (int i = threadIdx.x; i < VECTORS; i += THREADS)
-                            store_keys(key_of, key_of.load16(corner + (i64)(i / PER_ROW) * nx + 1 + (i % PER_ROW) * VEC),
-                                       dst, i / PER_ROW, i % PER_ROW);
+                        // A thread reads one column v of the rows r0, r0 + RSTEP, ...: its index
+                        // steps by RSTEP rows (a 64-bit multiply and division less per read).
+                        static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+                        constexpr int RSTEP = THREADS / PER_ROW;
+                        const int v = threadIdx.x % PER_ROW;
+                        const i64 stride = (i64)RSTEP * nx;
+                        i64 at = corner + (i64)(threadIdx.x / PER_ROW) * nx + 1 + v * VEC;
+                        for (int r = threadIdx.x / PER_ROW; r < ROWS; r += RSTEP, at += stride)
+                            store_keys(key_of, key_of.load16(at), dst, r, v);
                     }
                 } else {
                     for (int i = threadIdx.x; i < ROWS * TXP; i += THREADS) {
