@@ -359,6 +359,12 @@ constexpr unsigned OUTSIDE = 0x7fffu;
 // 16-byte reads a 2D thread issues before it bins them: a plane's interior rows take 1 to 5
 // rounds of the block's threads (3 for 4-byte pixels; 8-byte pixels bin in two groups).
 constexpr int LOADS_IN_FLIGHT = 3;
+// 3D planes read as 2D ones (below): a variant for benchmarks/ab_ecc.py --variant.
+#ifdef CUTOPO_ECC_GROUP_READS_3D
+constexpr bool GROUP_READS_3D = true;
+#else
+constexpr bool GROUP_READS_3D = false;
+#endif
 
 // Keys of the VEC pixels of one 16-byte read into word v (of the row's TXP / VEC) of shared
 // row ly (halo coordinates) of a plane.
@@ -559,14 +565,15 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                     constexpr int VEC = KeyOf::VEC;  // pixels per 16-byte load
                     constexpr int PER_ROW = TXP / VEC;
                     constexpr int VECTORS = ROWS * PER_ROW;
-                    if constexpr (NDIM == 2 && KeyOf::GROUP_READS) {
+                    if constexpr ((NDIM == 2 || GROUP_READS_3D) && KeyOf::GROUP_READS) {
                         // Every read of the plane (up to LOADS_IN_FLIGHT per thread, and the
                         // row ends') is issued before the first key is formed: a loop of load,
                         // bin, store waited a memory latency per round, 3 rounds and the row
                         // ends for 4-byte pixels. In 3D, whose registers are capped lower, the
                         // grouped reads spilled and measured slower (benchmarks/RESULTS.md,
-                        // twenty-fourth session); KeyOf may opt out (the soft ECC's forward,
-                        // whose band work needs the registers).
+                        // twenty-fourth session; CUTOPO_ECC_GROUP_READS_3D builds them again,
+                        // with the reads by column that spill less); KeyOf may opt out (the
+                        // soft ECC's forward, whose band work needs the registers).
                         constexpr int ROUNDS = (VECTORS + THREADS - 1) / THREADS;
                         constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
                         const bool end_thread = threadIdx.x < 2 * ROWS;
