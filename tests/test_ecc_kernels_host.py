@@ -1,0 +1,479 @@
+"""The ECC kernels run whole on the CPU: ecc.cu compiled for the host, a block's threads as
+host threads.
+
+The GPU tests check the kernels on the device; CI has no GPU. This test compiles the
+kernels' source (common.cuh and ecc.cu, as the loader joins them) with the host's C++
+compiler against a small emulation of what it uses from CUDA: each block runs as 256 host
+threads (``threadIdx`` thread-local, ``__syncthreads`` a barrier, a warp's shuffles an exchange
+between its 32 threads), ``__shared__`` variables are statics (one block at a time), atomics
+are host atomics, and the four inline-PTX conversions and comparisons of common.cuh are
+replaced by their host forms. It then runs the kernel's grid, block after block, on small
+random images (several tiles per block, blocks past the last tile, image edges that cut
+tiles and vectors, ties, NaN) and compares with the NumPy path: ``ecc_histogram`` (every
+cumulation), ``ecc_histogram_masked`` (streamed slabs, Dask chunks) and ``ecc_contributions``
+(box and torus). It checks the tile loads, the packed and scalar sweeps, the bins and the
+sinks as the kernels compose them; what only a GPU shows (the flush of denormals under
+-ftz=true, warp timing, memory ordering between blocks that run together) stays with the
+GPU tests.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import cutopo
+from cutopo._cuda.source import source_dir
+from cutopo._ecc_cupy import (_INPUT_CTYPE, _INT16_IMAGES, _VALUE_KEY, _compare_type,
+                              _integer_threshold_table, _threshold_table, _uniform_estimate,
+                              PACKED_MAX_BINS, TABLE_SMEM_MAX)
+from cutopo._checks import check_thresholds
+
+CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+CASES = [
+    # shape, dtype, ndim, tconn, thresholds (a count, "random" or "float64"), zchunk, blocks
+    # per image. Rows of 16-byte multiples (the vector reads) and tiles away from every edge
+    # (x0 >= 1, x0 + 65 <= nx, y0 >= 1, y0 + 33 <= ny) in most; odd sizes in the others.
+    ((70, 196), "float32", 2, False, 64, 1, 4),
+    ((70, 150), "float32", 2, True, 64, 1, 3),
+    ((2, 33, 65), "float32", 2, False, "random", 1, 2),
+    ((3, 67, 132), "float32", 2, False, "float64", 1, 2),  # float32 pixels, float64 comparisons
+    ((9, 66, 132), "float32", 3, True, 50, 4, 3),
+    ((20, 40, 70), "float32", 3, False, 50, 6, 2),
+    ((66, 144), "uint8", 2, True, 12, 1, 20),
+    ((7, 67, 160), "uint8", 3, False, 30, 3, 2),
+    ((19, 35, 66), "uint8", 3, True, 30, 5, 2),
+    ((30, 67), "bool", 2, False, 2, 1, 2),
+    ((2, 5, 66, 136), "uint16", 3, False, 40, 3, 3),
+    ((70, 200), "int16", 2, False, "random", 1, 3),
+    ((70, 130), "float64", 2, False, 100, 1, 2),
+    ((5, 66, 136), "float16", 3, False, 40, 2, 2),
+    ((50, 70), "float32", 2, False, 5000, 1, 3),  # the scalar sweep, a global histogram
+]
+
+
+def _instance(dtype, t_dtype, T, ndim, tconn):
+    """The ecc_histogram template arguments _ecc_cupy.HistogramPlan picks."""
+    key = "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
+    if dtype in _INT16_IMAGES:
+        cmp = "int"
+    else:
+        cmp, _ = _compare_type(np.result_type(dtype, t_dtype))
+    return (_INPUT_CTYPE[dtype], cmp, key, ndim, tconn)
+
+
+def _threshold_dtype(dtype, thresholds):
+    if thresholds == "float64" or dtype.kind != "f":
+        return np.dtype("float64")
+    return dtype  # linear_thresholds and the random ones keep a float image's dtype
+
+
+INSTANCES = sorted({_instance(np.dtype(d), _threshold_dtype(np.dtype(d), th),
+                              th if isinstance(th, int) else 45, nd, tc)
+                    for _, d, nd, tc, th, _, _ in CASES})
+
+CONTRIBUTION_CASES = [
+    # shape, dtype, ndim, tconn, periodic, zchunk, blocks per image
+    ((70, 150), "float32", 2, False, False, 1, 3),
+    ((2, 33, 65), "float64", 2, True, False, 1, 2),
+    ((20, 40, 70), "float32", 3, False, False, 4, 3),
+    ((9, 35, 66), "uint8", 3, True, False, 3, 2),
+    ((40, 67), "int16", 2, False, True, 1, 2),
+    ((5, 34, 33), "float32", 3, True, True, 2, 2),
+    ((6, 5, 40), "uint16", 3, False, True, 4, 1),
+    ((30, 70), "float16", 2, True, False, 1, 2),
+    ((3, 40, 66), "int32", 2, False, False, 1, 3),
+]
+
+
+def _contribution_instance(dtype, ndim, tconn, periodic):
+    """The ecc_contributions template arguments _ecc_cupy.contributions_instance picks."""
+    return (_INPUT_CTYPE[dtype], _VALUE_KEY.get(_INPUT_CTYPE[dtype], "unsigned int"), ndim, tconn, periodic)
+
+
+CONTRIBUTION_INSTANCES = sorted({_contribution_instance(np.dtype(d), nd, tc, per)
+                                 for _, d, nd, tc, per, _, _ in CONTRIBUTION_CASES})
+
+# common.cuh's inline PTX, in its host form: the same values without the GPU's instructions.
+_PTX = {
+    'asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));': "f = emu::half_bits_to_float(h.bits);",
+    'asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(v));': "d = (double)v;",
+    'asm("{.reg .pred p; setp.le.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));':
+        "r = a <= b;",
+    'asm("{.reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));':
+        "r = a > b;",
+}
+
+_EMULATION = r"""
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ static  // one block at a time: a static is the block's
+
+struct uint3 { unsigned x, y, z; };
+struct uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+thread_local uint3 threadIdx;
+uint3 blockIdx, blockDim, gridDim;
+
+namespace emu {
+constexpr int THREADS = 256;
+std::barrier<>* block_barrier;
+struct Warp {
+    std::barrier<> barrier{32};
+    unsigned long long slot[32];
+};
+Warp* warps;
+alignas(16) unsigned char dynamic_smem[1 << 17];
+
+template <class T>
+T exchange(T v, int from) {  // every lane of the warp calls it together (full masks only)
+    Warp& w = warps[threadIdx.x / 32];
+    std::memcpy(&w.slot[threadIdx.x % 32], &v, sizeof(T));
+    w.barrier.arrive_and_wait();
+    T r;
+    std::memcpy(&r, &w.slot[from], sizeof(T));
+    w.barrier.arrive_and_wait();
+    return r;
+}
+
+inline float half_bits_to_float(unsigned short h) {
+    const unsigned s = (h >> 15) & 1u, e = (h >> 10) & 31u, m = h & 1023u;
+    float f = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? (m ? NAN : INFINITY)
+                                                           : std::ldexp((float)(m | 1024u), (int)e - 25);
+    return s ? -f : f;
+}
+}  // namespace emu
+
+inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <class T> T __ldg(const T* p) { return *p; }
+template <class T> T __ldcg(const T* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+template <class T> T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+template <class T> T atomicMax(T* p, T v) {
+    T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+    while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+    return old;
+}
+template <class T> T __shfl_up_sync(unsigned, T v, int d) {
+    const int lane = threadIdx.x % 32;
+    return emu::exchange(v, lane >= d ? lane - d : lane);
+}
+template <class T> T __shfl_xor_sync(unsigned, T v, int d) {
+    return emu::exchange(v, (int)(threadIdx.x % 32) ^ d);
+}
+template <class T> T __shfl_sync(unsigned, T v, int src) { return emu::exchange(v, src); }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+    return r;
+}
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return std::sqrt(a); }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
+template <class T> T min(T a, T b) { return a < b ? a : b; }
+template <class T> T max(T a, T b) { return a > b ? a : b; }
+"""
+
+_DRIVER = r"""
+// Runs a kernel's grid, block after block, each block as THREADS host threads.
+template <class Launch>
+void run_grid(unsigned blocks, Launch launch) {
+    std::barrier<> barrier(emu::THREADS);
+    std::vector<emu::Warp> warps(emu::THREADS / 32);
+    emu::block_barrier = &barrier;
+    emu::warps = warps.data();
+    blockDim = {(unsigned)emu::THREADS, 1, 1};
+    gridDim = {blocks, 1, 1};
+    for (unsigned b = 0; b < blocks; ++b) {
+        blockIdx = {b, 0, 0};
+        std::memset(emu::dynamic_smem, 0xA5, sizeof emu::dynamic_smem);  // poisoned
+        std::vector<std::thread> threads;
+        for (int t = 0; t < emu::THREADS; ++t)
+            threads.emplace_back([&, t] {
+                threadIdx = {(unsigned)t, 0, 0};
+                launch();
+            });
+        for (auto& th : threads) th.join();
+    }
+}
+
+template <class T>
+bool read(std::vector<T>& v, size_t n) {
+    v.resize(n);
+    return fread(v.data(), sizeof(T), n, stdin) == n;
+}
+
+// The histogram kernels. a: kernel (0 ecc_histogram, 1 ecc_histogram_masked), instance, nimg,
+// nz, ny, nx, zchunk, blocks_per_image, T, estimate, table_in_smem, hist_in_smem, cumulate;
+// d: t0, inv_dt; then the table ((T + 1) x 2 comparison values), the image (nimg nz ny nx
+// pixels) and, masked, the masks (nz, ny, nx bytes). stdout: the (nimg, T) int64 rows.
+template <class In, class Cmp, class K, int NDIM, bool TCONN>
+int histogram(const int64_t* a, const double* d) {
+    const int64_t nimg = a[2], nz = a[3], ny = a[4], nx = a[5], T = a[8];
+    const int zchunk = (int)a[6], bpi = (int)a[7];
+    std::vector<cutopo::ecc::Bounds<Cmp>> table;
+    std::vector<In> image;
+    std::vector<unsigned char> oz, oy, ox;
+    if (!read(table, T + 1) || !read(image, nimg * nz * ny * nx)) return 2;
+    if (a[0] == 1 && !(read(oz, nz) && read(oy, ny) && read(ox, nx))) return 2;
+    std::vector<long long> hist(nimg * T, 0);
+    std::vector<unsigned> done(nimg, 0u);
+    run_grid((unsigned)(nimg * bpi), [&] {
+        if (a[0] == 1)
+            cutopo::ecc::ecc_histogram_masked<In, Cmp, K, NDIM, TCONN>(
+                image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9], d[0],
+                d[1], (int)a[10], (int)a[11], oz.data(), oy.data(), ox.data());
+        else
+            cutopo::ecc::ecc_histogram<In, Cmp, K, NDIM, TCONN>(
+                image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9], d[0],
+                d[1], (int)a[10], (int)a[11], done.data(), (int)a[12]);
+    });
+    fwrite(hist.data(), 8, hist.size(), stdout);
+    return 0;
+}
+
+// The contribution map. a: 2, instance, nimg, nz, ny, nx, zchunk, blocks_per_image; then the
+// image. stdout: the int8 map.
+template <class In, class K, int NDIM, bool TCONN, bool PERIODIC>
+int contributions(const int64_t* a) {
+    const int64_t nimg = a[2], nz = a[3], ny = a[4], nx = a[5];
+    const int zchunk = (int)a[6], bpi = (int)a[7];
+    std::vector<In> image;
+    if (!read(image, nimg * nz * ny * nx)) return 2;
+    std::vector<signed char> out(image.size(), (signed char)0x5A);  // poisoned
+    run_grid((unsigned)(nimg * bpi), [&] {
+        cutopo::ecc::ecc_contributions<In, K, NDIM, TCONN, PERIODIC>(image.data(), out.data(), nz, ny, nx,
+                                                                     zchunk, bpi);
+    });
+    fwrite(out.data(), 1, out.size(), stdout);
+    return 0;
+}
+
+int main() {
+    int64_t a[13];
+    double d[2];
+    if (fread(a, 8, 13, stdin) != 13 || fread(d, 8, 2, stdin) != 2) return 2;
+    if (a[0] == 2) {
+        switch (a[1]) {
+%(contributions)s
+        }
+        return 3;
+    }
+    switch (a[1]) {
+%(histograms)s
+    }
+    return 3;
+}
+"""
+
+
+def _emulator_source() -> str:
+    src = source_dir()
+    common = (src / "common.cuh").read_text()
+    for ptx, host in _PTX.items():
+        assert ptx in common, f"common.cuh no longer has {ptx!r}: update this test"
+        common = common.replace(ptx, host)
+    assert "asm" not in re.sub(r"//.*", "", common), "common.cuh has inline PTX this test does not replace"
+    ecc = (src / "ecc.cu").read_text()
+    ecc = ecc.replace('#include "common.cuh"', "")
+    ecc = ecc[:ecc.index('#include "ecc_band.cuh"')]  # the soft ECC and ECT kernels: not here
+    smem = "extern __shared__ __align__(16) unsigned char dynamic_smem[];"
+    assert smem in ecc, "ecc.cu's dynamic shared memory changed: update this test"
+    ecc = ecc.replace(smem, "unsigned char* dynamic_smem = emu::dynamic_smem;")
+    def cpp(flag):
+        return "true" if flag else "false"
+
+    histograms = "\n".join(f"        case {i}: return histogram<{inp}, {cmp}, {key}, {nd}, {cpp(tc)}>(a, d);"
+                           for i, (inp, cmp, key, nd, tc) in enumerate(INSTANCES))
+    contributions = "\n".join(
+        f"        case {i}: return contributions<{inp}, {key}, {nd}, {cpp(tc)}, {cpp(per)}>(a);"
+        for i, (inp, key, nd, tc, per) in enumerate(CONTRIBUTION_INSTANCES))
+    return _EMULATION + common + ecc + _DRIVER % {"histograms": histograms, "contributions": contributions}
+
+
+def _build(tmp_path_factory, *defines):
+    if CXX is None:
+        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
+    tmp = tmp_path_factory.mktemp("ecc_emulated")
+    (tmp / "ecc_emulated.cpp").write_text(_emulator_source())
+    exe = tmp / "ecc_emulated"
+    run = subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", "-w", *defines, "-o", str(exe),
+                          str(tmp / "ecc_emulated.cpp")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return exe
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return _build(tmp_path_factory)
+
+
+# ecc.cu's compile-time variants for benchmarks/ab_ecc.py --variant: the A/B is only worth
+# running on the device if they count right.
+VARIANTS = ["-DCUTOPO_ECC_NO_CUBE_PAIRS", "-DCUTOPO_ECC_LANE_SINK", "-DCUTOPO_ECC_GROUP_READS_3D"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant_emulator(request, tmp_path_factory):
+    return _build(tmp_path_factory, request.param)
+
+
+def _run(emulator, head, floats, *arrays):
+    stdin = (np.asarray(head, np.int64).tobytes() + np.asarray(floats, np.float64).tobytes()
+             + b"".join(np.ascontiguousarray(x).tobytes() for x in arrays))
+    run = subprocess.run([str(emulator)], input=stdin, capture_output=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+def _geometry(image, ndim):
+    spatial = image.shape[image.ndim - ndim:]
+    return int(np.prod(image.shape[:image.ndim - ndim])), (1,) * (3 - ndim) + spatial
+
+
+def _pixels(image):
+    return image.view(np.uint16) if image.dtype == np.float16 else image
+
+
+def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumulate, masks=None):
+    """The (*batch, T) rows ecc_histogram (ecc_histogram_masked with ``masks``) leaves, with
+    the arguments _ecc_cupy.HistogramPlan gives it (the geometry chosen here)."""
+    dtype = image.dtype
+    T = t.size
+    if dtype in _INT16_IMAGES:
+        table, estimate = _integer_threshold_table(t), _uniform_estimate(t, float_guess=True)
+    else:
+        table, estimate = _threshold_table(t, _compare_type(t.dtype)[1]), _uniform_estimate(t)
+    instance = _instance(dtype, t.dtype, T, ndim, tconn)
+    assert instance in INSTANCES, f"{instance} is not compiled into the emulator"
+    nimg, (nz, ny, nx) = _geometry(image, ndim)
+    head = [masks is not None, INSTANCES.index(instance), nimg, nz, ny, nx, zchunk, blocks_per_image, T,
+            estimate is not None, table.nbytes <= TABLE_SMEM_MAX, T <= PACKED_MAX_BINS, cumulate]
+    out = _run(emulator, head, estimate if estimate is not None else (0.0, 0.0), table, _pixels(image),
+               *(masks or ()))
+    return np.frombuffer(out, np.int64).reshape(image.shape[:image.ndim - ndim] + (T,))
+
+
+def _kernel_contributions(emulator, image, ndim, tconn, periodic, zchunk, blocks_per_image):
+    instance = _contribution_instance(image.dtype, ndim, tconn, periodic)
+    nimg, (nz, ny, nx) = _geometry(image, ndim)
+    head = [2, CONTRIBUTION_INSTANCES.index(instance), nimg, nz, ny, nx, zchunk, blocks_per_image] + [0] * 5
+    return np.frombuffer(_run(emulator, head, (0.0, 0.0), _pixels(image)), np.int8).reshape(image.shape)
+
+
+def _image(rng, shape, dtype):
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    if dtype.kind == "f":
+        img = rng.normal(size=shape).round(1).astype(dtype)  # rounded: many ties
+        img.flat[rng.integers(0, img.size, 3)] = np.nan
+        return img
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -40), min(info.max, 40) + 1, size=shape).astype(dtype)
+
+
+def _thresholds(rng, image, thresholds):
+    if thresholds == "random":
+        lo, hi = np.nanmin(image.astype(np.float64)), np.nanmax(image.astype(np.float64))
+        return np.sort(rng.uniform(lo - 1, hi + 1, 37)).astype(_threshold_dtype(image.dtype, "random"))
+    if thresholds == "float64":
+        return np.linspace(-2.0, 2.0, 45)
+    return cutopo.linear_thresholds(image, thresholds)
+
+
+# cumulate 0: rows added (cumulated here), 1: the last block cumulates, 2: every block adds
+# its own prefix (the host takes 2 only with the shared histogram, T <= 4096)
+RUNS = [(case, cumulate) for case in CASES for cumulate in (0, 1, 2)
+        if not (cumulate == 2 and case[4] == 5000)]
+
+
+@pytest.mark.parametrize("case, cumulate", RUNS,
+                         ids=[f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d-cumulate{m}" for c, m in RUNS])
+def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rng):
+    """ecc_histogram's curve equals cutopo.ecc's on the NumPy path."""
+    shape, dtype, ndim, tconn, thresholds, zchunk, bpi = case
+    dtype = np.dtype(dtype)
+    image = _image(rng, shape, dtype)
+    t = _thresholds(rng, image, thresholds)
+    want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
+    tc, _ = check_thresholds(t, image)  # as cutopo.ecc compares them
+    got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, bpi, cumulate)
+    np.testing.assert_array_equal(got if cumulate else np.cumsum(got, axis=-1), want)
+
+
+@pytest.mark.parametrize("case", CASES[::2], ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d")
+def test_emulated_masked_histogram_adds_the_marked_pixels(emulator, case, rng):
+    """ecc_histogram_masked (the streamed slabs' and Dask chunks' kernel) adds the contributions
+    of the pixels whose coordinates every axis' mask marks. The kernel decides ownership on
+    threshold bins (ties broken by index), so the oracle is the NumPy contribution map of the
+    bin image, summed over the marked pixels by bin (bin T, NaN included, not counted)."""
+    shape, dtype, ndim, tconn, thresholds, zchunk, bpi = case
+    image = _image(rng, shape, np.dtype(dtype))
+    t, _ = check_thresholds(_thresholds(rng, image, thresholds), image)
+    nimg, spatial = _geometry(image, ndim)
+    masks = [(rng.random(n) < 0.7).astype(np.uint8) for n in spatial]
+    got = _kernel_rows(emulator, image, t, ndim, tconn, zchunk, bpi, 0, masks)
+    bins = np.searchsorted(t, image.astype(t.dtype), side="left").astype(np.int32)  # NaN: T
+    c = cutopo.euler_contributions(bins, ndim=ndim, connectivity=ndim if tconn else 1).astype(np.int64)
+    marked = (slice(None),) + np.ix_(*(m.astype(bool) for m in masks))
+    c = c.reshape((nimg,) + spatial)[marked].reshape(nimg, -1)
+    bins = bins.reshape((nimg,) + spatial)[marked].reshape(nimg, -1)
+    want = np.stack([np.bincount(b[b < t.size], weights=w[b < t.size], minlength=t.size)
+                     for b, w in zip(bins, c)]).astype(np.int64)
+    np.testing.assert_array_equal(got.reshape(nimg, -1), want)
+
+
+@pytest.mark.parametrize("case", CONTRIBUTION_CASES,
+                         ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d")
+def test_emulated_contribution_map_equals_numpy(emulator, case, rng):
+    """ecc_contributions (cutopo.euler_contributions on CuPy arrays; the scalar sweep with
+    value keys, box and torus) against the NumPy path's map."""
+    shape, dtype, ndim, tconn, periodic, zchunk, bpi = case
+    image = _image(rng, shape, np.dtype(dtype))
+    got = _kernel_contributions(emulator, image, ndim, tconn, periodic, zchunk, bpi)
+    want = cutopo.euler_contributions(image, ndim=ndim, connectivity=ndim if tconn else 1,
+                                      boundary="periodic" if periodic else "box")
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d")
+def test_emulated_variants_equal_numpy(variant_emulator, case, rng):
+    """Each compile-time variant of ecc_histogram gives cutopo.ecc's curve (cumulate 1)."""
+    shape, dtype, ndim, tconn, thresholds, zchunk, bpi = case
+    image = _image(rng, shape, np.dtype(dtype))
+    t = _thresholds(rng, image, thresholds)
+    want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
+    tc, _ = check_thresholds(t, image)
+    np.testing.assert_array_equal(_kernel_rows(variant_emulator, image, tc, ndim, tconn, zchunk, bpi, 1), want)
