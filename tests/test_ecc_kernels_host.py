@@ -28,8 +28,8 @@ import pytest
 import cutopo
 from cutopo._cuda.source import source_dir
 from cutopo._ecc_cupy import (_INPUT_CTYPE, _INT16_IMAGES, _VALUE_KEY, _compare_type,
-                              _integer_threshold_table, _threshold_table, _uniform_estimate,
-                              PACKED_MAX_BINS, TABLE_SMEM_MAX)
+                              _integer_threshold_table, _key_value, _threshold_table,
+                              _uniform_estimate, PACKED_MAX_BINS, TABLE_SMEM_MAX)
 from cutopo._checks import check_thresholds
 
 CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -97,6 +97,9 @@ def _contribution_instance(dtype, ndim, tconn, periodic):
 
 CONTRIBUTION_INSTANCES = sorted({_contribution_instance(np.dtype(d), nd, tc, per)
                                  for _, d, nd, tc, per, _, _ in CONTRIBUTION_CASES})
+
+RANGE_DTYPES = ["bool", "uint8", "uint16", "int16", "int32", "float16", "float32", "float64"]
+RANGE_INSTANCES = sorted({_INPUT_CTYPE[np.dtype(d)] for d in RANGE_DTYPES})
 
 # common.cuh's inline PTX, in its host form: the same values without the GPU's instructions.
 _PTX = {
@@ -281,10 +284,28 @@ int contributions(const int64_t* a) {
     return 0;
 }
 
+// The finite value range. a: 3, instance, n, blocks, offset (elements the image starts past
+// a 16-byte boundary: 0 takes the vector reads); then the n values. stdout: range[0..1].
+template <class In>
+int range(const int64_t* a) {
+    std::vector<In> buffer;
+    if (!read(buffer, a[2] + a[4])) return 2;  // the first offset values are padding
+    unsigned long long out[2] = {0, 0};
+    run_grid((unsigned)a[3], [&] { cutopo::ecc::finite_range<In>(buffer.data() + a[4], a[2], out); });
+    fwrite(out, 8, 2, stdout);
+    return 0;
+}
+
 int main() {
     int64_t a[13];
     double d[2];
     if (fread(a, 8, 13, stdin) != 13 || fread(d, 8, 2, stdin) != 2) return 2;
+    if (a[0] == 3) {
+        switch (a[1]) {
+%(ranges)s
+        }
+        return 3;
+    }
     if (a[0] == 2) {
         switch (a[1]) {
 %(contributions)s
@@ -320,7 +341,9 @@ def _emulator_source() -> str:
     contributions = "\n".join(
         f"        case {i}: return contributions<{inp}, {key}, {nd}, {cpp(tc)}, {cpp(per)}>(a);"
         for i, (inp, key, nd, tc, per) in enumerate(CONTRIBUTION_INSTANCES))
-    return _EMULATION + common + ecc + _DRIVER % {"histograms": histograms, "contributions": contributions}
+    ranges = "\n".join(f"        case {i}: return range<{inp}>(a);" for i, inp in enumerate(RANGE_INSTANCES))
+    return _EMULATION + common + ecc + _DRIVER % {"histograms": histograms, "contributions": contributions,
+                                                  "ranges": ranges}
 
 
 def _build(tmp_path_factory, *defines):
@@ -477,3 +500,27 @@ def test_emulated_variants_equal_numpy(variant_emulator, case, rng):
     want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
     tc, _ = check_thresholds(t, image)
     np.testing.assert_array_equal(_kernel_rows(variant_emulator, image, tc, ndim, tconn, zchunk, bpi, 1), want)
+
+
+@pytest.mark.parametrize("dtype", RANGE_DTYPES)
+def test_emulated_finite_range_equals_numpy(emulator, dtype, rng):
+    """finite_range (a threshold count's minimum and maximum on CuPy arrays) gives the smallest
+    and largest finite value through its order keys, decoded as _ecc_cupy.finite_range does:
+    vector reads and the scalar tail, an unaligned start, inf and NaN skipped, none finite."""
+    dtype = np.dtype(dtype)
+    for n, blocks, offset in [(1, 1, 0), (7, 2, 1), (1000, 3, 0), (4099, 2, 0), (4099, 4, 1)]:
+        image = _image(rng, (n,), dtype)
+        if dtype.kind == "f":
+            image[rng.integers(0, n, 2)] = [np.inf, -np.inf][:min(n, 2)]
+            if n == 7:
+                image[:] = np.nan  # nothing finite
+        pixels = np.concatenate([np.zeros(offset, image.dtype), image])
+        head = [3, RANGE_INSTANCES.index(_INPUT_CTYPE[dtype]), n, blocks, offset] + [0] * 8
+        out = _run(emulator, head, (0.0, 0.0), _pixels(pixels))
+        not_lo, hi = (int(k) for k in np.frombuffer(out, np.uint64))
+        finite = image[np.isfinite(image)] if dtype.kind == "f" else image
+        if finite.size == 0:
+            assert not_lo == 0
+            continue
+        got = _key_value(~not_lo & 0xFFFFFFFFFFFFFFFF, dtype), _key_value(hi, dtype)
+        assert got == (finite.min(), finite.max()), (n, got, finite.min(), finite.max())
