@@ -499,7 +499,8 @@ def test_emulated_variants_equal_numpy(variant_emulator, case, rng):
     t = _thresholds(rng, image, thresholds)
     want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
     tc, _ = check_thresholds(t, image)
-    np.testing.assert_array_equal(_kernel_rows(variant_emulator, image, tc, ndim, tconn, zchunk, bpi, 1), want)
+    got = _kernel_rows(variant_emulator, image, tc, ndim, tconn, zchunk, bpi, 1)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", RANGE_DTYPES)
