@@ -11,7 +11,8 @@ replaced by their host forms. It then runs the kernel's grid, block after block,
 random images (several tiles per block, blocks past the last tile, image edges that cut
 tiles and vectors, ties, NaN) and compares with the NumPy path: ``ecc_histogram`` (every
 cumulation), ``ecc_histogram_masked`` (streamed slabs, Dask chunks) and ``ecc_contributions``
-(box and torus). It checks the tile loads, the packed and scalar sweeps, the bins and the
+(box and torus), ``finite_range``, ``expected_euler_forward`` and ``_backward``. It checks the
+tile loads, the packed and scalar sweeps, the bins and the
 sinks as the kernels compose them; what only a GPU shows (the flush of denormals under
 -ftz=true, warp timing, memory ordering between blocks that run together) stays with the
 GPU tests.
@@ -101,6 +102,8 @@ CONTRIBUTION_INSTANCES = sorted({_contribution_instance(np.dtype(d), nd, tc, per
 RANGE_DTYPES = ["bool", "uint8", "uint16", "int16", "int32", "float16", "float32", "float64"]
 RANGE_INSTANCES = sorted({_INPUT_CTYPE[np.dtype(d)] for d in RANGE_DTYPES})
 
+EXPECTED_INSTANCES = [(real, nd, tc) for real in ("float", "double") for nd in (2, 3) for tc in (False, True)]
+
 # common.cuh's inline PTX, in its host form: the same values without the GPU's instructions.
 _PTX = {
     'asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));': "f = emu::half_bits_to_float(h.bits);",
@@ -171,6 +174,7 @@ inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 template <class T> T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
 template <class T> T atomicMax(T* p, T v) {
     T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
     while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
@@ -179,6 +183,10 @@ template <class T> T atomicMax(T* p, T v) {
 template <class T> T __shfl_up_sync(unsigned, T v, int d) {
     const int lane = threadIdx.x % 32;
     return emu::exchange(v, lane >= d ? lane - d : lane);
+}
+template <class T> T __shfl_down_sync(unsigned, T v, int d) {
+    const int lane = threadIdx.x % 32;
+    return emu::exchange(v, lane + d < 32 ? lane + d : lane);
 }
 template <class T> T __shfl_xor_sync(unsigned, T v, int d) {
     return emu::exchange(v, (int)(threadIdx.x % 32) ^ d);
@@ -296,6 +304,33 @@ int range(const int64_t* a) {
     return 0;
 }
 
+// expected_euler_forward. a: 4, instance, nimg, nz, ny, nx, blocks_per_image, grid; then prob.
+// stdout: E[chi] per image, float64. expected_euler_backward. a: 5, instance, nimg, nz, ny, nx,
+// 0, grid; then prob and the cotangent (nimg). stdout: the gradient, in Real.
+template <class Real, int NDIM, bool TCONN>
+int expected(const int64_t* a) {
+    const int64_t nimg = a[2], nz = a[3], ny = a[4], nx = a[5];
+    std::vector<Real> prob, cotangent;
+    if (!read(prob, nimg * nz * ny * nx)) return 2;
+    if (a[0] == 4) {
+        std::vector<double> out(nimg, 0.0);
+        run_grid((unsigned)a[7], [&] {
+            cutopo::ecc::expected_euler_forward<Real, NDIM, TCONN>(prob.data(), out.data(), nimg, nz, ny,
+                                                                   nx, (int)a[6]);
+        });
+        fwrite(out.data(), 8, out.size(), stdout);
+        return 0;
+    }
+    if (!read(cotangent, nimg)) return 2;
+    std::vector<Real> grad(prob.size(), (Real)-7.25);  // poisoned
+    run_grid((unsigned)a[7], [&] {
+        cutopo::ecc::expected_euler_backward<Real, NDIM, TCONN>(prob.data(), cotangent.data(), grad.data(),
+                                                                nimg, nz, ny, nx);
+    });
+    fwrite(grad.data(), sizeof(Real), grad.size(), stdout);
+    return 0;
+}
+
 int main() {
     int64_t a[13];
     double d[2];
@@ -303,6 +338,12 @@ int main() {
     if (a[0] == 3) {
         switch (a[1]) {
 %(ranges)s
+        }
+        return 3;
+    }
+    if (a[0] == 4 || a[0] == 5) {
+        switch (a[1]) {
+%(expected)s
         }
         return 3;
     }
@@ -342,8 +383,11 @@ def _emulator_source() -> str:
         f"        case {i}: return contributions<{inp}, {key}, {nd}, {cpp(tc)}, {cpp(per)}>(a);"
         for i, (inp, key, nd, tc, per) in enumerate(CONTRIBUTION_INSTANCES))
     ranges = "\n".join(f"        case {i}: return range<{inp}>(a);" for i, inp in enumerate(RANGE_INSTANCES))
-    return _EMULATION + common + ecc + _DRIVER % {"histograms": histograms, "contributions": contributions,
-                                                  "ranges": ranges}
+    expected = "\n".join(f"        case {i}: return expected<{real}, {nd}, {cpp(tc)}>(a);"
+                         for i, (real, nd, tc) in enumerate(EXPECTED_INSTANCES))
+    expected_src = (src / "ecc_expected.cuh").read_text().replace('#include "common.cuh"', "")
+    return _EMULATION + common + ecc + expected_src + _DRIVER % {
+        "histograms": histograms, "contributions": contributions, "ranges": ranges, "expected": expected}
 
 
 def _build(tmp_path_factory, *defines):
@@ -525,3 +569,29 @@ def test_emulated_finite_range_equals_numpy(emulator, dtype, rng):
             continue
         got = _key_value(~not_lo & 0xFFFFFFFFFFFFFFFF, dtype), _key_value(hi, dtype)
         assert got == (finite.min(), finite.max()), (n, got, finite.min(), finite.max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape, ndim", [((2, 17, 23), 2), ((40, 3), 2), ((2, 5, 9, 13), 3), ((3, 4, 70), 3)])
+@pytest.mark.parametrize("tconn", [False, True])
+def test_emulated_expected_euler_equals_numpy(emulator, dtype, shape, ndim, tconn, rng):
+    """expected_euler_forward and _backward against cutopo.expected_euler and its pullback on
+    the NumPy path (to the float type's rounding: the kernels sum in another order)."""
+    dtype = np.dtype(dtype)
+    prob = rng.random(shape).astype(dtype)
+    prob[prob < 0.1] = 0.0  # exact zeros and ones too
+    prob[prob > 0.9] = 1.0
+    connectivity = ndim if tconn else 1
+    nimg, (nz, ny, nx) = _geometry(prob, ndim)
+    index = EXPECTED_INSTANCES.index(({"float32": "float", "float64": "double"}[dtype.name], ndim, tconn))
+    want, pullback = cutopo.vjp(cutopo.expected_euler, prob, ndim=ndim, connectivity=connectivity)
+    cotangent = rng.normal(size=want.shape).astype(dtype)
+    (want_grad,) = pullback(cotangent)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
+    for blocks_per_image, grid in [(1, nimg), (3, 3)]:
+        head = [4, index, nimg, nz, ny, nx, blocks_per_image, grid] + [0] * 5
+        got = np.frombuffer(_run(emulator, head, (0.0, 0.0), prob), np.float64).reshape(want.shape)
+        np.testing.assert_allclose(got, want, **tol)
+    head = [5, index, nimg, nz, ny, nx, 0, 3] + [0] * 5
+    grad = np.frombuffer(_run(emulator, head, (0.0, 0.0), prob, cotangent), dtype).reshape(prob.shape)
+    np.testing.assert_allclose(grad, want_grad, **tol)
