@@ -96,6 +96,22 @@ def _integer_threshold_table(t: np.ndarray) -> np.ndarray:
     return _bounds(keys, info.min, info.max)
 
 
+def histogram_key_ctype(T: int) -> str:
+    """The histogram kernels' key type: 16-bit keys (the packed sweep) up to PACKED_MAX_BINS."""
+    return "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
+
+
+def histogram_bin_arguments(dtype: np.dtype, thresholds: np.ndarray):
+    """(comparison C type, (T + 1, 2) table of bin bounds, estimate (t0, 1/dt) or None) with
+    which ecc_histogram bins images of ``dtype`` against ``thresholds`` (in the comparison
+    dtype numpy.result_type(image, thresholds))."""
+    if dtype in _INT16_IMAGES:
+        estimate = _uniform_estimate(thresholds, float_guess=True)
+        return "int", _integer_threshold_table(thresholds), estimate
+    cmp_ctype, cmp_dtype = _compare_type(thresholds.dtype)
+    return cmp_ctype, _threshold_table(thresholds, cmp_dtype), _uniform_estimate(thresholds)
+
+
 def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
     return (f"cutopo::ecc::ecc_histogram<{in_ctype}, {cmp_ctype}, {key_ctype}, {ndim}, "
             f"{'true' if tconn else 'false'}>")
@@ -243,14 +259,8 @@ class HistogramPlan:
         T = self.T
         in_ctype = _INPUT_CTYPE[dtype]
         view = _INPUT_VIEW.get(dtype, dtype)
-        key_ctype = "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
-        if dtype in _INT16_IMAGES:
-            cmp_ctype, table = "int", _integer_threshold_table(thresholds)
-            estimate = _uniform_estimate(thresholds, float_guess=True)
-        else:
-            cmp_ctype, cmp_dtype = _compare_type(thresholds.dtype)
-            table = _threshold_table(thresholds, cmp_dtype)
-            estimate = _uniform_estimate(thresholds)
+        key_ctype = histogram_key_ctype(T)
+        cmp_ctype, table, estimate = histogram_bin_arguments(dtype, thresholds)
         self.table = tables.upload(table)  # any stream reads it
         table_bytes = self.table.nbytes
         table_in_smem = table_bytes <= TABLE_SMEM_MAX

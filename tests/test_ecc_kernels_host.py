@@ -28,9 +28,8 @@ import pytest
 
 import cutopo
 from cutopo._cuda.source import source_dir
-from cutopo._ecc_cupy import (_INPUT_CTYPE, _INT16_IMAGES, _VALUE_KEY, _compare_type,
-                              _integer_threshold_table, _key_value, _threshold_table,
-                              _uniform_estimate, PACKED_MAX_BINS, TABLE_SMEM_MAX)
+from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, PACKED_MAX_BINS, TABLE_SMEM_MAX, _key_value,
+                              histogram_bin_arguments, histogram_key_ctype)
 from cutopo._checks import check_thresholds
 
 CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -59,12 +58,8 @@ CASES = [
 
 def _instance(dtype, t_dtype, T, ndim, tconn):
     """The ecc_histogram template arguments _ecc_cupy.HistogramPlan picks."""
-    key = "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
-    if dtype in _INT16_IMAGES:
-        cmp = "int"
-    else:
-        cmp, _ = _compare_type(np.result_type(dtype, t_dtype))
-    return (_INPUT_CTYPE[dtype], cmp, key, ndim, tconn)
+    cmp = histogram_bin_arguments(dtype, np.arange(3).astype(np.result_type(dtype, t_dtype)))[0]
+    return (_INPUT_CTYPE[dtype], cmp, histogram_key_ctype(T), ndim, tconn)
 
 
 def _threshold_dtype(dtype, thresholds):
@@ -439,10 +434,7 @@ def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumu
     the arguments _ecc_cupy.HistogramPlan gives it (the geometry chosen here)."""
     dtype = image.dtype
     T = t.size
-    if dtype in _INT16_IMAGES:
-        table, estimate = _integer_threshold_table(t), _uniform_estimate(t, float_guess=True)
-    else:
-        table, estimate = _threshold_table(t, _compare_type(t.dtype)[1]), _uniform_estimate(t)
+    _, table, estimate = histogram_bin_arguments(dtype, t)
     instance = _instance(dtype, t.dtype, T, ndim, tconn)
     assert instance in INSTANCES, f"{instance} is not compiled into the emulator"
     nimg, (nz, ny, nx) = _geometry(image, ndim)
