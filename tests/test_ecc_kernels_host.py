@@ -1,38 +1,28 @@
 """The ECC kernels run whole on the CPU: ecc.cu compiled for the host, a block's threads as
-host threads.
+host threads (tests/ecc_host_build.py).
 
-The GPU tests check the kernels on the device; CI has no GPU. This test compiles the
-kernels' source (common.cuh and ecc.cu, as the loader joins them) with the host's C++
-compiler against a small emulation of what it uses from CUDA: each block runs as 256 host
-threads (``threadIdx`` thread-local, ``__syncthreads`` a barrier, a warp's shuffles an exchange
-between its 32 threads), ``__shared__`` variables are statics (one block at a time), atomics
-are host atomics, and the four inline-PTX conversions and comparisons of common.cuh are
-replaced by their host forms. It then runs the kernel's grid, block after block, on small
-random images (several tiles per block, blocks past the last tile, image edges that cut
-tiles and vectors, ties, NaN) and compares with the NumPy path: ``ecc_histogram`` (every
-cumulation), ``ecc_histogram_masked`` (streamed slabs, Dask chunks) and ``ecc_contributions``
-(box and torus), ``finite_range``, ``expected_euler_forward`` and ``_backward``. It checks the
-tile loads, the packed and scalar sweeps, the bins and the
+The GPU tests check the kernels on the device; CI has no GPU. This test runs each kernel's
+grid, block after block, on small random images (several tiles per block, blocks past the
+last tile, image edges that cut tiles and vectors, ties, NaN) and compares with the NumPy
+path: ``ecc_histogram`` (every cumulation), ``ecc_histogram_masked`` (streamed slabs, Dask
+chunks), ``ecc_contributions`` (box and torus), ``finite_range``, ``expected_euler_forward``
+and ``_backward``. It checks the tile loads, the packed and scalar sweeps, the bins and the
 sinks as the kernels compose them; what only a GPU shows (the flush of denormals under
 -ftz=true, warp timing, memory ordering between blocks that run together) stays with the
 GPU tests.
 """
 from __future__ import annotations
 
-import re
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
 import cutopo
-from cutopo._cuda.source import source_dir
 from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, PACKED_MAX_BINS, TABLE_SMEM_MAX, _key_value,
                               histogram_bin_arguments, histogram_key_ctype)
 from cutopo._checks import check_thresholds
-
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+from ecc_host_build import build
 
 CASES = [
     # shape, dtype, ndim, tconn, thresholds (a count, "random" or "float64"), zchunk, blocks
@@ -98,119 +88,6 @@ RANGE_DTYPES = ["bool", "uint8", "uint16", "int16", "int32", "float16", "float32
 RANGE_INSTANCES = sorted({_INPUT_CTYPE[np.dtype(d)] for d in RANGE_DTYPES})
 
 EXPECTED_INSTANCES = [(real, nd, tc) for real in ("float", "double") for nd in (2, 3) for tc in (False, True)]
-
-# common.cuh's inline PTX, in its host form: the same values without the GPU's instructions.
-_PTX = {
-    'asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));': "f = emu::half_bits_to_float(h.bits);",
-    'asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(v));': "d = (double)v;",
-    'asm("{.reg .pred p; setp.le.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));':
-        "r = a <= b;",
-    'asm("{.reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));':
-        "r = a > b;",
-}
-
-_EMULATION = r"""
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __restrict__ __restrict
-#define __launch_bounds__(...)
-#define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static  // one block at a time: a static is the block's
-
-struct uint3 { unsigned x, y, z; };
-struct uint2 { unsigned x, y; };
-struct alignas(16) uint4 { unsigned x, y, z, w; };
-inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
-thread_local uint3 threadIdx;
-uint3 blockIdx, blockDim, gridDim;
-
-namespace emu {
-constexpr int THREADS = 256;
-std::barrier<>* block_barrier;
-struct Warp {
-    std::barrier<> barrier{32};
-    unsigned long long slot[32];
-};
-Warp* warps;
-alignas(16) unsigned char dynamic_smem[1 << 17];
-
-template <class T>
-T exchange(T v, int from) {  // every lane of the warp calls it together (full masks only)
-    Warp& w = warps[threadIdx.x / 32];
-    std::memcpy(&w.slot[threadIdx.x % 32], &v, sizeof(T));
-    w.barrier.arrive_and_wait();
-    T r;
-    std::memcpy(&r, &w.slot[from], sizeof(T));
-    w.barrier.arrive_and_wait();
-    return r;
-}
-
-inline float half_bits_to_float(unsigned short h) {
-    const unsigned s = (h >> 15) & 1u, e = (h >> 10) & 31u, m = h & 1023u;
-    float f = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? (m ? NAN : INFINITY)
-                                                           : std::ldexp((float)(m | 1024u), (int)e - 25);
-    return s ? -f : f;
-}
-}  // namespace emu
-
-inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-template <class T> T __ldg(const T* p) { return *p; }
-template <class T> T __ldcg(const T* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
-template <class T> T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
-template <class T> T atomicMax(T* p, T v) {
-    T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-    while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
-    return old;
-}
-template <class T> T __shfl_up_sync(unsigned, T v, int d) {
-    const int lane = threadIdx.x % 32;
-    return emu::exchange(v, lane >= d ? lane - d : lane);
-}
-template <class T> T __shfl_down_sync(unsigned, T v, int d) {
-    const int lane = threadIdx.x % 32;
-    return emu::exchange(v, lane + d < 32 ? lane + d : lane);
-}
-template <class T> T __shfl_xor_sync(unsigned, T v, int d) {
-    return emu::exchange(v, (int)(threadIdx.x % 32) ^ d);
-}
-template <class T> T __shfl_sync(unsigned, T v, int src) { return emu::exchange(v, src); }
-inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-    const unsigned long long v = ((unsigned long long)y << 32) | x;
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
-    return r;
-}
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fsqrt_rn(float a) { return std::sqrt(a); }
-inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
-inline double __dadd_rn(double a, double b) { return a + b; }
-inline double __dsub_rn(double a, double b) { return a - b; }
-inline double __dmul_rn(double a, double b) { return a * b; }
-inline double __ddiv_rn(double a, double b) { return a / b; }
-inline double __dsqrt_rn(double a) { return std::sqrt(a); }
-inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
-inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
-template <class T> T min(T a, T b) { return a < b ? a : b; }
-template <class T> T max(T a, T b) { return a > b ? a : b; }
-"""
 
 _DRIVER = r"""
 // Runs a kernel's grid, block after block, each block as THREADS host threads.
@@ -356,19 +233,7 @@ int main() {
 """
 
 
-def _emulator_source() -> str:
-    src = source_dir()
-    common = (src / "common.cuh").read_text()
-    for ptx, host in _PTX.items():
-        assert ptx in common, f"common.cuh no longer has {ptx!r}: update this test"
-        common = common.replace(ptx, host)
-    assert "asm" not in re.sub(r"//.*", "", common), "common.cuh has inline PTX this test does not replace"
-    ecc = (src / "ecc.cu").read_text()
-    ecc = ecc.replace('#include "common.cuh"', "")
-    ecc = ecc[:ecc.index('#include "ecc_band.cuh"')]  # the soft ECC and ECT kernels: not here
-    smem = "extern __shared__ __align__(16) unsigned char dynamic_smem[];"
-    assert smem in ecc, "ecc.cu's dynamic shared memory changed: update this test"
-    ecc = ecc.replace(smem, "unsigned char* dynamic_smem = emu::dynamic_smem;")
+def _driver() -> str:
     def cpp(flag):
         return "true" if flag else "false"
 
@@ -380,26 +245,13 @@ def _emulator_source() -> str:
     ranges = "\n".join(f"        case {i}: return range<{inp}>(a);" for i, inp in enumerate(RANGE_INSTANCES))
     expected = "\n".join(f"        case {i}: return expected<{real}, {nd}, {cpp(tc)}>(a);"
                          for i, (real, nd, tc) in enumerate(EXPECTED_INSTANCES))
-    expected_src = (src / "ecc_expected.cuh").read_text().replace('#include "common.cuh"', "")
-    return _EMULATION + common + ecc + expected_src + _DRIVER % {
-        "histograms": histograms, "contributions": contributions, "ranges": ranges, "expected": expected}
-
-
-def _build(tmp_path_factory, *defines):
-    if CXX is None:
-        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
-    tmp = tmp_path_factory.mktemp("ecc_emulated")
-    (tmp / "ecc_emulated.cpp").write_text(_emulator_source())
-    exe = tmp / "ecc_emulated"
-    run = subprocess.run([CXX, "-std=c++20", "-O1", "-pthread", "-w", *defines, "-o", str(exe),
-                          str(tmp / "ecc_emulated.cpp")], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return exe
+    return _DRIVER % {"histograms": histograms, "contributions": contributions, "ranges": ranges,
+                      "expected": expected}
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    return _build(tmp_path_factory)
+    return build(tmp_path_factory, "ecc_emulated", _driver())
 
 
 # ecc.cu's compile-time variants for benchmarks/ab_ecc.py --variant: the A/B is only worth
@@ -409,7 +261,7 @@ VARIANTS = ["-DCUTOPO_ECC_NO_CUBE_PAIRS", "-DCUTOPO_ECC_LANE_SINK", "-DCUTOPO_EC
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def variant_emulator(request, tmp_path_factory):
-    return _build(tmp_path_factory, request.param)
+    return build(tmp_path_factory, "ecc_emulated", _driver(), request.param)
 
 
 def _run(emulator, head, floats, *arrays):

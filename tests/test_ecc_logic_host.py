@@ -4,70 +4,25 @@ Much of ecc.cu is plain integer and float code: ``packed::word_counts`` (the con
 of two pixels per 32-bit word with SWAR arithmetic: 15-bit keys, bit 15 of each lane a
 comparison, a cube counted with one of its squares), the scalar ``contribution`` and the
 torus' ``torus_flips``, ``TileWalk`` (a block's tiles) and ``ThresholdBins`` (a value's
-threshold bin: an estimate checked against a table of bin bounds). This test cuts them out of
-the source, compiles them with the host's C++ compiler (the CUDA intrinsics they use given
-host definitions) and checks them against oracles: cell ownership from its definition (here
+threshold bin: an estimate checked against a table of bin bounds). This test compiles ecc.cu
+for the host (tests/ecc_host_build.py) with a driver that calls them directly, and checks them
+against oracles: cell ownership from its definition (here
 and tests/oracles.py's torus), the divided tile numbers, ``numpy.searchsorted``. The GPU tests
 check the same code inside the kernels.
 """
 from __future__ import annotations
 
 import itertools
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from cutopo._cuda.source import source_dir
+from ecc_host_build import build
 
 OUTSIDE = 0x7FFF
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
-# The source between these markers is device code without CUDA intrinsics.
-_SPANS = [("__host__ __device__ constexpr int pow3", "// How a sweep reads positions past the image"),
-          ("template <int NDIM>\n__device__ constexpr int level",
-           "// Sweep the tiles [first, first + step, ...) of one image (64"),
-          ("template <int NDIM>\nstruct TileWalk {",
-           "template <int NDIM, bool TCONN, typename K, class KeyOf"),
-          ("template <typename Tab>\nstruct alignas(2 * sizeof(Tab)) Bounds {",
-           "// Key of a pixel for the histogram: its threshold bin.")]
-
-_HARNESS = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#define __device__
-#define __host__
-#define __forceinline__ inline
-typedef long long i64;
-namespace cutopo {
-// Host forms of what the bins use: IEEE comparisons (the host flushes no denormals, as the
-// kernel's non-.ftz setp does not), round-to-nearest float arithmetic (the kernel's, under
-// -ftz=true, differs for denormal operands only, in the estimate, which the table check
-// corrects), bit casts.
-template <typename T> bool le(T a, T b) { return a <= b; }
-template <typename T> bool gt(T a, T b) { return a > b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
-inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-using std::fmin; using std::ceil; using std::fminf; using std::fmaxf;
-inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-namespace ecc {
-%(scalar)s
-%(walk)s
-%(bins)s
-namespace packed {
-constexpr unsigned H = 0x80008000u;
-%(packed)s
-}
-}}
+_DRIVER = r"""
 using namespace cutopo;
 using namespace cutopo::ecc;
 
@@ -160,11 +115,11 @@ int torus() {
     for (int64_t i = 0; i < size; ++i) {
         i64 p[NDIM], nn[NDIM];
         int64_t r = i;
-        for (int a = NDIM - 1; a >= 0; --a) { p[a] = r %% n[a]; r /= n[a]; nn[a] = n[a]; }
+        for (int a = NDIM - 1; a >= 0; --a) { p[a] = r % n[a]; r /= n[a]; nn[a] = n[a]; }
         unsigned nb[N];
         for (int j = 0; j < N; ++j) {
             int64_t q = 0;
-            for (int a = 0; a < NDIM; ++a) q = q * n[a] + (p[a] + digit<NDIM>(j, a) + n[a]) %% n[a];
+            for (int a = 0; a < NDIM; ++a) q = q * n[a] + (p[a] + digit<NDIM>(j, a) + n[a]) % n[a];
             nb[j] = key[q];
         }
         out[i] = contribution<NDIM, TCONN>(nb, torus_flips<NDIM>(p, nn));
@@ -195,25 +150,9 @@ int main(int argc, char** argv) {
 """
 
 
-def _cut(source: str, start: str, end: str) -> str:
-    i, j = source.find(start), source.find(end)
-    assert 0 <= i < j, f"ecc.cu no longer has the span {start!r} .. {end!r}: update this test"
-    return source[i:j]
-
-
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
-    source = (source_dir() / "ecc.cu").read_text()
-    code = _HARNESS % {"scalar": _cut(source, *_SPANS[0]), "packed": _cut(source, *_SPANS[1]),
-                       "walk": _cut(source, *_SPANS[2]), "bins": _cut(source, *_SPANS[3])}
-    tmp = tmp_path_factory.mktemp("packed")
-    (tmp / "harness.cpp").write_text(code)
-    exe = tmp / "harness"
-    subprocess.run([CXX, "-std=c++17", "-O1", "-o", str(exe), str(tmp / "harness.cpp")], check=True,
-                   capture_output=True, text=True)
-    return exe
+    return build(tmp_path_factory, "ecc_logic", _DRIVER)
 
 
 def _oracle(keys: np.ndarray, ndim: int, tconn: bool) -> np.ndarray:
