@@ -349,15 +349,22 @@ constexpr int TXP = 2 * WORDS;           // tile width in pixels
 constexpr int ROWW = WORDS + 4;          // words per shared row
 constexpr int ROWK = 2 * ROWW;           // keys per shared row
 constexpr int KEY0 = 3;                  // key index of halo column 0 (pixel x0 - 1)
-constexpr int ROWS = TY + 2;             // rows per shared plane
-constexpr int PLANEW = ROWW * ROWS;      // words per shared plane
-constexpr int LOADS = ROWS * (TXP + 2);  // keys loaded per plane
+// A tile of WARPS x RPT rows (RPT rows per thread) and its shared plane (one-row halo).
+template <int RPT>
+struct Rows {
+    static constexpr int TILE = WARPS * RPT;               // tile height
+    static constexpr int SHARED = TILE + 2;                // rows per shared plane
+    static constexpr int PLANEW = ROWW * SHARED;           // words per shared plane
+    static constexpr int LOADS = SHARED * (TXP + 2);       // keys loaded per plane
+};
+constexpr int PLANEW = Rows<PY>::PLANEW;  // the soft ECC's tiles (ecc_soft.cuh)
 constexpr unsigned H = 0x80008000u;
 // Key of positions outside the image. Bins 0..T must stay below it: the host takes this kernel
 // only for T <= _ecc_cupy.PACKED_MAX_BINS (4096, the bins of a shared histogram).
 constexpr unsigned OUTSIDE = 0x7fffu;
 // 16-byte reads a 2D thread issues before it bins them: a plane's interior rows take 1 to 5
-// rounds of the block's threads (3 for 4-byte pixels; 8-byte pixels bin in two groups).
+// rounds of the block's threads in tiles of 32 rows (3 for 4-byte pixels), 2 to 9 in tiles of
+// 64 (5 for 4-byte pixels); rounds past three bin in further groups.
 constexpr int LOADS_IN_FLIGHT = 3;
 // 3D planes read as 2D ones (below): a variant for benchmarks/ab_ecc.py --variant.
 #ifdef CUTOPO_ECC_GROUP_READS_3D
@@ -525,22 +532,23 @@ __device__ __forceinline__ void word_counts(const unsigned (&W)[pow3(NDIM)], uns
     if constexpr (NDIM == 3) own_level<NDIM, TCONN, 3>(P, own, pos, neg);
 }
 
-// Sweep the tiles [first, first + step, ...) of one image (64 x 32 pixels, 32 x 32 words).
-// Sink(c, key, 0) consumes each counted pixel's contribution; a sink with WORDS set instead
+// Sweep the tiles [first, first + step, ...) of one image (64 pixels or 32 words wide, WARPS x
+// RPT rows high). Sink(c, key, 0) consumes each counted pixel's contribution; a sink with WORDS set instead
 // takes each thread's word of two pixels, sink.word(pos, neg, ties, z, gy, gx, j) (its pixels
 // (z, gy, gx) and (z, gy, gx + 1), counted or not; ties as word_counts makes them when the
 // sink sets TIES), and after the rows of every plane every thread calls
 // after.rows_done(z, y0, x0) (the plane and the tile's origin).
-template <int NDIM, bool TCONN, class KeyOf, class Sink, class Region = AllPixels,
+template <int NDIM, bool TCONN, int RPT = PY, class KeyOf, class Sink, class Region = AllPixels,
           class After = NoRowsHook>
-__device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, i64 nx, int zchunk,
+__device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
                                       const Sink& sink, const Region& counts = Region(),
                                       const After& after = After()) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
+    constexpr int TY = Rows<RPT>::TILE, ROWS = Rows<RPT>::SHARED, LOADS = Rows<RPT>::LOADS;
     constexpr int BASE = cell_sign<NDIM, TCONN>((pow3(NDIM) - 1) / 2);
     const int lane = threadIdx.x % 32;
-    const int row0 = (threadIdx.x / 32) * PY + 1;  // first tile row of this thread, halo coords
+    const int row0 = (threadIdx.x / 32) * RPT + 1;  // first tile row of this thread, halo coords
     const i64 ntx = (nx + TXP - 1) / TXP;
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
@@ -576,6 +584,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                         // soft ECC's forward, whose band work needs the registers).
                         constexpr int ROUNDS = (VECTORS + THREADS - 1) / THREADS;
                         constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
+                        static_assert(2 * ROWS <= THREADS, "one thread per row end");
                         const bool end_thread = threadIdx.x < 2 * ROWS;
                         const int ey = threadIdx.x >> 1, ex = (threadIdx.x & 1) ? TXP + 1 : 0;
                         typename KeyOf::In end_value{};
@@ -670,7 +679,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                 row_words(planes[p], row0, win[p][2]);
             }
 #pragma unroll
-            for (int j = 0; j < PY; ++j) {
+            for (int j = 0; j < RPT; ++j) {
                 unsigned W[pow3(NDIM)];
 #pragma unroll
                 for (int p = 0; p < NP; ++p) {
@@ -930,9 +939,10 @@ struct HistSink {
 #endif
 #define CUTOPO_ECC_BLOCKS(NDIM) ((NDIM) == 3 ? CUTOPO_ECC_MIN_BLOCKS_3D : CUTOPO_ECC_MIN_BLOCKS)
 
-// Keys of 16 bits take the packed sweep (tiles 64 pixels wide), 32-bit keys the scalar one.
-// The body of the histogram kernels: the pixels for which counts(z, y, x) holds are counted.
-template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, class Region>
+// Keys of 16 bits take the packed sweep (tiles 64 pixels wide, WARPS x RPT rows), 32-bit keys
+// the scalar one. The body of the histogram kernels: the pixels for which counts(z, y, x) holds
+// are counted.
+template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, int RPT, class Region>
 __device__ __forceinline__ void
 histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
                 long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
@@ -968,9 +978,9 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T};
     if constexpr (sizeof(K) == 2) {
         // 16-byte aligned: load_plane stores the packed rows as uint2
-        __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
-        packed::sweep<NDIM, TCONN>(words, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
-                                   blocks_per_image, key_of, sink, counts);
+        __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::Rows<RPT>::PLANEW];
+        packed::sweep<NDIM, TCONN, RPT>(words, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
+                                        blocks_per_image, key_of, sink, counts);
     } else {
         __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
         sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
@@ -1045,16 +1055,20 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
 // of each image to finish makes its row cumulative (the ECC curve); 2: hist starts zeroed and
 // every block adds its own cumulative histogram (the same curve; done is not touched); 0:
 // hist accumulates (blocks of one volume added by several launches), done is not touched.
-template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
+// RPT: rows per thread of the packed sweep's tiles. 2D images of many tiles take 8 (64 rows):
+// a tile's fixed work (its walk, the plane's row ends and barrier, the window's first rows) was
+// ~11 of a 2D pixel's instructions at 32 rows; smaller ones keep 4, which gives their one wave
+// twice the blocks (_ecc_cupy.HIST_TALL_ROWS).
+template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, int RPT = PY>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
 ecc_histogram(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
               int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
               unsigned* __restrict__ done, int cumulate) {
-    histogram_tiles<In, Cmp, K, NDIM, TCONN>(image, thresholds, hist, nz, ny, nx, zchunk,
-                                             blocks_per_image, T, estimate, t0, inv_dt,
-                                             table_in_smem, hist_in_smem, AllPixels(),
-                                             cumulate == 1 ? done : nullptr, cumulate == 2);
+    histogram_tiles<In, Cmp, K, NDIM, TCONN, RPT>(image, thresholds, hist, nz, ny, nx, zchunk,
+                                                  blocks_per_image, T, estimate, t0, inv_dt,
+                                                  table_in_smem, hist_in_smem, AllPixels(),
+                                                  cumulate == 1 ? done : nullptr, cumulate == 2);
 }
 
 // The same histogram, adding only the pixels whose coordinates are marked in the per-axis masks
@@ -1069,10 +1083,10 @@ ecc_histogram_masked(const In* __restrict__ image,
                      int blocks_per_image, int T, int estimate, double t0, double inv_dt,
                      int table_in_smem, int hist_in_smem, const unsigned char* __restrict__ own_z,
                      const unsigned char* __restrict__ own_y, const unsigned char* __restrict__ own_x) {
-    histogram_tiles<In, Cmp, K, NDIM, TCONN>(image, thresholds, hist, nz, ny, nx, zchunk,
-                                             blocks_per_image, T, estimate, t0, inv_dt,
-                                             table_in_smem, hist_in_smem,
-                                             MaskedPixels{own_z, own_y, own_x, ny, nx}, nullptr);
+    histogram_tiles<In, Cmp, K, NDIM, TCONN, PY>(image, thresholds, hist, nz, ny, nx, zchunk,
+                                                 blocks_per_image, T, estimate, t0, inv_dt,
+                                                 table_in_smem, hist_in_smem,
+                                                 MaskedPixels{own_z, own_y, own_x, ny, nx}, nullptr);
 }
 
 // In-place inclusive prefix sum of each row of hist (rows, T); one warp per row.

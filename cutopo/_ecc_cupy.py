@@ -12,7 +12,7 @@ from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
 
 FAMILY = "ecc"
 THREADS = 256                # ecc::THREADS
-TILE_Y = 32                  # ecc::TY
+TILE_Y = 32                  # ecc::TY, and the packed sweep's tiles at packed::PY rows per thread
 TILE_X = {"unsigned short": 64, "unsigned int": 32}  # packed::TXP for 16-bit keys, ecc::TX else
 TABLE_SMEM_MAX = 16 * 1024   # threshold table in shared memory up to this many bytes
 HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
@@ -36,6 +36,11 @@ HIST_MIN_TILES_2D = 2    # with at least this many tiles per block
 HIST_WAVES_3D = 16       # 3D blocks: up to this many times the resident ones (~1 tile each)
 HIST_BLOCK_PLANES = 2    # a 3D block's fixed cost, in plane loads (the chunk-length model)
 HIST_ZCHUNK_MAX = 64     # planes per 3D tile at most
+# 2D histograms of 16-bit keys take tiles of HIST_TALL_ROWS rows per thread (64 rows: half the
+# fixed work per tile of 32 rows, ecc.cu's packed::sweep) where the image has at least
+# HIST_MIN_TILES_2D such tiles per resident block; smaller images keep 32 rows, which give
+# their one wave twice the blocks.
+HIST_TALL_ROWS = 8
 
 # Storage dtype -> C type of the kernel's input (bool is one byte, read as unsigned char).
 _INPUT_CTYPE = {
@@ -112,9 +117,12 @@ def histogram_bin_arguments(dtype: np.dtype, thresholds: np.ndarray):
     return cmp_ctype, _threshold_table(thresholds, cmp_dtype), _uniform_estimate(thresholds)
 
 
-def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
+def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn, rows=None) -> str:
+    """The histogram kernel; ``rows``: rows per thread of the packed sweep's tiles (16-bit keys)
+    where not the kernel's default (TILE_Y / 8)."""
+    tail = "" if rows is None else f", {int(rows)}"
     return (f"cutopo::ecc::ecc_histogram<{in_ctype}, {cmp_ctype}, {key_ctype}, {ndim}, "
-            f"{'true' if tconn else 'false'}>")
+            f"{'true' if tconn else 'false'}{tail}>")
 
 
 def masked_histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
@@ -149,6 +157,9 @@ def _instances():
         for ndim in (2, 3):
             for tconn in (False, True):
                 yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim, tconn)
+                if ndim == 2:
+                    yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim, tconn,
+                                             HIST_TALL_ROWS)
                 yield contributions_instance(in_ctype, ndim, tconn)
                 yield contributions_instance(in_ctype, ndim, tconn, periodic=True)
     yield histogram_instance("float", "double", "unsigned int", 3, False)
@@ -173,11 +184,11 @@ def _image_view(x):
     return x.view(view) if view is not None else x
 
 
-def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x):
+def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
     """(zchunk, blocks_per_image): enough tiles to fill the device, bounded pixels per block."""
     nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
     target = 2 * resident_blocks(sig, THREADS, shared_mem)
-    tiles_yx = math.ceil(ny / TILE_Y) * math.ceil(nx / tile_x)
+    tiles_yx = math.ceil(ny / tile_y) * math.ceil(nx / tile_x)
     zchunk = 1
     if ndim == 3:
         zchunk = int(np.clip((nz * tiles_yx * nimg) // target, 2, 64))
@@ -187,7 +198,7 @@ def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x):
     return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
-def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
+def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
     """The histogram kernel's ((nz, ny, nx), zchunk, blocks_per_image), as _plan's.
 
     Measured on the H200 (benchmarks/RESULTS.md, twenty-fourth session; 7-22 % less than
@@ -201,7 +212,7 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
     """
     nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
     slots = resident_blocks(sig, THREADS, shared_mem, PROFILE_OPTIONS)
-    tiles_yx = math.ceil(ny / TILE_Y) * math.ceil(nx / tile_x)
+    tiles_yx = math.ceil(ny / tile_y) * math.ceil(nx / tile_x)
     pixels = nz * ny * nx
     zchunk = 1
     if ndim == 2:
@@ -218,7 +229,7 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
         if cols * math.ceil(nz / zchunk) < 2 * slots:
             # Under two waves of such tiles (up to 256^3 here) the balance is another one: two
             # waves of shorter chunks measured 2-5 % faster (128^3, 300 x 200 x 100).
-            return _plan(sig, nimg, spatial, ndim, shared_mem, tile_x)
+            return _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y)
         blocks = math.ceil(HIST_WAVES_3D * slots / nimg)
     tiles = tiles_yx * math.ceil(nz / zchunk)
     blocks = max(blocks, math.ceil(pixels / MAX_PIXELS_PER_BLOCK))
@@ -267,16 +278,23 @@ class HistogramPlan:
         hist_in_smem = T <= HIST_SMEM_MAX_BINS
         self.shared_mem = (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
                            + (4 * (T + HIST_SPARE_SLOTS) if hist_in_smem else 0))
-        name = (masked_histogram_instance if masked else histogram_instance)(
-            in_ctype, cmp_ctype, key_ctype, ndim, tconn)
         # masked: the per-axis masks; else the per-image counters and the cumulate flag
         tail = ("ptr:uint8",) * 3 if masked else ("ptr:uint32", "int32")
-        self.sig = Signature(FAMILY, name,
-                             (f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
-                              "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32")
-                             + tail)
+        params = ((f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
+                   "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32") + tail)
+        instance = masked_histogram_instance if masked else histogram_instance
+        self.sig = Signature(FAMILY, instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn), params)
+        tile_y = TILE_Y
+        if not masked and ndim == 2 and key_ctype == "unsigned short" and HIST_TALL_ROWS:
+            tall_y = HIST_TALL_ROWS * (THREADS // 32)
+            tall_tiles = nimg * math.ceil(spatial[0] / tall_y) * math.ceil(spatial[1] / TILE_X[key_ctype])
+            if tall_tiles >= HIST_MIN_TILES_2D * resident_blocks(self.sig, THREADS, self.shared_mem,
+                                                                  PROFILE_OPTIONS):
+                tile_y = tall_y
+                self.sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn,
+                                                                HIST_TALL_ROWS), params)
         (nz, ny, nx), zchunk, per_image = _histogram_geometry(
-            self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype])
+            self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype], tile_y)
         block_pixels = nz * ny * nx / per_image
         self.cumulate = 2 if (hist_in_smem and dtype != np.bool_
                               and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels) else 1

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import cutopo
-from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, PACKED_MAX_BINS, TABLE_SMEM_MAX, _key_value,
-                              histogram_bin_arguments, histogram_key_ctype)
+from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, HIST_TALL_ROWS, PACKED_MAX_BINS, TABLE_SMEM_MAX,
+                              _key_value, histogram_bin_arguments, histogram_key_ctype)
 from cutopo._checks import check_thresholds
 from ecc_host_build import build
 
@@ -44,12 +44,25 @@ CASES = [
     ((5, 66, 136), "float16", 3, False, 40, 2, 2),
     ((50, 70), "float32", 2, False, 5000, 1, 3),  # the scalar sweep, a global histogram
 ]
+# 2D tiles of 64 rows (HIST_TALL_ROWS rows per thread; _ecc_cupy takes them for large images):
+# every read path (vector rows of 1, 2, 4 and 8 bytes, rows not 16-byte multiples, float16's
+# float32 comparisons, binary search) with a tile away from every edge (y0 = 64, 129 <= ny).
+TALL_CASES = [
+    ((140, 200), "float32", 2, False, 64, 1, 3),
+    ((2, 200, 144), "uint8", 2, True, 12, 1, 2),
+    ((150, 136), "float64", 2, False, 100, 1, 2),
+    ((130, 200), "uint16", 2, True, 40, 1, 2),
+    ((133, 160), "float16", 2, False, 40, 1, 2),
+    ((140, 136), "int16", 2, False, "random", 1, 3),
+    ((131, 141), "bool", 2, True, 2, 1, 1),
+]
 
 
-def _instance(dtype, t_dtype, T, ndim, tconn):
-    """The ecc_histogram template arguments _ecc_cupy.HistogramPlan picks."""
+def _instance(dtype, t_dtype, T, ndim, tconn, rows=4):
+    """The ecc_histogram template arguments _ecc_cupy.HistogramPlan picks (``rows``: per thread
+    of the packed sweep's tiles)."""
     cmp = histogram_bin_arguments(dtype, np.arange(3).astype(np.result_type(dtype, t_dtype)))[0]
-    return (_INPUT_CTYPE[dtype], cmp, histogram_key_ctype(T), ndim, tconn)
+    return (_INPUT_CTYPE[dtype], cmp, histogram_key_ctype(T), ndim, tconn, rows)
 
 
 def _threshold_dtype(dtype, thresholds):
@@ -59,8 +72,9 @@ def _threshold_dtype(dtype, thresholds):
 
 
 INSTANCES = sorted({_instance(np.dtype(d), _threshold_dtype(np.dtype(d), th),
-                              th if isinstance(th, int) else 45, nd, tc)
-                    for _, d, nd, tc, th, _, _ in CASES})
+                              th if isinstance(th, int) else 45, nd, tc, rows)
+                    for cases, rows in ((CASES, 4), (TALL_CASES, HIST_TALL_ROWS))
+                    for _, d, nd, tc, th, _, _ in cases})
 
 CONTRIBUTION_CASES = [
     # shape, dtype, ndim, tconn, periodic, zchunk, blocks per image
@@ -122,7 +136,7 @@ bool read(std::vector<T>& v, size_t n) {
 // nz, ny, nx, zchunk, blocks_per_image, T, estimate, table_in_smem, hist_in_smem, cumulate;
 // d: t0, inv_dt; then the table ((T + 1) x 2 comparison values), the image (nimg nz ny nx
 // pixels) and, masked, the masks (nz, ny, nx bytes). stdout: the (nimg, T) int64 rows.
-template <class In, class Cmp, class K, int NDIM, bool TCONN>
+template <class In, class Cmp, class K, int NDIM, bool TCONN, int RPT>
 int histogram(const int64_t* a, const double* d) {
     const int64_t nimg = a[2], nz = a[3], ny = a[4], nx = a[5], T = a[8];
     const int zchunk = (int)a[6], bpi = (int)a[7];
@@ -134,12 +148,12 @@ int histogram(const int64_t* a, const double* d) {
     std::vector<long long> hist(nimg * T, 0);
     std::vector<unsigned> done(nimg, 0u);
     run_grid((unsigned)(nimg * bpi), [&] {
-        if (a[0] == 1)
+        if (a[0] == 1 && RPT == cutopo::ecc::PY)  // the masked kernel has the default tiles
             cutopo::ecc::ecc_histogram_masked<In, Cmp, K, NDIM, TCONN>(
                 image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9], d[0],
                 d[1], (int)a[10], (int)a[11], oz.data(), oy.data(), ox.data());
         else
-            cutopo::ecc::ecc_histogram<In, Cmp, K, NDIM, TCONN>(
+            cutopo::ecc::ecc_histogram<In, Cmp, K, NDIM, TCONN, RPT>(
                 image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9], d[0],
                 d[1], (int)a[10], (int)a[11], done.data(), (int)a[12]);
     });
@@ -237,8 +251,8 @@ def _driver() -> str:
     def cpp(flag):
         return "true" if flag else "false"
 
-    histograms = "\n".join(f"        case {i}: return histogram<{inp}, {cmp}, {key}, {nd}, {cpp(tc)}>(a, d);"
-                           for i, (inp, cmp, key, nd, tc) in enumerate(INSTANCES))
+    histograms = "\n".join(f"        case {i}: return histogram<{inp}, {cmp}, {key}, {nd}, {cpp(tc)}, {rows}>(a, d);"
+                           for i, (inp, cmp, key, nd, tc, rows) in enumerate(INSTANCES))
     contributions = "\n".join(
         f"        case {i}: return contributions<{inp}, {key}, {nd}, {cpp(tc)}, {cpp(per)}>(a);"
         for i, (inp, key, nd, tc, per) in enumerate(CONTRIBUTION_INSTANCES))
@@ -281,13 +295,13 @@ def _pixels(image):
     return image.view(np.uint16) if image.dtype == np.float16 else image
 
 
-def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumulate, masks=None):
+def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumulate, masks=None, rows=4):
     """The (*batch, T) rows ecc_histogram (ecc_histogram_masked with ``masks``) leaves, with
     the arguments _ecc_cupy.HistogramPlan gives it (the geometry chosen here)."""
     dtype = image.dtype
     T = t.size
     _, table, estimate = histogram_bin_arguments(dtype, t)
-    instance = _instance(dtype, t.dtype, T, ndim, tconn)
+    instance = _instance(dtype, t.dtype, T, ndim, tconn, rows)
     assert instance in INSTANCES, f"{instance} is not compiled into the emulator"
     nimg, (nz, ny, nx) = _geometry(image, ndim)
     head = [masks is not None, INSTANCES.index(instance), nimg, nz, ny, nx, zchunk, blocks_per_image, T,
@@ -326,13 +340,14 @@ def _thresholds(rng, image, thresholds):
 
 # cumulate 0: rows added (cumulated here), 1: the last block cumulates, 2: every block adds
 # its own prefix (the host takes 2 only with the shared histogram, T <= 4096)
-RUNS = [(case, cumulate) for case in CASES for cumulate in (0, 1, 2)
-        if not (cumulate == 2 and case[4] == 5000)]
+RUNS = [(case, cumulate, rows) for cases, rows in ((CASES, 4), (TALL_CASES, HIST_TALL_ROWS))
+        for case in cases for cumulate in (0, 1, 2) if not (cumulate == 2 and case[4] == 5000)]
 
 
-@pytest.mark.parametrize("case, cumulate", RUNS,
-                         ids=[f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d-cumulate{m}" for c, m in RUNS])
-def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rng):
+@pytest.mark.parametrize("case, cumulate, rows", RUNS,
+                         ids=[f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d-cumulate{m}-rows{r}"
+                              for c, m, r in RUNS])
+def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rows, rng):
     """ecc_histogram's curve equals cutopo.ecc's on the NumPy path."""
     shape, dtype, ndim, tconn, thresholds, zchunk, bpi = case
     dtype = np.dtype(dtype)
@@ -340,7 +355,7 @@ def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rng):
     t = _thresholds(rng, image, thresholds)
     want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
     tc, _ = check_thresholds(t, image)  # as cutopo.ecc compares them
-    got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, bpi, cumulate)
+    got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, bpi, cumulate, rows=rows)
     np.testing.assert_array_equal(got if cumulate else np.cumsum(got, axis=-1), want)
 
 
