@@ -283,6 +283,37 @@ def test_large_2d(rng):
     assert_same_ecc(img8, 256, connectivity=2)
 
 
+@pytest.mark.parametrize("tall", [False, True])
+def test_2d_tiles_of_32_and_64_rows(rng, monkeypatch, tall):
+    """2D histograms take tiles of 64 rows where an image has many (_ecc_cupy.HIST_TALL_ROWS),
+    else 32: both kernels, forced here on small images (every dtype, vector rows and odd
+    widths, interior tiles, a batch, V and T), equal the NumPy path."""
+    from cutopo import _ecc_cupy
+
+    names = []
+
+    class Recorded(_ecc_cupy.HistogramPlan):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            names.append(self.sig.name)
+
+    monkeypatch.setattr(_ecc_cupy, "HistogramPlan", Recorded)
+    if tall:  # one resident block: every image of two or more tiles is "large"
+        monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: 1)
+    else:
+        monkeypatch.setattr(_ecc_cupy, "HIST_TALL_ROWS", 0)
+    _ecc_cupy._histogram_plan.cache_clear()  # plans choose their tiles when they are made
+    try:
+        for dtype in DTYPES:
+            for shape in [(2, 200, 208), (150, 131)]:
+                img = random_image(rng, shape, dtype, levels=None if dtype != "int32" else 7, nan_fraction=0.03)
+                for connectivity in (1, 2):
+                    assert_same_ecc(img, 97, ndim=2, connectivity=connectivity)
+    finally:
+        _ecc_cupy._histogram_plan.cache_clear()
+    assert names and all(name.endswith(f", {_ecc_cupy.HIST_TALL_ROWS}>") == tall for name in names), names
+
+
 def test_large_3d(rng):
     img = rng.random((256, 256, 256), dtype=np.float32)
     assert_same_ecc(img, 256)
