@@ -362,15 +362,16 @@ constexpr unsigned H = 0x80008000u;
 // Key of positions outside the image. Bins 0..T must stay below it: the host takes this kernel
 // only for T <= _ecc_cupy.PACKED_MAX_BINS (4096, the bins of a shared histogram).
 constexpr unsigned OUTSIDE = 0x7fffu;
-// 16-byte reads a 2D thread issues before it bins them: a plane's interior rows take 1 to 5
+// 16-byte reads a thread issues before it bins them: a plane's interior rows take 1 to 5
 // rounds of the block's threads in tiles of 32 rows (3 for 4-byte pixels), 2 to 9 in tiles of
 // 64 (5 for 4-byte pixels); rounds past three bin in further groups.
 constexpr int LOADS_IN_FLIGHT = 3;
-// 3D planes read as 2D ones (below): a variant for benchmarks/ab_ecc.py --variant.
-#ifdef CUTOPO_ECC_GROUP_READS_3D
-constexpr bool GROUP_READS_3D = true;
-#else
+// 3D planes read as 2D ones (below). CUTOPO_ECC_NO_GROUP_READS_3D: one read at a time, the
+// form before (a variant for benchmarks/ab_ecc.py --variant).
+#ifdef CUTOPO_ECC_NO_GROUP_READS_3D
 constexpr bool GROUP_READS_3D = false;
+#else
+constexpr bool GROUP_READS_3D = true;
 #endif
 
 // Keys of the VEC pixels of one 16-byte read into word v (of the row's TXP / VEC) of shared
@@ -578,10 +579,11 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         // row ends') is issued before the first key is formed: a loop of load,
                         // bin, store waited a memory latency per round, 3 rounds and the row
                         // ends for 4-byte pixels. In 3D, whose registers are capped lower, the
-                        // grouped reads spilled and measured slower (benchmarks/RESULTS.md,
-                        // twenty-fourth session; CUTOPO_ECC_GROUP_READS_3D builds them again,
-                        // with the reads by column that spill less); KeyOf may opt out (the
-                        // soft ECC's forward, whose band work needs the registers).
+                        // grouped reads first spilled and measured slower (twenty-fourth
+                        // session); with the reads by column they spill 12-48 B (sm_90) and
+                        // measured 3-5 % faster for float32 volumes from 256^3 up, uint8 equal
+                        // (benchmarks/RESULTS.md, thirty-second session). KeyOf may opt out
+                        // (the soft ECC's forward, whose band work needs the registers).
                         constexpr int ROUNDS = (VECTORS + THREADS - 1) / THREADS;
                         constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
                         static_assert(2 * ROWS <= THREADS, "one thread per row end");
