@@ -80,25 +80,26 @@ __device__ __forceinline__ unsigned int order_key(unsigned short v) { return v; 
 __device__ __forceinline__ unsigned int order_key(short v) { return (unsigned int)((int)v + 32768); }
 __device__ __forceinline__ u64 order_key(int v) { return (u64)((i64)v + 2147483648LL); }
 
-// The domain in which "v <= t" is evaluated for a comparison type: float32 through order keys
-// (exact IEEE order despite -ftz=true), the others natively. Thresholds arrive already mapped.
-template <typename Cmp>
-struct Ordered {
-    typedef Cmp type;
-    static __device__ __forceinline__ Cmp of(Cmp v) { return v; }
-};
-// For bins, -0.0 need not become +0.0: its key (0x7fffffff) lies just below +0.0's and no
-// threshold key equals it (the host maps -0.0 thresholds to +0.0), so it compares with every
-// threshold as +0.0 does. NaN still becomes +inf (above every threshold).
+// "a <= b" and "a > b" as NumPy evaluates them: IEEE float32 comparisons, denormals included.
+// Under -ftz=true the compiler emits float comparisons as setp.ftz, which flushes denormal
+// operands (a denormal pixel would then pass "<= 0" where NumPy's does not); setp without .ftz
+// is the same one FSETP. Any NaN operand makes both false.
+template <typename T>
+__device__ __forceinline__ bool le(T a, T b) { return a <= b; }
+template <typename T>
+__device__ __forceinline__ bool gt(T a, T b) { return a > b; }
 template <>
-struct Ordered<float> {
-    typedef unsigned int type;
-    static __device__ __forceinline__ unsigned int of(float v) {
-        unsigned int u = __float_as_uint(v);
-        if ((u & 0x7fffffffu) > 0x7f800000u) u = 0x7f800000u;
-        return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    }
-};
+__device__ __forceinline__ bool le<float>(float a, float b) {
+    unsigned r;
+    asm("{.reg .pred p; setp.le.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));
+    return r != 0u;
+}
+template <>
+__device__ __forceinline__ bool gt<float>(float a, float b) {
+    unsigned r;
+    asm("{.reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));
+    return r != 0u;
+}
 
 template <typename K>
 __device__ __forceinline__ constexpr K all_ones() { return (K)~(K)0; }

@@ -176,6 +176,44 @@ struct NoRowsHook {
     __device__ __forceinline__ void rows_done(Args...) const {}
 };
 
+// The tiles first, first + step, ... of an ntx x nty x ntz grid (x fastest) that a block
+// sweeps. 3D: the tile number, its coordinates divided out per tile (64-bit divisions,
+// amortized over the tile's planes).
+template <int NDIM>
+struct TileWalk {
+    i64 ntx, nty, ntiles, t, step;
+    __device__ __forceinline__ TileWalk(i64 ntx_, i64 nty_, i64 ntz, i64 first, i64 step_)
+        : ntx(ntx_), nty(nty_), ntiles(ntx_ * nty_ * ntz), t(first), step(step_) {}
+    __device__ __forceinline__ bool valid() const { return t < ntiles; }
+    __device__ __forceinline__ void next() { t += step; }
+    __device__ __forceinline__ i64 x() const { return t % ntx; }
+    __device__ __forceinline__ i64 y() const { return (t / ntx) % nty; }
+    __device__ __forceinline__ i64 z() const { return t / (ntx * nty); }
+};
+
+// 2D: a tile is one plane, so the divisions (on their 32-bit fast path ~25 instructions each,
+// issued by every warp for every tile: ~10 % of a 2D float32 tile's instructions by the SASS)
+// are made once per block: the tile's column and row advance by the step's with a carry. (In
+// 3D, where they are amortized, the same walk made the register-capped kernels spill.)
+template <>
+struct TileWalk<2> {
+    i64 ntx, nty;
+    i64 tx, ty;  // the current tile
+    i64 sx, sy;  // the step
+    __device__ __forceinline__ TileWalk(i64 ntx_, i64 nty_, i64, i64 first, i64 step)
+        : ntx(ntx_), nty(nty_), tx(first % ntx_), ty(first / ntx_), sx(step % ntx_), sy(step / ntx_) {}
+    __device__ __forceinline__ bool valid() const { return ty < nty; }
+    __device__ __forceinline__ void next() {
+        tx += sx;
+        const bool carry = tx >= ntx;  // tx + sx < 2 ntx
+        if (carry) tx -= ntx;
+        ty += sy + carry;
+    }
+    __device__ __forceinline__ i64 x() const { return tx; }
+    __device__ __forceinline__ i64 y() const { return ty; }
+    __device__ __forceinline__ i64 z() const { return 0; }
+};
+
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
 // (each thread at most PY times per plane, once per row it owns); after the rows of every
@@ -192,12 +230,11 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
     const i64 ntx = (nx + TX - 1) / TX;
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
-    const i64 ntiles = ntx * nty * ntz;
 
-    for (i64 t = first; t < ntiles; t += step) {
-        const i64 x0 = (t % ntx) * TX;
-        const i64 y0 = ((t / ntx) % nty) * TY;
-        const i64 z0 = NDIM == 3 ? (t / (ntx * nty)) * zchunk : 0;
+    for (TileWalk<NDIM> w(ntx, nty, ntz, first, step); w.valid(); w.next()) {
+        const i64 x0 = w.x() * TX;
+        const i64 y0 = w.y() * TY;
+        const i64 z0 = NDIM == 3 ? w.z() * zchunk : 0;
         const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
 
         // Keys of plane z into dst: the 32 tile columns row by row (lane = column, no division),
@@ -312,16 +349,30 @@ constexpr int TXP = 2 * WORDS;           // tile width in pixels
 constexpr int ROWW = WORDS + 4;          // words per shared row
 constexpr int ROWK = 2 * ROWW;           // keys per shared row
 constexpr int KEY0 = 3;                  // key index of halo column 0 (pixel x0 - 1)
-constexpr int ROWS = TY + 2;             // rows per shared plane
-constexpr int PLANEW = ROWW * ROWS;      // words per shared plane
-constexpr int LOADS = ROWS * (TXP + 2);  // keys loaded per plane
+// A tile of WARPS x RPT rows (RPT rows per thread) and its shared plane (one-row halo).
+template <int RPT>
+struct Rows {
+    static constexpr int TILE = WARPS * RPT;               // tile height
+    static constexpr int SHARED = TILE + 2;                // rows per shared plane
+    static constexpr int PLANEW = ROWW * SHARED;           // words per shared plane
+    static constexpr int LOADS = SHARED * (TXP + 2);       // keys loaded per plane
+};
+constexpr int PLANEW = Rows<PY>::PLANEW;  // the soft ECC's tiles (ecc_soft.cuh)
 constexpr unsigned H = 0x80008000u;
 // Key of positions outside the image. Bins 0..T must stay below it: the host takes this kernel
 // only for T <= _ecc_cupy.PACKED_MAX_BINS (4096, the bins of a shared histogram).
 constexpr unsigned OUTSIDE = 0x7fffu;
-// 16-byte reads a 2D thread issues before it bins them: a plane's interior rows take 1 to 5
-// rounds of the block's threads (3 for 4-byte pixels; 8-byte pixels bin in two groups).
+// 16-byte reads a thread issues before it bins them: a plane's interior rows take 1 to 5
+// rounds of the block's threads in tiles of 32 rows (3 for 4-byte pixels), 2 to 9 in tiles of
+// 64 (5 for 4-byte pixels); rounds past three bin in further groups.
 constexpr int LOADS_IN_FLIGHT = 3;
+// 3D planes read as 2D ones (below). CUTOPO_ECC_NO_GROUP_READS_3D: one read at a time, the
+// form before (a variant for benchmarks/ab_ecc.py --variant).
+#ifdef CUTOPO_ECC_NO_GROUP_READS_3D
+constexpr bool GROUP_READS_3D = false;
+#else
+constexpr bool GROUP_READS_3D = true;
+#endif
 
 // Keys of the VEC pixels of one 16-byte read into word v (of the row's TXP / VEC) of shared
 // row ly (halo coordinates) of a plane.
@@ -383,33 +434,79 @@ __device__ __forceinline__ void precedence_ties(const unsigned (&W)[pow3(NDIM)],
     }
 }
 
-// AND of own[] over the children of J (J with one non-zero component zeroed, centre excluded).
-template <int NDIM, int J, int A = 0>
+// In 3D each cube (level 3) is paired with one of its squares, no square twice (zeroing axis 2
+// where o_2 > 0, else axis 0 or 1: the eight cubes take eight of the twelve squares). A cube is
+// owned only when its squares are, and the two have opposite signs, so together they count
+// sign(square) x (square and not cube), one bit: a count (LEA.HI) per cube less, 8 of the 26
+// per word. -1 where J is not a cube (2D: none). CUTOPO_ECC_NO_CUBE_PAIRS: every cell counted
+// on its own (the form before, for benchmarks/ab_ecc.py --variant).
+template <int NDIM>
+__device__ constexpr int paired_square(int j) {
+#ifdef CUTOPO_ECC_NO_CUBE_PAIRS
+    return -1;
+#else
+    if (NDIM != 3 || j == (pow3(NDIM) - 1) / 2 || level<NDIM>(j) != 3) return -1;
+    const int axis = digit<NDIM>(j, 2) > 0 ? 2 : (digit<NDIM>(j, 0) == digit<NDIM>(j, 1) ? 0 : 1);
+    return j - digit<NDIM>(j, axis) * pow3(NDIM - 1 - axis);
+#endif
+}
+
+template <int NDIM>
+__device__ constexpr bool is_paired(int j) {
+    for (int k = 0; k < pow3(NDIM); ++k)
+        if (paired_square<NDIM>(k) == j) return true;
+    return false;
+}
+
+template <int NDIM>
+__device__ constexpr int paired_count() {
+    int n = 0;
+    for (int j = 0; j < pow3(NDIM); ++j) n += is_paired<NDIM>(j);
+    return n;
+}
+#ifndef CUTOPO_ECC_NO_CUBE_PAIRS
+static_assert(paired_count<3>() == 8 && paired_count<2>() == 0, "each cube pairs with its own square");
+#endif
+
+// AND of own[] over the children of J (J with one non-zero component zeroed, centre excluded),
+// child SKIP left out.
+template <int NDIM, int J, int SKIP = -1, int A = 0>
 __device__ __forceinline__ unsigned children_and(const unsigned (&own)[pow3(NDIM)]) {
     if constexpr (A == NDIM) {
         return 0xffffffffu;
     } else {
         constexpr int d = digit<NDIM>(J, A);
         constexpr int child = J - d * pow3(NDIM - 1 - A);
-        if constexpr (d != 0 && child != (pow3(NDIM) - 1) / 2)
-            return own[child] & children_and<NDIM, J, A + 1>(own);
+        if constexpr (d != 0 && child != (pow3(NDIM) - 1) / 2 && child != SKIP)
+            return own[child] & children_and<NDIM, J, SKIP, A + 1>(own);
         else
-            return children_and<NDIM, J, A + 1>(own);
+            return children_and<NDIM, J, SKIP, A + 1>(own);
     }
 }
 
 // Ownership bits of the cells of one level (number of non-zero offset components), added to
-// the positive or negative count by the cell's sign.
+// the positive or negative count by the cell's sign; a cube and its paired square as one bit.
 template <int NDIM, bool TCONN, int LEVEL, int J = 0>
 __device__ __forceinline__ void own_level(const unsigned (&P)[pow3(NDIM)], unsigned (&own)[pow3(NDIM)],
                                           unsigned& pos, unsigned& neg) {
     if constexpr (J < pow3(NDIM)) {
         if constexpr (J != (pow3(NDIM) - 1) / 2 && level<NDIM>(J) == LEVEL) {
             const unsigned test = TCONN ? ~P[J] : P[J];
-            const unsigned o = test & children_and<NDIM, J>(own) & H;
-            own[J] = o;
-            if constexpr (cell_sign<NDIM, TCONN>(J) > 0) pos += o >> 15;
-            else neg += o >> 15;
+            constexpr int PAIR = paired_square<NDIM>(J);
+            if constexpr (PAIR >= 0) {
+                // cube = own[PAIR] & rest; own[PAIR] - cube = own[PAIR] & ~rest
+                const unsigned rest = test & children_and<NDIM, J, PAIR>(own) & H;
+                const unsigned o = own[PAIR] & ~rest;
+                if constexpr (cell_sign<NDIM, TCONN>(PAIR) > 0) pos += o >> 15;
+                else neg += o >> 15;
+            } else {
+                const unsigned o = test & children_and<NDIM, J>(own) & H;
+                own[J] = o;
+                if constexpr (!is_paired<NDIM>(J)) {
+                    if constexpr (cell_sign<NDIM, TCONN>(J) > 0) pos += o >> 15;
+                    else neg += o >> 15;
+                }
+            }
         }
         own_level<NDIM, TCONN, LEVEL, J + 1>(P, own, pos, neg);
     }
@@ -436,31 +533,31 @@ __device__ __forceinline__ void word_counts(const unsigned (&W)[pow3(NDIM)], uns
     if constexpr (NDIM == 3) own_level<NDIM, TCONN, 3>(P, own, pos, neg);
 }
 
-// Sweep the tiles [first, first + step, ...) of one image (64 x 32 pixels, 32 x 32 words).
-// Sink(c, key, 0) consumes each counted pixel's contribution; a sink with WORDS set instead
+// Sweep the tiles [first, first + step, ...) of one image (64 pixels or 32 words wide, WARPS x
+// RPT rows high). Sink(c, key, 0) consumes each counted pixel's contribution; a sink with WORDS set instead
 // takes each thread's word of two pixels, sink.word(pos, neg, ties, z, gy, gx, j) (its pixels
 // (z, gy, gx) and (z, gy, gx + 1), counted or not; ties as word_counts makes them when the
 // sink sets TIES), and after the rows of every plane every thread calls
 // after.rows_done(z, y0, x0) (the plane and the tile's origin).
-template <int NDIM, bool TCONN, class KeyOf, class Sink, class Region = AllPixels,
+template <int NDIM, bool TCONN, int RPT = PY, class KeyOf, class Sink, class Region = AllPixels,
           class After = NoRowsHook>
-__device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, i64 nx, int zchunk,
+__device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
                                       const Sink& sink, const Region& counts = Region(),
                                       const After& after = After()) {
     constexpr int NP = NDIM == 3 ? 3 : 1;
+    constexpr int TY = Rows<RPT>::TILE, ROWS = Rows<RPT>::SHARED, LOADS = Rows<RPT>::LOADS;
     constexpr int BASE = cell_sign<NDIM, TCONN>((pow3(NDIM) - 1) / 2);
     const int lane = threadIdx.x % 32;
-    const int row0 = (threadIdx.x / 32) * PY + 1;  // first tile row of this thread, halo coords
+    const int row0 = (threadIdx.x / 32) * RPT + 1;  // first tile row of this thread, halo coords
     const i64 ntx = (nx + TXP - 1) / TXP;
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
-    const i64 ntiles = ntx * nty * ntz;
 
-    for (i64 t = first; t < ntiles; t += step) {
-        const i64 x0 = (t % ntx) * TXP;
-        const i64 y0 = ((t / ntx) % nty) * TY;
-        const i64 z0 = NDIM == 3 ? (t / (ntx * nty)) * zchunk : 0;
+    for (TileWalk<NDIM> w(ntx, nty, ntz, first, step); w.valid(); w.next()) {
+        const i64 x0 = w.x() * TXP;
+        const i64 y0 = w.y() * TY;
+        const i64 z0 = NDIM == 3 ? w.z() * zchunk : 0;
         const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
 
         // Keys of plane z into dst. Tiles away from the image border skip the bounds checks and,
@@ -477,41 +574,55 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                     constexpr int VEC = KeyOf::VEC;  // pixels per 16-byte load
                     constexpr int PER_ROW = TXP / VEC;
                     constexpr int VECTORS = ROWS * PER_ROW;
-                    if constexpr (NDIM == 2 && KeyOf::GROUP_READS) {
+                    if constexpr ((NDIM == 2 || GROUP_READS_3D) && KeyOf::GROUP_READS) {
                         // Every read of the plane (up to LOADS_IN_FLIGHT per thread, and the
                         // row ends') is issued before the first key is formed: a loop of load,
                         // bin, store waited a memory latency per round, 3 rounds and the row
                         // ends for 4-byte pixels. In 3D, whose registers are capped lower, the
-                        // grouped reads spilled and measured slower (benchmarks/RESULTS.md,
-                        // twenty-fourth session); KeyOf may opt out (the soft ECC's forward,
-                        // whose band work needs the registers).
+                        // grouped reads first spilled and measured slower (twenty-fourth
+                        // session); with the reads by column they spill 12-48 B (sm_90) and
+                        // measured 3-5 % faster for float32 volumes from 256^3 up, uint8 equal
+                        // (benchmarks/RESULTS.md, thirty-second session). KeyOf may opt out
+                        // (the soft ECC's forward, whose band work needs the registers).
                         constexpr int ROUNDS = (VECTORS + THREADS - 1) / THREADS;
                         constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
+                        static_assert(2 * ROWS <= THREADS, "one thread per row end");
                         const bool end_thread = threadIdx.x < 2 * ROWS;
                         const int ey = threadIdx.x >> 1, ex = (threadIdx.x & 1) ? TXP + 1 : 0;
                         typename KeyOf::In end_value{};
                         if (end_thread) end_value = key_of.load(corner + (i64)ey * nx + ex);
+                        // Round u reads row r0 + u RSTEP of the thread's column v (as below).
+                        static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+                        constexpr int RSTEP = THREADS / PER_ROW;
+                        const int v = threadIdx.x % PER_ROW, r0 = threadIdx.x / PER_ROW;
+                        const i64 stride = (i64)RSTEP * nx;
+                        const i64 at = corner + (i64)r0 * nx + 1 + v * VEC;
 #pragma unroll
                         for (int g = 0; g < ROUNDS; g += GROUP) {
                             uint4 raw[GROUP];
 #pragma unroll
                             for (int u = 0; u < GROUP; ++u) {
-                                const int i = threadIdx.x + (g + u) * THREADS;
-                                if (g + u < ROUNDS && i < VECTORS)
-                                    raw[u] = key_of.load16(corner + (i64)(i / PER_ROW) * nx + 1 + (i % PER_ROW) * VEC);
+                                if (g + u < ROUNDS && r0 + (g + u) * RSTEP < ROWS)
+                                    raw[u] = key_of.load16(at + (g + u) * stride);
                             }
 #pragma unroll
                             for (int u = 0; u < GROUP; ++u) {
-                                const int i = threadIdx.x + (g + u) * THREADS;
-                                if (g + u < ROUNDS && i < VECTORS) store_keys(key_of, raw[u], dst, i / PER_ROW, i % PER_ROW);
+                                if (g + u < ROUNDS && r0 + (g + u) * RSTEP < ROWS)
+                                    store_keys(key_of, raw[u], dst, r0 + (g + u) * RSTEP, v);
                             }
                         }
                         if (end_thread) keys[ey * ROWK + KEY0 + ex] = (unsigned short)key_of.of_value(end_value);
                         return;
                     } else {
-                        for (int i = threadIdx.x; i < VECTORS; i += THREADS)
-                            store_keys(key_of, key_of.load16(corner + (i64)(i / PER_ROW) * nx + 1 + (i % PER_ROW) * VEC),
-                                       dst, i / PER_ROW, i % PER_ROW);
+                        // A thread reads one column v of the rows r0, r0 + RSTEP, ...: its index
+                        // steps by RSTEP rows (a 64-bit multiply and division less per read).
+                        static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
+                        constexpr int RSTEP = THREADS / PER_ROW;
+                        const int v = threadIdx.x % PER_ROW;
+                        const i64 stride = (i64)RSTEP * nx;
+                        i64 at = corner + (i64)(threadIdx.x / PER_ROW) * nx + 1 + v * VEC;
+                        for (int r = threadIdx.x / PER_ROW; r < ROWS; r += RSTEP, at += stride)
+                            store_keys(key_of, key_of.load16(at), dst, r, v);
                     }
                 } else {
                     for (int i = threadIdx.x; i < ROWS * TXP; i += THREADS) {
@@ -570,7 +681,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
                 row_words(planes[p], row0, win[p][2]);
             }
 #pragma unroll
-            for (int j = 0; j < PY; ++j) {
+            for (int j = 0; j < RPT; ++j) {
                 unsigned W[pow3(NDIM)];
 #pragma unroll
                 for (int p = 0; p < NP; ++p) {
@@ -619,62 +730,87 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[PLANEW], i64 nz, i64 ny, 
 }  // namespace packed
 
 // One entry of the threshold table: bin k's bounds lo = t_{k-1} and hi = t_k, in the comparison
-// domain (Ordered<Cmp>); entry 0 is (t_0, t_0) and entry T (t_{T-1}, t_{T-1}), so that an
-// estimate of 0 or T walks into [1, T-1]. Checking an estimate of the bin then reads one 8- or
-// 16-byte entry instead of two dependent thresholds.
+// type; checking an estimate of the bin then reads one 8- or 16-byte entry instead of two
+// dependent thresholds. Entry 0 and entry T: (t_0, t_0) and (t_{T-1}, t_{T-1}), so that an
+// estimate of 0 or T walks into [1, T-1]; in the 4-byte types bounds that every value passes,
+// so that an estimate checks without early outs: float32 (NaN, t_0) and (t_{T-1}, NaN) (a NaN
+// compares false), int32 (INT_MIN, t_0) and (t_{T-1}, INT_MAX) (the int32 table of 16-bit
+// integer images holds floor(t), clipped to just beyond their range: _ecc_cupy).
 template <typename Tab>
 struct alignas(2 * sizeof(Tab)) Bounds {
     Tab lo, hi;
 };
 
+// A 4-byte comparison value as the float the bin estimate starts from: a float32 itself; an
+// int32 (a pixel of a 16-bit integer image, |v| < 2^22) exactly, as the float whose bits are
+// those of 1.5 * 2^23 + v, less 1.5 * 2^23 (an integer and a float add on the full-rate pipes,
+// where a conversion instruction would take the slower one).
+__device__ __forceinline__ float estimate_arg(float v) { return v; }
+__device__ __forceinline__ float estimate_arg(int v) {
+    return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
+}
+
 // Threshold bin of a value: the first k with v <= t_k (T when there is none, NaN included).
-// t_0 and t_{T-1} are held in registers: most values need one table read (with an estimate),
-// those outside [t_0, t_{T-1}] none.
+// Most values need one table read (with an estimate).
 template <typename Cmp>
 struct ThresholdBins {
-    typedef typename Ordered<Cmp>::type Tab;
-    const Bounds<Tab>* bounds;  // T + 1 entries, shared or global memory
-    Tab first, last;            // t_0, t_{T-1}
+    const Bounds<Cmp>* bounds;  // T + 1 entries, shared or global memory
+    Cmp first, last;            // t_0, t_{T-1}
     int T, estimate;
     double t0, inv_dt;          // the estimate (k - 1 < (v - t0) inv_dt <= k) in double
     float offset, inv_dt_f;     // and in float: 0.5 - t0 inv_dt, inv_dt
+    static constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
 
-    __device__ __forceinline__ ThresholdBins(const Bounds<Tab>* b, int T_, int estimate_, double t0_,
+    __device__ __forceinline__ ThresholdBins(const Bounds<Cmp>* b, int T_, int estimate_, double t0_,
                                              double inv_dt_)
         : bounds(b), first(b[0].hi), last(b[T_ - 1].hi), T(T_), estimate(estimate_), t0(t0_),
           inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_) {}
 
     __device__ __forceinline__ int operator()(Cmp v) const {
-        const Tab w = Ordered<Cmp>::of(v);
-        if (!(w <= last)) return T;
-        if (w <= first) return 0;
-        // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
         int k;
-        if (estimate) {
-            // Evenly spaced thresholds: an O(1) guess, made exact by the comparisons below (the
-            // host allows this only when the guess is within a bin or so of the answer).
-            if constexpr (sizeof(Tab) == 4) {
-                // float32: round((v - t0) / dt + 1/2), i.e. about ceil, by adding 1.5 * 2^23:
-                // no float-to-int conversion, and no clamp: the host takes the estimate only
-                // where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so the float errors stay below
-                // 1/4 bin and k lies in [0, T] (_ecc_cupy._uniform_estimate).
-                const float y = __fadd_rn(__fmaf_rn((float)v, inv_dt_f, offset), 12582912.0f);
-                k = __float_as_int(y) - 0x4B400000;
-            } else {
-                k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
-                k = min(max(k, 1), T - 1);
+        if constexpr (sizeof(Cmp) == 4) {  // float32, or int32 (16-bit integer images)
+            if (estimate) {
+                // round((v - t0) / dt + 1/2), i.e. about ceil, clamped to [0, T] in float (NaN
+                // to T: fminf returns the other operand), then checked against the entry's
+                // bounds: no early outs, no order keys (the comparisons are exact, le/gt). The
+                // host takes the estimate only where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so
+                // its float errors stay below 1/4 bin for v in [t_0, t_{T-1}]
+                // (_ecc_cupy._uniform_estimate). In the sm_90 SASS a float32 value's common
+                // path took 26 instructions with order keys and early outs, 15 now; a 16-bit
+                // integer's took a float64 conversion, comparisons and rounding (three
+                // conversions on the slow pipe) (benchmarks/RESULTS.md, thirtieth session).
+                float y = __fadd_rn(__fmaf_rn(estimate_arg(v), inv_dt_f, offset), ROUND);
+                y = fmaxf(fminf(y, ROUND + (float)T), ROUND);
+                k = __float_as_int(y) - __float_as_int(ROUND);
+                const Bounds<Cmp> b = bounds[k];
+                if (le(v, b.lo)) {
+                    do --k; while (le(v, bounds[k].lo));
+                } else if (gt(v, b.hi)) {
+                    do ++k; while (gt(v, bounds[k].hi));
+                }
+                return k;
             }
-            const Bounds<Tab> b = bounds[k];
-            if (w <= b.lo) {
-                do --k; while (w <= bounds[k].lo);
-            } else if (!(w <= b.hi)) {
-                do ++k; while (!(w <= bounds[k].hi));
+        }
+        if (!le(v, last)) return T;
+        if (le(v, first)) return 0;
+        // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
+        if (estimate) {
+            // Evenly spaced thresholds, the 8-byte comparison types: an O(1) guess in float64,
+            // made exact by the comparisons below (the host allows this only when the guess is
+            // within a bin or so of the answer).
+            k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
+            k = min(max(k, 1), T - 1);
+            const Bounds<Cmp> b = bounds[k];
+            if (le(v, b.lo)) {
+                do --k; while (le(v, bounds[k].lo));
+            } else if (!le(v, b.hi)) {
+                do ++k; while (!le(v, bounds[k].hi));
             }
         } else {  // binary search keeping v <= t_hi and not v <= t_lo
             int lo = 0, hi = T - 1;
             while (hi - lo > 1) {
                 const int mid = (lo + hi) >> 1;
-                if (w <= bounds[mid].hi) hi = mid; else lo = mid;
+                if (le(v, bounds[mid].hi)) hi = mid; else lo = mid;
             }
             k = hi;
         }
@@ -768,6 +904,16 @@ struct HistSink {
     long long* global;  // this image's row of the global histogram
     int T;
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
+#ifdef CUTOPO_ECC_LANE_SINK
+        // Variant for benchmarks/ab_ecc.py: no branch around the shared atomic (BSSY, BRA and
+        // BSYNC, 3 instructions per pixel, 6 of a 2D word's ~60): a pixel not counted (c == 0,
+        // or key >= T) adds to its lane's spare slot past the histogram instead (T + lane:
+        // 32 slots, distinct banks; never read; _ecc_cupy allocates them).
+        if constexpr (SHARED) {
+            atomicAdd(shared + ((c != 0 && (int)key < T) ? (int)key : T + (int)(threadIdx.x % 32)), c);
+            return;
+        }
+#endif
         if (c != 0 && (int)key < T) {
             if constexpr (SHARED) atomicAdd(shared + key, c);
             else atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
@@ -795,25 +941,25 @@ struct HistSink {
 #endif
 #define CUTOPO_ECC_BLOCKS(NDIM) ((NDIM) == 3 ? CUTOPO_ECC_MIN_BLOCKS_3D : CUTOPO_ECC_MIN_BLOCKS)
 
-// Keys of 16 bits take the packed sweep (tiles 64 pixels wide), 32-bit keys the scalar one.
-// The body of the histogram kernels: the pixels for which counts(z, y, x) holds are counted.
-template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, class Region>
+// Keys of 16 bits take the packed sweep (tiles 64 pixels wide, WARPS x RPT rows), 32-bit keys
+// the scalar one. The body of the histogram kernels: the pixels for which counts(z, y, x) holds
+// are counted.
+template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, int RPT, class Region>
 __device__ __forceinline__ void
-histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
+histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
                 long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
                 int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
                 const Region& counts, unsigned* __restrict__ done, bool block_prefix = false) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
-    typedef typename Ordered<Cmp>::type Tab;
-    const Bounds<Tab>* tab = thresholds;
+    const Bounds<Cmp>* tab = thresholds;
     int* hist_s = nullptr;
     size_t offset = 0;
     if (table_in_smem) {
-        Bounds<Tab>* t = reinterpret_cast<Bounds<Tab>*>(dynamic_smem);
+        Bounds<Cmp>* t = reinterpret_cast<Bounds<Cmp>*>(dynamic_smem);
         for (int i = threadIdx.x; i <= T; i += THREADS) t[i] = thresholds[i];
         tab = t;
-        offset = ((size_t)(T + 1) * sizeof(Bounds<Tab>) + 15) & ~(size_t)15;
+        offset = ((size_t)(T + 1) * sizeof(Bounds<Cmp>) + 15) & ~(size_t)15;
     }
     if (hist_in_smem) {
         hist_s = reinterpret_cast<int*>(dynamic_smem + offset);
@@ -834,9 +980,9 @@ histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>
     HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T};
     if constexpr (sizeof(K) == 2) {
         // 16-byte aligned: load_plane stores the packed rows as uint2
-        __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::PLANEW];
-        packed::sweep<NDIM, TCONN>(words, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
-                                   blocks_per_image, key_of, sink, counts);
+        __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::Rows<RPT>::PLANEW];
+        packed::sweep<NDIM, TCONN, RPT>(words, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
+                                        blocks_per_image, key_of, sink, counts);
     } else {
         __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
         sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
@@ -911,16 +1057,20 @@ histogram_tiles(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>
 // of each image to finish makes its row cumulative (the ECC curve); 2: hist starts zeroed and
 // every block adds its own cumulative histogram (the same curve; done is not touched); 0:
 // hist accumulates (blocks of one volume added by several launches), done is not touched.
-template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
+// RPT: rows per thread of the packed sweep's tiles. 2D images of many tiles take 8 (64 rows):
+// a tile's fixed work (its walk, the plane's row ends and barrier, the window's first rows) was
+// ~11 of a 2D pixel's instructions at 32 rows; smaller ones keep 4, which gives their one wave
+// twice the blocks (_ecc_cupy.HIST_TALL_ROWS).
+template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, int RPT = PY>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
-ecc_histogram(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
+ecc_histogram(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
               int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
               unsigned* __restrict__ done, int cumulate) {
-    histogram_tiles<In, Cmp, K, NDIM, TCONN>(image, thresholds, hist, nz, ny, nx, zchunk,
-                                             blocks_per_image, T, estimate, t0, inv_dt,
-                                             table_in_smem, hist_in_smem, AllPixels(),
-                                             cumulate == 1 ? done : nullptr, cumulate == 2);
+    histogram_tiles<In, Cmp, K, NDIM, TCONN, RPT>(image, thresholds, hist, nz, ny, nx, zchunk,
+                                                  blocks_per_image, T, estimate, t0, inv_dt,
+                                                  table_in_smem, hist_in_smem, AllPixels(),
+                                                  cumulate == 1 ? done : nullptr, cumulate == 2);
 }
 
 // The same histogram, adding only the pixels whose coordinates are marked in the per-axis masks
@@ -930,15 +1080,15 @@ ecc_histogram(const In* __restrict__ image, const Bounds<typename Ordered<Cmp>::
 template <typename In, typename Cmp, typename K, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_MIN_BLOCKS_MASKED)
 ecc_histogram_masked(const In* __restrict__ image,
-                     const Bounds<typename Ordered<Cmp>::type>* __restrict__ thresholds,
+                     const Bounds<Cmp>* __restrict__ thresholds,
                      long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk,
                      int blocks_per_image, int T, int estimate, double t0, double inv_dt,
                      int table_in_smem, int hist_in_smem, const unsigned char* __restrict__ own_z,
                      const unsigned char* __restrict__ own_y, const unsigned char* __restrict__ own_x) {
-    histogram_tiles<In, Cmp, K, NDIM, TCONN>(image, thresholds, hist, nz, ny, nx, zchunk,
-                                             blocks_per_image, T, estimate, t0, inv_dt,
-                                             table_in_smem, hist_in_smem,
-                                             MaskedPixels{own_z, own_y, own_x, ny, nx}, nullptr);
+    histogram_tiles<In, Cmp, K, NDIM, TCONN, PY>(image, thresholds, hist, nz, ny, nx, zchunk,
+                                                 blocks_per_image, T, estimate, t0, inv_dt,
+                                                 table_in_smem, hist_in_smem,
+                                                 MaskedPixels{own_z, own_y, own_x, ny, nx}, nullptr);
 }
 
 // In-place inclusive prefix sum of each row of hist (rows, T); one warp per row.

@@ -12,10 +12,11 @@ from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
 
 FAMILY = "ecc"
 THREADS = 256                # ecc::THREADS
-TILE_Y = 32                  # ecc::TY
+TILE_Y = 32                  # ecc::TY, and the packed sweep's tiles at packed::PY rows per thread
 TILE_X = {"unsigned short": 64, "unsigned int": 32}  # packed::TXP for 16-bit keys, ecc::TX else
 TABLE_SMEM_MAX = 16 * 1024   # threshold table in shared memory up to this many bytes
 HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
+HIST_SPARE_SLOTS = 32        # past the shared histogram: ecc.cu's CUTOPO_ECC_LANE_SINK variant
 # The packed sweep (15-bit keys, below packed::OUTSIDE = 0x7fff) adds into the shared
 # histogram only (ecc.cu's HistSink): it takes T <= HIST_SMEM_MAX_BINS, more bins the scalar one.
 PACKED_MAX_BINS = HIST_SMEM_MAX_BINS
@@ -35,6 +36,11 @@ HIST_MIN_TILES_2D = 2    # with at least this many tiles per block
 HIST_WAVES_3D = 16       # 3D blocks: up to this many times the resident ones (~1 tile each)
 HIST_BLOCK_PLANES = 2    # a 3D block's fixed cost, in plane loads (the chunk-length model)
 HIST_ZCHUNK_MAX = 64     # planes per 3D tile at most
+# 2D histograms of 16-bit keys take tiles of HIST_TALL_ROWS rows per thread (64 rows: half the
+# fixed work per tile of 32 rows, ecc.cu's packed::sweep) where the image has at least
+# HIST_MIN_TILES_2D such tiles per resident block; smaller images keep 32 rows, which give
+# their one wave twice the blocks.
+HIST_TALL_ROWS = 8
 
 # Storage dtype -> C type of the kernel's input (bool is one byte, read as unsigned char).
 _INPUT_CTYPE = {
@@ -56,24 +62,67 @@ def _compare_type(dtype: np.dtype) -> tuple[str, np.dtype]:
     return "long long", np.dtype("int64")
 
 
-def _float32_order_keys(t: np.ndarray) -> np.ndarray:
-    """uint32 keys ordered like the float32 values (common.cuh order_key; t is finite)."""
-    bits = t.astype(np.float32).view(np.uint32).copy()
-    bits[(bits & 0x7FFFFFFF) == 0] = 0  # -0.0 -> +0.0
-    return np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
-
-
 def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
-    """(T + 1, 2) bounds of the bins, as the kernel compares them (float32 through order keys,
-    the rest as values): row k is (t_{k-1}, t_k), row 0 (t_0, t_0) and row T (t_{T-1},
-    t_{T-1}) (ecc.cu's Bounds)."""
-    keys = _float32_order_keys(t) if cmp_dtype == np.float32 else t.astype(cmp_dtype)
-    return np.stack([np.concatenate([keys[:1], keys]), np.concatenate([keys, keys[-1:]])], axis=1)
+    """(T + 1, 2) bounds of the bins in the comparison type (ecc.cu's Bounds): row k is
+    (t_{k-1}, t_k); rows 0 and T are (t_0, t_0) and (t_{T-1}, t_{T-1}), in float32 (NaN, t_0)
+    and (t_{T-1}, NaN)."""
+    keys = t.astype(cmp_dtype)
+    if cmp_dtype == np.float32:
+        return _bounds(keys, np.nan, np.nan)
+    return _bounds(keys, keys[0], keys[-1])
 
 
-def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
+def _bounds(keys, first, last):
+    """The (T + 1, 2) rows (t_{k-1}, t_k) of ``keys``, with ``first`` before t_0 and ``last``
+    after t_{T-1}, in keys' dtype."""
+    lo = np.concatenate([np.array([first], dtype=keys.dtype), keys])
+    hi = np.concatenate([keys, np.array([last], dtype=keys.dtype)])
+    return np.stack([lo, hi], axis=1)
+
+
+# Images of 16-bit integers compare in int32 against integer bounds (_integer_threshold_table):
+# their bins then take integer comparisons and a float32 estimate, where float thresholds would
+# take float64 ones and three slow conversions per pixel.
+_INT16_IMAGES = (np.dtype("uint16"), np.dtype("int16"))
+_INT16_BEYOND = 65537  # bounds clipped to [-65537, 65536]: past every 16-bit value either side
+
+
+def _integer_threshold_table(t: np.ndarray) -> np.ndarray:
+    """(T + 1, 2) int32 bounds of the bins for images of 16-bit integers, thresholds ``t`` in
+    their comparison dtype (numpy.result_type with the image's, which holds every 16-bit value
+    exactly). An integer v satisfies v <= t exactly when v <= floor(t), and clipping floor(t)
+    to just past the 16-bit range keeps every such comparison: row k is (floor t_{k-1},
+    floor t_k) clipped, rows 0 and T (INT32_MIN, t_0) and (t_{T-1}, INT32_MAX) (ecc.cu's
+    Bounds)."""
+    # float16/32/64 values are exact in float64; 64-bit integers past 2^53 round, far past the clip
+    f = np.floor(t.astype(np.float64))
+    keys = np.clip(f, -_INT16_BEYOND, _INT16_BEYOND - 1).astype(np.int32)
+    info = np.iinfo(np.int32)
+    return _bounds(keys, info.min, info.max)
+
+
+def histogram_key_ctype(T: int) -> str:
+    """The histogram kernels' key type: 16-bit keys (the packed sweep) up to PACKED_MAX_BINS."""
+    return "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
+
+
+def histogram_bin_arguments(dtype: np.dtype, thresholds: np.ndarray):
+    """(comparison C type, (T + 1, 2) table of bin bounds, estimate (t0, 1/dt) or None) with
+    which ecc_histogram bins images of ``dtype`` against ``thresholds`` (in the comparison
+    dtype numpy.result_type(image, thresholds))."""
+    if dtype in _INT16_IMAGES:
+        estimate = _uniform_estimate(thresholds, float_guess=True)
+        return "int", _integer_threshold_table(thresholds), estimate
+    cmp_ctype, cmp_dtype = _compare_type(thresholds.dtype)
+    return cmp_ctype, _threshold_table(thresholds, cmp_dtype), _uniform_estimate(thresholds)
+
+
+def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn, rows=None) -> str:
+    """The histogram kernel; ``rows``: rows per thread of the packed sweep's tiles (16-bit keys)
+    where not the kernel's default (TILE_Y / 8)."""
+    tail = "" if rows is None else f", {int(rows)}"
     return (f"cutopo::ecc::ecc_histogram<{in_ctype}, {cmp_ctype}, {key_ctype}, {ndim}, "
-            f"{'true' if tconn else 'false'}>")
+            f"{'true' if tconn else 'false'}{tail}>")
 
 
 def masked_histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
@@ -102,22 +151,26 @@ def _range_sig(dtype: np.dtype) -> Signature:
 
 def _instances():
     """Instances the offline compile check builds: every input type, both ranks and constructions."""
-    natural_cmp = {"unsigned char": "long long", "unsigned short": "long long", "short": "long long",
+    natural_cmp = {"unsigned char": "long long", "unsigned short": "int", "short": "int",
                    "int": "long long", "cutopo::half": "float", "float": "float", "double": "double"}
     for in_ctype in sorted(set(_INPUT_CTYPE.values())):
         for ndim in (2, 3):
             for tconn in (False, True):
                 yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim, tconn)
+                if ndim == 2:
+                    yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim, tconn,
+                                             HIST_TALL_ROWS)
                 yield contributions_instance(in_ctype, ndim, tconn)
                 yield contributions_instance(in_ctype, ndim, tconn, periodic=True)
     yield histogram_instance("float", "double", "unsigned int", 3, False)
-    yield histogram_instance("unsigned short", "unsigned long long", "unsigned short", 2, True)
+    yield histogram_instance("unsigned char", "unsigned long long", "unsigned short", 2, True)
+    yield histogram_instance("unsigned short", "int", "unsigned int", 3, False)
     # The masked variant shares the sweeps above; one instance per sweep (packed 16-bit keys in
     # 2D and 3D, V and T; scalar 32-bit keys) keeps the compile check short.
     yield masked_histogram_instance("unsigned char", "long long", "unsigned short", 3, False)
     yield masked_histogram_instance("float", "float", "unsigned short", 3, True)
     yield masked_histogram_instance("float", "double", "unsigned int", 3, False)
-    yield masked_histogram_instance("unsigned short", "long long", "unsigned short", 2, True)
+    yield masked_histogram_instance("unsigned short", "int", "unsigned short", 2, True)
     yield CUMSUM.name
     for dtype in _INPUT_CTYPE:
         yield _range_sig(dtype).name
@@ -131,11 +184,11 @@ def _image_view(x):
     return x.view(view) if view is not None else x
 
 
-def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x):
+def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
     """(zchunk, blocks_per_image): enough tiles to fill the device, bounded pixels per block."""
     nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
     target = 2 * resident_blocks(sig, THREADS, shared_mem)
-    tiles_yx = math.ceil(ny / TILE_Y) * math.ceil(nx / tile_x)
+    tiles_yx = math.ceil(ny / tile_y) * math.ceil(nx / tile_x)
     zchunk = 1
     if ndim == 3:
         zchunk = int(np.clip((nz * tiles_yx * nimg) // target, 2, 64))
@@ -145,7 +198,7 @@ def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x):
     return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
-def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
+def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
     """The histogram kernel's ((nz, ny, nx), zchunk, blocks_per_image), as _plan's.
 
     Measured on the H200 (benchmarks/RESULTS.md, twenty-fourth session; 7-22 % less than
@@ -159,7 +212,7 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
     """
     nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
     slots = resident_blocks(sig, THREADS, shared_mem, PROFILE_OPTIONS)
-    tiles_yx = math.ceil(ny / TILE_Y) * math.ceil(nx / tile_x)
+    tiles_yx = math.ceil(ny / tile_y) * math.ceil(nx / tile_x)
     pixels = nz * ny * nx
     zchunk = 1
     if ndim == 2:
@@ -176,19 +229,19 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
         if cols * math.ceil(nz / zchunk) < 2 * slots:
             # Under two waves of such tiles (up to 256^3 here) the balance is another one: two
             # waves of shorter chunks measured 2-5 % faster (128^3, 300 x 200 x 100).
-            return _plan(sig, nimg, spatial, ndim, shared_mem, tile_x)
+            return _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y)
         blocks = math.ceil(HIST_WAVES_3D * slots / nimg)
     tiles = tiles_yx * math.ceil(nz / zchunk)
     blocks = max(blocks, math.ceil(pixels / MAX_PIXELS_PER_BLOCK))
     return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
-def _uniform_estimate(t: np.ndarray):
+def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
     """(t0, 1/dt) when thresholds are close enough to evenly spaced for the O(1) bin guess.
 
-    float32 thresholds are guessed in float arithmetic without a clamp, so they also need
-    (|t_0| + |t_{T-1}|) / dt + T <= 2^21: the guess's rounding errors (about 2^-24 times those
-    magnitudes each) then stay below 1/4 bin, and the guess within the table's rows 0..T."""
+    Guesses in float32 (``float_guess``; by default for float16 and float32 thresholds, which
+    compare in float32) also need (|t_0| + |t_{T-1}|) / dt + T <= 2^21: the guess's rounding
+    errors (about 2^-24 times those magnitudes each) then stay below 1/4 bin."""
     T = t.size
     if T < 3:
         return None
@@ -199,8 +252,7 @@ def _uniform_estimate(t: np.ndarray):
             return None
         if not np.max(np.abs(tt - (tt[0] + dt * np.arange(T)))) <= 0.25 * dt:
             return None
-        # float16 and float32 thresholds compare (and are guessed) in float32
-        in_float32 = t.dtype.kind == "f" and t.dtype.itemsize <= 4
+        in_float32 = (t.dtype.kind == "f" and t.dtype.itemsize <= 4) if float_guess is None else float_guess
         if in_float32 and (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** 21:
             return None
     return float(tt[0]), float(1.0 / dt)
@@ -218,25 +270,31 @@ class HistogramPlan:
         T = self.T
         in_ctype = _INPUT_CTYPE[dtype]
         view = _INPUT_VIEW.get(dtype, dtype)
-        cmp_ctype, cmp_dtype = _compare_type(thresholds.dtype)
-        key_ctype = "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
-        self.table = tables.upload(_threshold_table(thresholds, cmp_dtype))  # any stream reads it
-        estimate = _uniform_estimate(thresholds)
+        key_ctype = histogram_key_ctype(T)
+        cmp_ctype, table, estimate = histogram_bin_arguments(dtype, thresholds)
+        self.table = tables.upload(table)  # any stream reads it
         table_bytes = self.table.nbytes
         table_in_smem = table_bytes <= TABLE_SMEM_MAX
         hist_in_smem = T <= HIST_SMEM_MAX_BINS
         self.shared_mem = (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
-                           + (4 * T if hist_in_smem else 0))
-        name = (masked_histogram_instance if masked else histogram_instance)(
-            in_ctype, cmp_ctype, key_ctype, ndim, tconn)
+                           + (4 * (T + HIST_SPARE_SLOTS) if hist_in_smem else 0))
         # masked: the per-axis masks; else the per-image counters and the cumulate flag
         tail = ("ptr:uint8",) * 3 if masked else ("ptr:uint32", "int32")
-        self.sig = Signature(FAMILY, name,
-                             (f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
-                              "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32")
-                             + tail)
+        params = ((f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
+                   "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32") + tail)
+        instance = masked_histogram_instance if masked else histogram_instance
+        self.sig = Signature(FAMILY, instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn), params)
+        tile_y = TILE_Y
+        if not masked and ndim == 2 and key_ctype == "unsigned short" and HIST_TALL_ROWS:
+            tall_y = HIST_TALL_ROWS * (THREADS // 32)
+            tall_tiles = nimg * math.ceil(spatial[0] / tall_y) * math.ceil(spatial[1] / TILE_X[key_ctype])
+            if tall_tiles >= HIST_MIN_TILES_2D * resident_blocks(self.sig, THREADS, self.shared_mem,
+                                                                  PROFILE_OPTIONS):
+                tile_y = tall_y
+                self.sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn,
+                                                                HIST_TALL_ROWS), params)
         (nz, ny, nx), zchunk, per_image = _histogram_geometry(
-            self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype])
+            self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype], tile_y)
         block_pixels = nz * ny * nx / per_image
         self.cumulate = 2 if (hist_in_smem and dtype != np.bool_
                               and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels) else 1

@@ -720,10 +720,12 @@ def test_docstring_examples():
 
 
 @pytest.mark.parametrize("slots", [1, 132, 792])
-def test_histogram_geometry_covers_every_image_within_the_kernels_bounds(monkeypatch, slots):
+@pytest.mark.parametrize("tile_y", [32, 64])
+def test_histogram_geometry_covers_every_image_within_the_kernels_bounds(monkeypatch, slots, tile_y):
     """The launch geometry (no GPU: the device's resident blocks are stubbed): at least one
     block per image and at most one per tile, chunks of 2..64 planes, and few enough pixels per
-    block for its int32 shared histogram; 3D volumes of under two waves take _plan's geometry."""
+    block for its int32 shared histogram; 3D volumes of under two waves take _plan's geometry.
+    Tiles of 32 rows and of 64 (2D histograms of many tiles, _ecc_cupy.HIST_TALL_ROWS)."""
     from cutopo import _ecc_cupy
 
     monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: slots)
@@ -731,16 +733,16 @@ def test_histogram_geometry_covers_every_image_within_the_kernels_bounds(monkeyp
              ((65536, 40000), 1, 2), ((3, 4, 5), 1, 3), ((128, 128, 128), 1, 3),
              ((1024, 1024, 1024), 1, 3), ((300, 200, 100), 4, 3), ((2049, 1024, 1024), 1, 3)]
     for spatial, nimg, ndim in cases:
-        (nz, ny, nx), zchunk, blocks = _ecc_cupy._histogram_geometry(None, nimg, spatial, ndim, 0, 64)
+        (nz, ny, nx), zchunk, blocks = _ecc_cupy._histogram_geometry(None, nimg, spatial, ndim, 0, 64, tile_y)
         assert (nz, ny, nx) == ((1,) + spatial if ndim == 2 else spatial)
-        tiles_yx = -(-ny // _ecc_cupy.TILE_Y) * -(-nx // 64)
+        tiles_yx = -(-ny // tile_y) * -(-nx // 64)
         assert (zchunk == 1) if ndim == 2 else (2 <= zchunk <= 64), (spatial, zchunk)
         tiles = tiles_yx * -(-nz // zchunk)
         assert 1 <= blocks <= tiles, (spatial, blocks, tiles)
         # the kernel's blocks each sweep at most ceil(tiles / blocks) tiles of one image
-        assert -(-tiles // blocks) * zchunk * _ecc_cupy.TILE_Y * 64 <= _ecc_cupy.MAX_PIXELS_PER_BLOCK \
+        assert -(-tiles // blocks) * zchunk * tile_y * 64 <= _ecc_cupy.MAX_PIXELS_PER_BLOCK \
             or blocks == tiles, (spatial, blocks)
         if ndim == 3 and slots > 1:
-            planned = _ecc_cupy._plan(None, nimg, spatial, ndim, 0, 64)
+            planned = _ecc_cupy._plan(None, nimg, spatial, ndim, 0, 64, tile_y)
             if tiles_yx * nimg * -(-nz // zchunk) < 2 * slots:
                 assert (zchunk, blocks) == planned[1:]

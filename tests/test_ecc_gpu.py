@@ -116,6 +116,40 @@ def test_comparison_dtype_is_result_type(rng):
     assert_same_ecc(ints.astype(np.uint16), np.arange(0, 6, dtype=np.uint64))
 
 
+@pytest.mark.parametrize("dtype", ["uint16", "int16"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_16bit_integer_images_bin_on_integer_bounds(rng, dtype, ndim):
+    """uint16/int16 images bin against int32 bounds floor(t) with a float32 estimate, whatever
+    the thresholds' dtype: evenly spaced float thresholds (the estimate, fractional and on
+    integers), jittered ones, integer ones, float16/float32 ones, thresholds past both ends of
+    the dtype's range, few (no estimate) and many (the scalar sweep, T > 4096); pixels on, next
+    to and between the thresholds and at the dtype's extremes."""
+    info = np.iinfo(dtype)
+    shape = (3, 70, 90) if ndim == 2 else (40, 30, 70)
+    full = float(info.max) - float(info.min)
+    low = info.min + 0.3 * full
+    cases = [np.linspace(info.min - 100.5, info.max + 100.5, 256),  # estimate, past both ends
+             np.linspace(low, low + 300, 200),                        # dt ~ 1.5
+             np.arange(info.min + 1000, info.min + 1256, dtype=np.int64),
+             np.linspace(info.min, info.max, 5000),                   # T > 4096
+             np.array([info.min + 0.5 * full]),                       # one threshold
+             np.linspace(-60000.0, 60000.0, 64).astype(np.float32),
+             np.linspace(-1000.0, 1000.0, 80).astype(np.float16)]
+    jittered = np.linspace(info.min + 0.2 * full, info.min + 0.4 * full, 300)
+    jittered[1:-1] += rng.uniform(-0.2, 0.2, 298) * (jittered[1] - jittered[0])
+    cases.append(np.sort(jittered))
+    for t in cases:
+        lo, hi = max(float(info.min), float(t[0]) - 3), min(float(info.max), float(t[-1]) + 3)
+        on = np.floor(rng.choice(t.astype(np.float64), size=shape))
+        near = np.clip(on + rng.integers(-1, 2, size=shape), info.min, info.max)
+        between = rng.uniform(lo, hi, size=shape)
+        img = np.where(rng.random(shape) < 0.5, near, between).astype(dtype)
+        img[rng.random(shape) < 0.02] = info.min
+        img[rng.random(shape) < 0.02] = info.max
+        for connectivity in (1, ndim):
+            assert_same_ecc(img, t, ndim=ndim, connectivity=connectivity)
+
+
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_float32_bin_estimate_at_bin_edges(rng, ndim):
     """float32 images against float32 thresholds take the estimated bin (round((v - t0) / dt +
@@ -247,6 +281,37 @@ def test_large_2d(rng):
     assert_same_ecc(img, 256)
     img8 = rng.integers(0, 256, size=(4096, 4096), dtype=np.uint8)
     assert_same_ecc(img8, 256, connectivity=2)
+
+
+@pytest.mark.parametrize("tall", [False, True])
+def test_2d_tiles_of_32_and_64_rows(rng, monkeypatch, tall):
+    """2D histograms take tiles of 64 rows where an image has many (_ecc_cupy.HIST_TALL_ROWS),
+    else 32: both kernels, forced here on small images (every dtype, vector rows and odd
+    widths, interior tiles, a batch, V and T), equal the NumPy path."""
+    from cutopo import _ecc_cupy
+
+    names = []
+
+    class Recorded(_ecc_cupy.HistogramPlan):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            names.append(self.sig.name)
+
+    monkeypatch.setattr(_ecc_cupy, "HistogramPlan", Recorded)
+    if tall:  # one resident block: every image of two or more tiles is "large"
+        monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: 1)
+    else:
+        monkeypatch.setattr(_ecc_cupy, "HIST_TALL_ROWS", 0)
+    _ecc_cupy._histogram_plan.cache_clear()  # plans choose their tiles when they are made
+    try:
+        for dtype in DTYPES:
+            for shape in [(2, 200, 208), (150, 131)]:
+                img = random_image(rng, shape, dtype, levels=None if dtype != "int32" else 7, nan_fraction=0.03)
+                for connectivity in (1, 2):
+                    assert_same_ecc(img, 97, ndim=2, connectivity=connectivity)
+    finally:
+        _ecc_cupy._histogram_plan.cache_clear()
+    assert names and all(name.endswith(f", {_ecc_cupy.HIST_TALL_ROWS}>") == tall for name in names), names
 
 
 def test_large_3d(rng):

@@ -415,6 +415,37 @@ def test_uniform_estimate(ecc_cupy, rng):
     assert ue(np.linspace(-1, 1, 11).astype(np.float32)) == pytest.approx((-1.0, 5.0))
 
 
+@pytest.mark.parametrize("image_dtype", ["uint16", "int16"])
+@pytest.mark.parametrize("t_dtype", ["float16", "float32", "float64", "int8", "int16", "uint16",
+                                     "int32", "uint32", "int64", "uint64"])
+def test_integer_threshold_table_keeps_every_comparison(ecc_cupy, rng, image_dtype, t_dtype):
+    """16-bit integer images bin against int32 bounds floor(t), clipped past their range: for
+    every value of the image dtype, the bin (the first k with v <= t_k) from those bounds equals
+    numpy.searchsorted of the thresholds in the comparison dtype, as the NumPy path compares."""
+    info = np.iinfo(image_dtype)
+    tdt = np.dtype(t_dtype)
+    cmp = np.result_type(np.dtype(image_dtype), tdt)
+    if tdt.kind == "f":
+        lo, hi = max(float(np.finfo(tdt).min), -1e6), min(float(np.finfo(tdt).max), 1e6)
+        t = np.concatenate([rng.uniform(info.min - 300, info.max + 300, 60),
+                            rng.integers(info.min, info.max, 20) + rng.choice([0.0, 0.5, -0.25], 20),
+                            [lo, hi, -0.0, 0.0, info.min - 0.5, info.max + 0.5]])
+        t = np.clip(t, lo, hi).astype(tdt)
+    else:
+        ti = np.iinfo(tdt)
+        t = np.concatenate([rng.integers(max(ti.min, info.min - 300), min(ti.max, info.max + 300), 80,
+                                         endpoint=True).astype(tdt), np.array([ti.min, ti.max], dtype=tdt)])
+    t = np.sort(t).astype(cmp)
+    table = ecc_cupy._integer_threshold_table(t)
+    assert table.dtype == np.int32 and table.shape == (t.size + 1, 2)
+    assert table[0, 0] == np.iinfo(np.int32).min and table[-1, 1] == np.iinfo(np.int32).max
+    np.testing.assert_array_equal(table[1:, 0], table[:-1, 1])
+    v = np.arange(info.min, info.max + 1).astype(image_dtype)
+    want = np.searchsorted(t, v.astype(cmp), side="left")
+    got = np.searchsorted(table[:-1, 1], v.astype(np.int32), side="left")
+    np.testing.assert_array_equal(got, want)
+
+
 def test_registered_instances_cover_every_input_type(ecc_cupy):
     from cutopo._cuda.compile import registered_instances
 
