@@ -904,16 +904,6 @@ struct HistSink {
     long long* global;  // this image's row of the global histogram
     int T;
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
-#ifdef CUTOPO_ECC_LANE_SINK
-        // Variant for benchmarks/ab_ecc.py: no branch around the shared atomic (BSSY, BRA and
-        // BSYNC, 3 instructions per pixel, 6 of a 2D word's ~60): a pixel not counted (c == 0,
-        // or key >= T) adds to its lane's spare slot past the histogram instead (T + lane:
-        // 32 slots, distinct banks; never read; _ecc_cupy allocates them).
-        if constexpr (SHARED) {
-            atomicAdd(shared + ((c != 0 && (int)key < T) ? (int)key : T + (int)(threadIdx.x % 32)), c);
-            return;
-        }
-#endif
         if (c != 0 && (int)key < T) {
             if constexpr (SHARED) atomicAdd(shared + key, c);
             else atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);

@@ -16,7 +16,6 @@ TILE_Y = 32                  # ecc::TY, and the packed sweep's tiles at packed::
 TILE_X = {"unsigned short": 64, "unsigned int": 32}  # packed::TXP for 16-bit keys, ecc::TX else
 TABLE_SMEM_MAX = 16 * 1024   # threshold table in shared memory up to this many bytes
 HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
-HIST_SPARE_SLOTS = 32        # past the shared histogram: ecc.cu's CUTOPO_ECC_LANE_SINK variant
 # The packed sweep (15-bit keys, below packed::OUTSIDE = 0x7fff) adds into the shared
 # histogram only (ecc.cu's HistSink): it takes T <= HIST_SMEM_MAX_BINS, more bins the scalar one.
 PACKED_MAX_BINS = HIST_SMEM_MAX_BINS
@@ -277,7 +276,7 @@ class HistogramPlan:
         table_in_smem = table_bytes <= TABLE_SMEM_MAX
         hist_in_smem = T <= HIST_SMEM_MAX_BINS
         self.shared_mem = (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
-                           + (4 * (T + HIST_SPARE_SLOTS) if hist_in_smem else 0))
+                           + (4 * T if hist_in_smem else 0))
         # masked: the per-axis masks; else the per-image counters and the cumulate flag
         tail = ("ptr:uint8",) * 3 if masked else ("ptr:uint32", "int32")
         params = ((f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
