@@ -17,7 +17,9 @@ each --setting NAME=ATTR=VALUE a plan built with a constant of cutopo._ecc_cupy 
 (e.g. --setting "2 waves=HIST_WAVES_2D=2"), and with --against REV the kernel sources of that
 revision (git show REV:cuda_src/...), compiled as a family of their own and launched with this
 tree's geometry and arguments (a revision whose ecc_histogram takes this tree's parameters).
---small: one-wave cases (128^2 to 2048^2, bool too, 64^3 and 128^3) instead of the large ones.
+--small: one-wave cases (128^2 to 2048^2, bool too, 64^3 and 128^3) instead of the large ones;
+--mid: 2D sizes from 2048 x 4096 to 4096 x 8192 and batches of 8-32 x 1024^2 (the 64-row tiles'
+threshold).
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ SMALL = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8", "b
 SMALL += [("2d 8x256^2 float32", (8, 256, 256), 2, "float32", False),
           ("2d 1024^2 float32 T", (1024, 1024), 2, "float32", True)]
 SMALL += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8") for n in (64, 128)]
+# --mid: 2D sizes around the choice of 64-row tiles (HIST_TALL_MIN_TILES)
+MID = [(f"2d {ny}x{nx} {d}", (ny, nx), 2, d, False) for d in ("float32", "uint8")
+       for ny, nx in ((2048, 4096), (4096, 4096), (2048, 8192), (6144, 6144), (4096, 8192))]
+MID += [(f"2d {b}x1024^2 float32", (b, 1024, 1024), 2, "float32", False) for b in (8, 16, 32)]
 
 
 def old_family(rev: str) -> str:
@@ -109,6 +115,7 @@ def main(argv=None):
                    help="NAME=ATTR=VALUE (a constant of cutopo._ecc_cupy, an int)")
     p.add_argument("--against", help="a git revision whose kernel sources form one more variant")
     p.add_argument("--small", action="store_true", help="the one-wave cases instead of the large ones")
+    p.add_argument("--mid", action="store_true", help="2D sizes around the 64-row tiles' threshold")
     p.add_argument("--only", help="run the cases whose name contains this")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -140,7 +147,7 @@ def main(argv=None):
     print("| case | " + " | ".join(f"{v} us" for v in variants) + " | "
           + " | ".join(f"{v} / base" for v in list(variants)[1:]) + " | equal |")
     print("|---" * (2 * len(variants) + 1) + "|")
-    for name, shape, ndim, dtype, tconn in (SMALL if args.small else CASES):
+    for name, shape, ndim, dtype, tconn in (SMALL if args.small else MID if args.mid else CASES):
         if args.only and args.only not in name:
             continue
         seed = np.random.SeedSequence().entropy % 2**32

@@ -67,11 +67,14 @@ constexpr int soft_min_blocks() {
 #endif
 
 // Per warp: the contribution of each pixel the sink saw this plane (slot = call * 32 + lane),
-// the flat index of the critical ones, and the compacted order of the critical slots.
+// the flat index of the critical ones, and the compacted order of the critical slots; and the
+// critical pixels carried to the next plane (fewer than 32, RowBands).
 struct RowQueues {
     signed char c[WARPS][ROW_SLOTS];
     unsigned char order[WARPS][ROW_SLOTS];
     i64 index[WARPS][ROW_SLOTS];
+    i64 carried_index[WARPS][32];
+    signed char carried_c[WARPS][32];
 };
 
 // The workspace of the forward: a counter per image of the blocks done, a counter per image of
@@ -154,12 +157,22 @@ __device__ __noinline__ void report_thresholds(const Real* t, int T,
 // The sink and rows hook of the sweep (one object for both): queues the critical pixels of
 // the warp's rows, then runs Work::entries(valid, f, c, i) over them, 32 at a time, in every
 // lane of the warp. ``calls`` counts the sink's calls in this thread this plane (at most PY).
-template <typename In, typename Real, class Work>
+// With CARRY (the 3D forward), a plane's last entries (fewer than 32) wait for the next
+// plane's (``carried``, the same in every lane of a warp) and finish() runs what is left after
+// the sweep: a warp's rows of a plane hold ~2.4 critical voxels of bench_soft's smooth 256^3
+// volume, and run plane by plane every batch did its per-batch work (band edges in every lane,
+// the window's test, the kept list's atomic) for a few entries (the 3D forward 3.5 % faster
+// carried, H100, benchmarks/RESULTS.md, thirty-third session). Not carried: 2D tiles, which
+// hold a warp's rows once (carried, the 2D backward's sweep spilled 116-168 bytes at its 40
+// registers), and the backward's sweep, which runs only on images whose kept list overflowed
+// (noise-like: their planes fill whole batches).
+template <typename In, typename Real, class Work, bool CARRY>
 struct RowBands {
     RowQueues* q;
     const In* image;
     Work work;
     mutable int calls;
+    mutable int carried;
 
     __device__ __forceinline__ void operator()(int c, u64, i64 i) const {
         const int slot = calls * 32 + threadIdx.x % 32;
@@ -168,6 +181,26 @@ struct RowBands {
         r.c[threadIdx.x / 32][slot] = (signed char)c;
         if (c != 0) r.index[threadIdx.x / 32][slot] = i;
         else work.skipped(i);
+    }
+
+    // Entries of the lanes below n (warp-uniform), each lane's (c, i).
+    __device__ __forceinline__ void run(int n, int c, i64 i) const {
+        const bool mine = threadIdx.x % 32 < n;
+        const Real f = mine ? convert<Real>(image[i]) : Real(0);
+        work.entries(mine, mine && !no_entry(f), f, c, i);
+    }
+
+    // Entry e of the carried ones followed by this plane's (n of them, in r.order).
+    __device__ __forceinline__ void entry(int e, int& c, i64& i) const {
+        const int warp = threadIdx.x / 32;
+        if (e < carried) {
+            c = q->carried_c[warp][e];
+            i = q->carried_index[warp][e];
+        } else {
+            const int slot = q->order[warp][e - carried];
+            c = q->c[warp][slot];
+            i = q->index[warp][slot];
+        }
     }
 
     __device__ __forceinline__ void rows_done() const {
@@ -184,20 +217,54 @@ struct RowBands {
         }
         calls = 0;
         __syncwarp();  // order and index of the other lanes
-        for (int base = 0; base < n; base += 32) {  // warp-uniform bounds: every lane takes part
+        if constexpr (!CARRY) {
+            for (int base = 0; base < n; base += 32) {  // warp-uniform bounds: every lane takes part
+                int c = 0;
+                i64 i = 0;
+                Real f = 0;
+                const bool mine = base + lane < n;
+                if (mine) {
+                    const int slot = r.order[warp][base + lane];
+                    c = r.c[warp][slot];
+                    i = r.index[warp][slot];
+                    f = convert<Real>(image[i]);
+                }
+                work.entries(mine, mine && !no_entry(f), f, c, i);
+            }
+        } else {
+            // The carried entries, then this plane's, in batches of 32; fewer left are carried.
+            // One call of run(): each inlines the whole band work.
+            const int total = carried + n;
+            int first = 0;
+            for (; total - first >= 32; first += 32) {
+                const int e = first + lane;
+                int c;
+                i64 i;
+                entry(e, c, i);
+                run(32, c, i);
+            }
             int c = 0;
             i64 i = 0;
-            Real f = 0;
-            const bool mine = base + lane < n;
-            if (mine) {
-                const int slot = r.order[warp][base + lane];
-                c = r.c[warp][slot];
-                i = r.index[warp][slot];
-                f = convert<Real>(image[i]);
+            if (first + lane < total) entry(first + lane, c, i);
+            __syncwarp();  // every lane has read its carried entry before any is overwritten
+            if (first + lane < total) {
+                r.carried_c[warp][lane] = (signed char)c;
+                r.carried_index[warp][lane] = i;
             }
-            work.entries(mine, mine && !no_entry(f), f, c, i);
+            carried = total - first;
         }
         __syncwarp();  // the next plane rewrites the queue
+    }
+
+    // Runs the entries still carried (after the sweep: every lane of the block calls).
+    __device__ __forceinline__ void finish() const {
+        if (CARRY && carried > 0) {
+            const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+            __syncwarp();
+            run(carried, lane < carried ? q->carried_c[warp][lane] : 0,
+                lane < carried ? q->carried_index[warp][lane] : 0);
+            carried = 0;
+        }
     }
 };
 
@@ -520,9 +587,10 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     } else {
         __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
         __shared__ RowQueues q;
-        const RowBands<In, Real, ForwardWork<Real>> bands{&q, image, work, 0};
+        const RowBands<In, Real, ForwardWork<Real>, NDIM == 3> bands{&q, image, work, 0, 0};
         sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
                               ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
+        bands.finish();
         bands.work.win.flush(bands.work.a);
     }
     if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
@@ -657,11 +725,11 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     }
     if (busy) {
         const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-        const RowBands<In, Real, BackwardWork<Real>> bands{
+        const RowBands<In, Real, BackwardWork<Real>, false> bands{
             &q, image,
             BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
                                need_t, {}, 0.0},
-            0};
+            0, 0};
         if constexpr (LISTED) {
             const i64 rows = gridDim.x / blocks_per_image;
             const unsigned long long* e = KeptEntries{const_cast<unsigned long long*>(kept),

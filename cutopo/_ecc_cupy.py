@@ -37,9 +37,10 @@ HIST_BLOCK_PLANES = 2    # a 3D block's fixed cost, in plane loads (the chunk-le
 HIST_ZCHUNK_MAX = 64     # planes per 3D tile at most
 # 2D histograms of 16-bit keys take tiles of HIST_TALL_ROWS rows per thread (64 rows: half the
 # fixed work per tile of 32 rows, ecc.cu's packed::sweep) where the image has at least
-# HIST_MIN_TILES_2D such tiles per resident block; smaller images keep 32 rows, which give
+# HIST_TALL_MIN_TILES such tiles per resident block; smaller images keep 32 rows, which give
 # their one wave twice the blocks.
 HIST_TALL_ROWS = 8
+HIST_TALL_MIN_TILES = 2
 
 # Storage dtype -> C type of the kernel's input (bool is one byte, read as unsigned char).
 _INPUT_CTYPE = {
@@ -197,17 +198,18 @@ def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
     return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
-def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
+def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y, itemsize=4):
     """The histogram kernel's ((nz, ny, nx), zchunk, blocks_per_image), as _plan's.
 
     Measured on the H200 (benchmarks/RESULTS.md, twenty-fourth session; 7-22 % less than
     _plan's two waves from 4096^2 and 512^3 up). 2D: up to HIST_WAVES_2D waves of blocks, but
-    at least HIST_MIN_TILES_2D tiles per block: every block ends with up to T global atomics,
-    which one tile per block did not repay (2048^2). 3D: the chunk length z (planes per tile)
-    that minimises (tiles x the planes each loads) / resident blocks + one tile's planes, a
-    balance between the two planes of halo that every chunk loads (and a block's fixed cost,
-    HIST_BLOCK_PLANES) and the last wave's tail; then about one tile per block, so that the
-    hardware balances the blocks (the kernel's static tile-stride split left 5-10 % idle).
+    at least HIST_MIN_TILES_2D tiles per block (of 32 rows; of 64 rows, one for images of
+    ``itemsize`` 2 or more): every block ends with up to T global atomics, which one 32-row tile
+    per block did not repay (2048^2). 3D: the chunk length z (planes per tile) that minimises
+    (tiles x the planes each loads) / resident blocks + one tile's planes, a balance between the
+    two planes of halo that every chunk loads (and a block's fixed cost, HIST_BLOCK_PLANES) and
+    the last wave's tail; then about one tile per block, so that the hardware balances the
+    blocks (the kernel's static tile-stride split left 5-10 % idle).
     """
     nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
     slots = resident_blocks(sig, THREADS, shared_mem, PROFILE_OPTIONS)
@@ -215,8 +217,16 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TIL
     pixels = nz * ny * nx
     zchunk = 1
     if ndim == 2:
+        # HIST_MIN_TILES_2D counts tiles of TILE_Y rows: a block of an image of 2 bytes or more
+        # per pixel takes one tile of 64 rows where it took two of 32 (3-12 % faster from
+        # 2048 x 4096 to 4096^2 and at 8 x 1024^2, float32 on the H100, thirty-third session);
+        # one-byte images keep two 64-row tiles (one was 6-7 % slower at 2048 x 4096 uint8, the
+        # fixed work of a block weighing more beside their cheaper reads), and 32-row tiles keep
+        # two (one was 19-32 % slower at 2048^2).
+        min_tiles = HIST_MIN_TILES_2D * TILE_Y // tile_y if itemsize > 1 else HIST_MIN_TILES_2D
+        min_tiles = max(1, min_tiles)
         blocks = max(math.ceil(slots / nimg),
-                     min(math.ceil(HIST_WAVES_2D * slots / nimg), tiles_yx // HIST_MIN_TILES_2D))
+                     min(math.ceil(HIST_WAVES_2D * slots / nimg), tiles_yx // min_tiles))
     else:
         cols = tiles_yx * nimg
         per_tile = 2 + HIST_BLOCK_PLANES
@@ -287,13 +297,14 @@ class HistogramPlan:
         if not masked and ndim == 2 and key_ctype == "unsigned short" and HIST_TALL_ROWS:
             tall_y = HIST_TALL_ROWS * (THREADS // 32)
             tall_tiles = nimg * math.ceil(spatial[0] / tall_y) * math.ceil(spatial[1] / TILE_X[key_ctype])
-            if tall_tiles >= HIST_MIN_TILES_2D * resident_blocks(self.sig, THREADS, self.shared_mem,
+            if tall_tiles >= HIST_TALL_MIN_TILES * resident_blocks(self.sig, THREADS, self.shared_mem,
                                                                   PROFILE_OPTIONS):
                 tile_y = tall_y
                 self.sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn,
                                                                 HIST_TALL_ROWS), params)
         (nz, ny, nx), zchunk, per_image = _histogram_geometry(
-            self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype], tile_y)
+            self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype], tile_y,
+            np.dtype(dtype).itemsize)
         block_pixels = nz * ny * nx / per_image
         self.cumulate = 2 if (hist_in_smem and dtype != np.bool_
                               and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels) else 1

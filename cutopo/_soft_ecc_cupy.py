@@ -41,10 +41,10 @@ WARPS = THREADS // 32
 PLANE = 34 * 34                # ecc::PLANE: a 32 x 32 tile with its halo
 ROW_SLOTS = 32 * 4             # band::ROW_SLOTS
 # Static shared memory of the sweep kernels besides the tile: RowQueues (1 + 1 + 8 bytes per
-# slot) and a few words; the dynamic part (thresholds, accumulators) gets what is left of the
-# 48 KiB a block may take without opting in (_band_cupy.SHARED_MAX), else the accumulators go
-# to global memory.
-QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
+# slot, 8 + 1 per carried entry) and a few words; the dynamic part (thresholds, accumulators)
+# gets what is left of the 48 KiB a block may take without opting in (_band_cupy.SHARED_MAX),
+# else the accumulators go to global memory.
+QUEUE_BYTES = WARPS * (ROW_SLOTS * 10 + 32 * 9) + 128
 # The packed forward's (band::PackedQueues, its one-word-per-pixel-pair tile of packed::PLANEW
 # words per plane, the block's band parameters and a register window per thread).
 PACKED_SLOTS = 2 * 32 * 4      # band::PACKED_SLOTS

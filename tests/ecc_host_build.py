@@ -287,6 +287,12 @@ inline unsigned __reduce_or_sync(unsigned mask, unsigned v) {
     emu::full_mask(mask);
     return emu::combine(v, [](unsigned r, unsigned x, int) { return r | x; });
 }
+inline int __reduce_min_sync(unsigned mask, int v) {
+    emu::full_mask(mask);
+    return (int)emu::combine((unsigned)v, [](unsigned r, unsigned x, int i) {
+        return i == 0 || (int)x < (int)r ? x : r;
+    });
+}
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     emu::full_mask(mask);
     emu::warp_sync();

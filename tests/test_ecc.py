@@ -746,3 +746,16 @@ def test_histogram_geometry_covers_every_image_within_the_kernels_bounds(monkeyp
             planned = _ecc_cupy._plan(None, nimg, spatial, ndim, 0, 64, tile_y)
             if tiles_yx * nimg * -(-nz // zchunk) < 2 * slots:
                 assert (zchunk, blocks) == planned[1:]
+
+
+@pytest.mark.parametrize("itemsize, blocks_64, blocks_32", [(4, 2048, 2048), (2, 2048, 2048), (1, 1024, 2048)])
+def test_2d_histogram_blocks_take_one_tall_tile_of_wider_pixels(monkeypatch, itemsize, blocks_64, blocks_32):
+    """2D blocks take at least two 32-row tiles, or one of 64 rows (two of 64 for one-byte
+    images): the blocks of a 2048 x 4096 image at 792 resident blocks (the H100/H200 at 6 per
+    multiprocessor), where that bound decides."""
+    from cutopo import _ecc_cupy
+
+    monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: 792)
+    for tile_y, expected in ((64, blocks_64), (32, blocks_32)):
+        blocks = _ecc_cupy._histogram_geometry(None, 1, (2048, 4096), 2, 0, 64, tile_y, itemsize)[2]
+        assert blocks == expected, (tile_y, blocks)

@@ -36,11 +36,15 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack
 # faster on the H200 than at 64 registers (their masked form, at 64 registers, ~160 B on sm_90,
 # all of it in the plane loads, none in the word loop); the 2D soft ECC forwards (the packed sweep at 64
 # registers, 4 blocks/SM) spill ~90-130 B, much of it around the rarely taken call of the exact
-# contribution, and were 6-15 % faster than at 6 blocks/SM. Anything past these budgets is a
-# real regression.
+# contribution, and were 6-15 % faster than at 6 blocks/SM; the 3D ones (48 registers, 5
+# blocks/SM) spill up to ~160 B of loads with their entries carried between planes (24 B
+# before), and ran 3.5 % faster on the H100 so; the 2D backward sweeps of 1- and 2-byte inputs
+# (40 registers) spill ~100 B on sm_80 (88 B before for_each_band's greedy order; they run only
+# on images whose kept entries overflowed). Anything past these budgets is a real regression.
 _TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y|12warp_forwardIf\w*?Li3ELb[01]ELb0E"
                               r"|(?:13ecc_histogram|20ecc_histogram_masked)IhxtLi3E"
-                              r"|22soft_ecc_fused_forwardI\w*?Li2ELb[01]ELb0E")
+                              r"|22soft_ecc_fused_forwardI\w*?Li[23]ELb[01]ELb0E"
+                              r"|23soft_ecc_fused_backwardI[hst]jfLi2ELb0ELb0ELb0E")
 _MAX_SPILL_BYTES = 96
 _MAX_TOLERATED_SPILL_BYTES = 256
 
