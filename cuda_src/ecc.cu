@@ -44,19 +44,32 @@ __device__ constexpr bool earlier(int j) {
     return false;
 }
 
-// Bits of the non-zero offsets o' with o'_a in {0, o_a}: the other vertices of the cell spanned
-// by p and p + o (V), or the other pixels that share the face of p towards o (T).
+// Bits of the lowest corners of the cells spanned by p and p + o for the offsets o whose
+// non-zero components are on the axes of ``axes`` (bit a: axis a): o'_a in {-1, 0} on those
+// axes, 0 on the others. The cell of o is the 2^k block of the 3^NDIM neighbourhood whose
+// lowest corner is p + min(o, 0).
 template <int NDIM>
-__device__ constexpr unsigned sub_offsets(int j) {
+__device__ constexpr unsigned cell_corners(unsigned axes) {
     unsigned m = 0;
-    for (int i = 0; i < pow3(NDIM); ++i) {
-        if (i == (pow3(NDIM) - 1) / 2) continue;
-        bool inside = true;
+    for (int j = 0; j < pow3(NDIM); ++j) {
+        bool corner = true;
         for (int a = 0; a < NDIM; ++a) {
-            const int di = digit<NDIM>(i, a);
-            if (di != 0 && di != digit<NDIM>(j, a)) inside = false;
+            const int d = digit<NDIM>(j, a);
+            if (((axes >> a) & 1u) ? d > 0 : d != 0) corner = false;
         }
-        if (inside) m |= 1u << i;
+        if (corner) m |= 1u << j;
+    }
+    return m;
+}
+
+// Bits of the 2 NDIM face neighbours (offsets with one non-zero component).
+template <int NDIM>
+__device__ constexpr unsigned face_neighbours() {
+    unsigned m = 0;
+    for (int j = 0; j < pow3(NDIM); ++j) {
+        int k = 0;
+        for (int a = 0; a < NDIM; ++a) k += digit<NDIM>(j, a) != 0;
+        if (k == 1) m |= 1u << j;
     }
     return m;
 }
@@ -89,16 +102,30 @@ __device__ __forceinline__ unsigned precedence_bits(const K (&nb)[pow3(NDIM)], K
     }
 }
 
-// Sum of (-1)^dim over the cells the centre owns, given its owner-test bits.
-template <int NDIM, bool TCONN, int J = 0>
+// Sum of (-1)^dim over the cells the centre owns, given its owner-test bits (V: the
+// neighbours that precede p, T: those p precedes): a cell is owned when all its vertices' bits
+// are set, the centre's taken as set. Bit j of ``x`` (``y``) says that bits j and j + 1
+// (j + 3) are set: j and its neighbour one step up the last axis (the one before); ANDs of
+// shifted copies extend that to the squares' and cubes' 2^k blocks, read at their lowest
+// corners (cell_corners: the block of a cell through p lies inside the neighbourhood, so no
+// bit read wraps a row). ~25 instructions in 3D; the cell-by-cell test (26 masks, compare,
+// select) compiled to ~105 (sm_90, the soft ECC's 3D forward).
+template <int NDIM, bool TCONN>
 __device__ __forceinline__ int owned_cells(unsigned owner_test) {
-    if constexpr (J == pow3(NDIM)) {
-        return 0;
+    constexpr int CENTRE = (pow3(NDIM) - 1) / 2;
+    const unsigned b = owner_test | (1u << CENTRE);
+    const unsigned x = b & (b >> 1);  // the last axis has stride 1, the one before 3, then 9
+    const unsigned xy = x & (x >> 3);
+    int n = 1 - __popc(b & face_neighbours<NDIM>());
+    if constexpr (NDIM == 2) {
+        n += __popc(xy & cell_corners<2>(3u));
     } else {
-        constexpr unsigned s = sub_offsets<NDIM>(J);
-        constexpr int sign = cell_sign<NDIM, TCONN>(J);
-        return ((owner_test & s) == s ? sign : 0) + owned_cells<NDIM, TCONN, J + 1>(owner_test);
+        const unsigned y = b & (b >> 3);
+        n += __popc(xy & cell_corners<3>(6u)) + __popc((x & (x >> 9)) & cell_corners<3>(5u))
+             + __popc((y & (y >> 9)) & cell_corners<3>(3u)) - __popc((xy & (xy >> 9)) & cell_corners<3>(7u));
     }
+    // T: dim = NDIM - |o| instead of |o|, so every sign times (-1)^NDIM
+    return (TCONN && (NDIM & 1)) ? -n : n;
 }
 
 // c(p) from the keys of p's 3^NDIM neighbourhood (centre included; ``flips`` as for
