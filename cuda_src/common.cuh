@@ -101,6 +101,15 @@ __device__ __forceinline__ bool gt<float>(float a, float b) {
     return r != 0u;
 }
 
+// 2 acc + (the carry out of a + b), unsigned 32-bit: an add that keeps only its carry, then an
+// add of acc to itself with carry in (two instructions; a compare and select needs a predicate
+// register and one more).
+__device__ __forceinline__ unsigned shift_in_carry(unsigned acc, unsigned a, unsigned b) {
+    unsigned r;
+    asm("{.reg .u32 s; add.cc.u32 s, %1, %2; addc.u32 %0, %3, %3;}" : "=r"(r) : "r"(a), "r"(b), "r"(acc));
+    return r;
+}
+
 template <typename K>
 __device__ __forceinline__ constexpr K all_ones() { return (K)~(K)0; }
 

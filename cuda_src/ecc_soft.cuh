@@ -660,6 +660,21 @@ __host__ __device__ inline i64 backward_workspace_words(int T) {
     return (i64)BACKWARD_COPIES * (T + 1) + 1;
 }
 
+// a[begin, end) = 0 by the block: 16-byte stores between the first and last 16-byte boundary
+// (``a`` itself 16-byte aligned: a CuPy allocation), single elements at the ends. Element by
+// element, the 3D backward's zeroing of a listed 256^3 float32 image wrote 2.1 TB/s on the H100
+// (32 us, 0.36 instructions per cycle: the loop's 64-bit arithmetic per 4 bytes).
+template <typename Real>
+__device__ __forceinline__ void zero_range(Real* a, i64 begin, i64 end) {
+    constexpr i64 V = 16 / sizeof(Real);
+    const i64 head = min(end, (begin + V - 1) / V * V);  // begin rounded up to a boundary
+    const i64 body = max(head, end / V * V);             // end rounded down, not below head
+    for (i64 p = begin + threadIdx.x; p < head; p += THREADS) a[p] = Real(0);
+    uint4* v = reinterpret_cast<uint4*>(a);
+    for (i64 q = head / V + threadIdx.x; q < body / V; q += THREADS) v[q] = uint4{0u, 0u, 0u, 0u};
+    for (i64 p = body + threadIdx.x; p < end; p += THREADS) a[p] = Real(0);
+}
+
 // The backward: d_image (rows, N) gets -lambda sum_k g_k c sigma'_k at every pixel (0 where
 // c = 0 or f is not finite); ws (backward_workspace_words doubles, zeroed) gathers the
 // thresholds' cotangent without lambda and the scale's, in BACKWARD_COPIES copies, and (as an
@@ -705,9 +720,7 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
         if (d_image != nullptr) {  // before that launch writes the listed pixels
             const i64 n = nz * ny * nx;
             const i64 per_block = (n + blocks_per_image - 1) / blocks_per_image;
-            const i64 end = img * n + min(n, (chunk + 1) * per_block);
-            for (i64 p = img * n + chunk * per_block + threadIdx.x; p < end; p += THREADS)
-                d_image[p] = Real(0);
+            zero_range(d_image, img * n + min(n, chunk * per_block), img * n + min(n, (chunk + 1) * per_block));
         }
         return;
     }

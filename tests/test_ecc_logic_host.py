@@ -25,6 +25,7 @@ OUTSIDE = 0x7FFF
 _DRIVER = r"""
 using namespace cutopo;
 using namespace cutopo::ecc;
+constexpr unsigned OUTSIDE = 0x7FFF;  // the test's outside key: above every level
 
 // stdin: n, then n x 2 x 3^NDIM uint16 keys (pixel 0 then pixel 1 of each word); stdout: per
 // word the contributions from word_counts without and with TIES, the tie bits, and the scalar
@@ -47,13 +48,24 @@ int run() {
         packed::word_counts<NDIM, TCONN, true>(W, tpos, tneg, tties);
         unsigned short s0[N], s1[N];
         for (int j = 0; j < N; ++j) { s0[j] = k0[j]; s1[j] = k1[j]; }
-        int32_t out[8] = {
+        // the same order as 32-bit keys (the box's carry-chain comparisons): spread over the
+        // range from 0 up, and packed just below the outside key
+        unsigned w0[N], w1[N], u0[N], u1[N];
+        for (int j = 0; j < N; ++j) {
+            w0[j] = k0[j] == OUTSIDE ? ~0u : k0[j] * 0x20003u;
+            w1[j] = k1[j] == OUTSIDE ? ~0u : k1[j] * 0x20003u;
+            u0[j] = k0[j] == OUTSIDE ? ~0u : k0[j] + 0xFFFF8000u;
+            u1[j] = k1[j] == OUTSIDE ? ~0u : k1[j] + 0xFFFF8000u;
+        }
+        int32_t out[12] = {
             BASE + (int)(pos & 0xffffu) - (int)(neg & 0xffffu),
             BASE + (int)(pos >> 16) - (int)(neg >> 16),
             BASE + (int)(tpos & 0xffffu) - (int)(tneg & 0xffffu),
             BASE + (int)(tpos >> 16) - (int)(tneg >> 16),
             (int)((tties >> 15) & 1u), (int)((tties >> 31) & 1u),
-            contribution<NDIM, TCONN>(s0), contribution<NDIM, TCONN>(s1)};
+            contribution<NDIM, TCONN>(s0), contribution<NDIM, TCONN>(s1),
+            contribution<NDIM, TCONN>(w0), contribution<NDIM, TCONN>(w1),
+            contribution<NDIM, TCONN>(u0), contribution<NDIM, TCONN>(u1)};
         fwrite(out, sizeof out, 1, stdout);
     }
     return 0;
@@ -189,12 +201,15 @@ def test_word_counts_equal_the_ownership_oracle(harness, ndim, tconn, rng):
     stdin = np.int64(keys.shape[0]).tobytes() + keys.tobytes()
     run = subprocess.run([str(harness), str(ndim), str(int(tconn))], input=stdin, capture_output=True,
                          check=True, timeout=120)
-    out = np.frombuffer(run.stdout, np.int32).reshape(-1, 8)
+    out = np.frombuffer(run.stdout, np.int32).reshape(-1, 12)
     want = _oracle(keys, ndim, tconn)  # (n, 2)
     assert np.any(want != (1 if not tconn else (-1) ** ndim)), "degenerate data"
     np.testing.assert_array_equal(out[:, 0:2], want)
     np.testing.assert_array_equal(out[:, 2:4], want)
     np.testing.assert_array_equal(out[:, 6:8], want)
+    np.testing.assert_array_equal(out[:, 8:10], want)  # 32-bit keys from 0
+    np.testing.assert_array_equal(out[:, 10:12], want)  # 32-bit keys up to 2^32 - 2
+    assert np.any(keys[..., centre] == 0), "no centre of key 0"
     tied = (keys == keys[..., centre:centre + 1]).sum(axis=-1) > 1
     np.testing.assert_array_equal(out[:, 4:6].astype(bool), tied)
 

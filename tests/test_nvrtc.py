@@ -42,12 +42,16 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack
 # (40 registers) spill ~100 B on sm_80 (88 B before for_each_band's greedy order; they run only
 # on images whose kept entries overflowed); the 3D torus soft forwards of 64-bit keys (int32 and
 # float64 images, 128 registers) spill ~140 B of loads on sm_80 with the block-test
-# owned_cells (4 B before; none on sm_90). Anything past these budgets is a real regression.
+# owned_cells (4 B before; none on sm_90); the 3D float32 backward sweeps (48 registers) spill
+# ~116 B of loads on sm_90 with the carry-chain comparisons of contribution (68 B before), and
+# ran 4 % faster on the H100 so (RESULTS.md, thirty-fourth session). Anything past these
+# budgets is a real regression.
 _TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y|12warp_forwardIf\w*?Li3ELb[01]ELb0E"
                               r"|(?:13ecc_histogram|20ecc_histogram_masked)IhxtLi3E"
                               r"|22soft_ecc_fused_forwardI\w*?Li[23]ELb[01]ELb0E"
                               r"|22soft_ecc_fused_forwardI[di]ydLi3ELb1ELb1E"
-                              r"|23soft_ecc_fused_backwardI[hst]jfLi2ELb0ELb0ELb0E")
+                              r"|23soft_ecc_fused_backwardI[hst]jfLi2ELb0ELb0ELb0E"
+                              r"|23soft_ecc_fused_backwardIfjfLi3ELb[01]ELb0ELb0E")
 _MAX_SPILL_BYTES = 96
 _MAX_TOLERATED_SPILL_BYTES = 256
 
