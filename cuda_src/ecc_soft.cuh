@@ -720,7 +720,8 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
         if (d_image != nullptr) {  // before that launch writes the listed pixels
             const i64 n = nz * ny * nx;
             const i64 per_block = (n + blocks_per_image - 1) / blocks_per_image;
-            zero_range(d_image, img * n + min(n, chunk * per_block), img * n + min(n, (chunk + 1) * per_block));
+            zero_range(d_image, img * n + min(n, chunk * per_block),
+                       img * n + min(n, (chunk + 1) * per_block));
         }
         return;
     }
