@@ -1,10 +1,13 @@
 """Stage costs of the soft ECC on the GPU: each kernel of the forward and the VJP timed alone.
 
     python benchmarks/profile_soft.py
+    python benchmarks/profile_soft.py --forward-3d
 
 For the bench_soft.py image cases, prints the CUDA-graph time (ms) of: the fused forward sweep, the whole forward and the whole VJP (their kernels called
 directly), and the fused forward against its blocks per image. Guides kernel work; the headline
-numbers are bench_soft.py's.
+numbers are bench_soft.py's. ``--forward-3d``: only the 3D forward, on volumes of several sizes
+and dtypes, with a few values of each output, so that two trees' outputs compare line by line
+(``benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/profile_soft.py --forward-3d``).
 """
 from __future__ import annotations
 
@@ -55,6 +58,32 @@ def stages(cp, image, ndim):
         "VJP (fused backward, kept entries)": lambda: _soft_ecc_cupy.soft_ecc_backward(
             image, t, lam, w, ndim, False, g, (True, True, True), kept=kept),
     }
+
+
+def forward_3d(cp):
+    """The 3D forward (unchecked) alone, with and without kept entries, on smooth volumes
+    (one large, one small, a batch, float64) and white noise."""
+    cases = [("256^3 float32", (256, 256, 256), np.float32, False),
+             ("128^3 float32", (128, 128, 128), np.float32, False),
+             ("4x96^3 float32", (4, 96, 96, 96), np.float32, False),
+             ("128^3 float64", (128, 128, 128), np.float64, False),
+             ("96^3 float32 noise", (96, 96, 96), np.float32, True)]
+    for name, shape, dtype, noise in cases:
+        if noise:
+            image = cp.asarray(np.random.default_rng(5).random(shape, dtype=np.float32))
+        else:
+            image = smooth_image(cp, shape, 3, 2.0, 7).astype(dtype)
+        t = cp.asarray(np.linspace(0, 1, T).astype(dtype))
+        lam = dtype(4.0 * (T - 1))
+        w = band_halfwidth(np.dtype(dtype), lam)
+        plain = lambda: _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, 3, False)  # noqa: E731
+        kept = lambda: _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, 3, False, keep=True)  # noqa: E731
+        out, entries = kept()
+        o = out.astype(np.float64).reshape(-1, T)
+        n = int(entries[0].get()) if entries is not None else -1
+        print(f"## soft_ecc 3d {name}: output sum {float(o.sum()):.10e}, [-1, 100] {float(o[-1, 100]):.10e}, "
+              f"[0, 128] {float(o[0, 128]):.10e}; {n} entries kept of the first image")
+        print(f"  forward {time_graph(cp, plain, 30):.4f} ms, with kept entries {time_graph(cp, kept, 30):.4f} ms")
 
 
 def host_profile(cp, image, ndim):
@@ -134,6 +163,9 @@ def main():
         return 0
     import cupy as cp
 
+    if "--forward-3d" in sys.argv[1:]:
+        forward_3d(cp)
+        return 0
     print("## soft_ect 2d 512^2 D=256 forward")
     ect_stages(cp)
     print("## soft_ecc 2d 1024^2 fused forward")
