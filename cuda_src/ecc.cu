@@ -240,12 +240,14 @@ struct MaskedPixels {
     }
 };
 
-// What the sweep runs after each plane's rows, in every thread of the block (a point where
-// every warp is converged): nothing, or the soft ECC's band work on the pixels its sink queued
-// (ecc_soft.cuh).
+// What the sweep runs in every thread of the block (points where every warp is converged)
+// after each plane's rows, and at the start of each plane step (after the barrier that ends
+// the step before, before the next barrier: no thread is in any other part of the step):
+// nothing, or the soft ECC's band work on the pixels its sink queued (ecc_soft.cuh).
 struct NoRowsHook {
     template <typename... Args>
     __device__ __forceinline__ void rows_done(Args...) const {}
+    __device__ __forceinline__ void step_begin() const {}
 };
 
 // The tiles first, first + step, ... of an ntx x nty x ntz grid (x fastest) that a block
@@ -288,10 +290,11 @@ struct TileWalk<2> {
 
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
-// (each thread at most PY times per plane, once per row it owns); after the rows of every
-// plane, every thread calls after.rows_done().
-template <int NDIM, bool TCONN, typename K, class KeyOf, class Sink, class Region = AllPixels,
-          class Edges = Boundary<false>, class After = NoRowsHook>
+// (each thread at most PY times per plane, once per row it owns); every thread calls
+// after.step_begin() at the start of every plane step and after.rows_done() after its rows.
+// NARROW: read the planes with 32-bit offsets where they allow it (below).
+template <int NDIM, bool TCONN, typename K, bool NARROW = false, class KeyOf, class Sink,
+          class Region = AllPixels, class Edges = Boundary<false>, class After = NoRowsHook>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
                                       i64 image_base, i64 first, i64 step, const KeyOf& key_of,
                                       const Sink& sink, const Region& counts = Region(),
@@ -315,6 +318,33 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
             if constexpr (Edges::PERIODIC) z = wrap_index(z, nz);
             const bool plane_inside = z >= 0 && z < nz;
             const i64 plane_base = image_base + z * ny * nx;
+            if constexpr (NARROW && !Edges::PERIODIC) {
+                // A plane of under 2^31 - 256 elements (every image but the largest planes; the
+                // margin keeps a halo column's x in int range): 32-bit offsets and one unsigned
+                // test per axis, where the 64-bit ones below take ~50 instructions per key. The
+                // 3D soft forward ran 1-4 % faster so (benchmarks/RESULTS.md, thirty-fifth
+                // session); in the soft backward sweeps ptxas spilled ~60 B more, not timed.
+                if (ny * nx < (i64)0x7fffff00) {
+                    const int nyi = (int)ny, nxi = (int)nx;
+                    const int gy0 = (int)y0 - 1, gx0 = (int)x0 - 1;
+                    for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
+                        int ly, lx;
+                        if (i < LY * TX) {
+                            ly = i / TX;
+                            lx = i % TX + 1;
+                        } else {
+                            ly = (i - LY * TX) >> 1;
+                            lx = (i & 1) ? LX - 1 : 0;
+                        }
+                        const int gy = gy0 + ly, gx = gx0 + lx;
+                        K key = all_ones<K>();
+                        if (plane_inside && (unsigned)gy < (unsigned)nyi && (unsigned)gx < (unsigned)nxi)
+                            key = key_of(plane_base + (gy * nxi + gx));
+                        dst[ly * LX + lx] = key;
+                    }
+                    return;
+                }
+            }
             for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
                 int ly, lx;
                 if (i < LY * TX) {
@@ -342,6 +372,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
             load_plane(z0, tile[1]);
         }
         for (i64 z = z0; z < z1; ++z) {
+            after.step_begin();
             // Planes z-1, z, z+1 sit in ring slots (z-z0), (z-z0+1), (z-z0+2) mod 3.
             const int s = (int)((z - z0) % 3);
             const K* planes[NP];

@@ -67,15 +67,35 @@ constexpr int soft_min_blocks() {
 #endif
 
 // Per warp: the contribution of each pixel the sink saw this plane (slot = call * 32 + lane),
-// the flat index of the critical ones, and the compacted order of the critical slots; and the
-// critical pixels carried to the next plane (fewer than 32, RowBands).
+// the flat index of the critical ones, and the compacted order of the critical slots.
 struct RowQueues {
     signed char c[WARPS][ROW_SLOTS];
     unsigned char order[WARPS][ROW_SLOTS];
     i64 index[WARPS][ROW_SLOTS];
-    i64 carried_index[WARPS][32];
-    signed char carried_c[WARPS][32];
 };
+
+// The 3D forward's block-wide queue of critical voxels (RowBands): a ring of CAP entries
+// (KeptEntries::pack(i, c)), entries [head, tail) waiting; ``tail`` counts every entry put,
+// ``head`` (each thread's copy in RowBands) every entry taken.
+template <int CAP>
+struct BlockQueue {
+    static_assert((CAP & (CAP - 1)) == 0, "a power of two");
+    unsigned long long e[CAP];
+    unsigned tail;
+};
+
+// Entries waiting in the 3D forward's block queue that start a round of batches during the
+// sweep (RowBands::drain; at least 32 * WARPS): 256, a round as soon as there is one. 512 (a
+// block of a 256^3 volume then keeps its ~240 entries to the end) ran the same within 1 %
+// (H200, benchmarks/RESULTS.md, thirty-fifth session).
+#ifndef CUTOPO_SOFT_QUEUE_DRAIN
+#define CUTOPO_SOFT_QUEUE_DRAIN 256
+#endif
+
+// Ring entries of the 3D forward's block queue: 8 KiB for 32-bit keys; 2 KiB for 64-bit ones,
+// whose planes take twice the shared memory (48 KiB static at most).
+template <typename K>
+constexpr int block_queue_cap() { return sizeof(K) == 4 ? 1024 : 256; }
 
 // The workspace of the forward: a counter per image of the blocks done, a counter per image of
 // the entries met (KeptEntries), the band sums (rows, T) float64 and the difference arrays
@@ -157,22 +177,28 @@ __device__ __noinline__ void report_thresholds(const Real* t, int T,
 // The sink and rows hook of the sweep (one object for both): queues the critical pixels of
 // the warp's rows, then runs Work::entries(valid, f, c, i) over them, 32 at a time, in every
 // lane of the warp. ``calls`` counts the sink's calls in this thread this plane (at most PY).
-// With CARRY (the 3D forward), a plane's last entries (fewer than 32) wait for the next
-// plane's (``carried``, the same in every lane of a warp) and finish() runs what is left after
-// the sweep: a warp's rows of a plane hold ~2.4 critical voxels of bench_soft's smooth 256^3
-// volume, and run plane by plane every batch did its per-batch work (band edges in every lane,
-// the window's test, the kept list's atomic) for a few entries (the 3D forward 3.5 % faster
-// carried, H100, benchmarks/RESULTS.md, thirty-third session). Not carried: 2D tiles, which
-// hold a warp's rows once (carried, the 2D backward's sweep spilled 116-168 bytes at its 40
-// registers), and the backward's sweep, which runs only on images whose kept list overflowed
-// (noise-like: their planes fill whole batches).
-template <typename In, typename Real, class Work, bool CARRY>
+// With a block queue (QCAP > 0, the 3D forward), a warp puts its plane's entries into the
+// block's ring instead; at the start of a plane step, once CUTOPO_SOFT_QUEUE_DRAIN entries
+// wait, the block's warps take the whole rounds of 32 x WARPS waiting, a batch of 32 each, and
+// finish() deals what is left after the sweep evenly over the warps. Run by the warp whose
+// rows held them, as before, the band work of a plane fell unevenly on the warps: bench_soft's
+// smooth 256^3 volume puts ~2.4 critical voxels in a warp's rows of a plane, and its warps
+// spent 31 % of their cycles waiting at the sweep's barriers (Nsight Compute, H100). With the
+// ring (and the chunk lengths of _soft_ecc_cupy._forward_geometry) a smooth 512^3 volume's
+// forward ran 20 % faster (32-plane chunks), white noise 4 %, 256^3 and 128^3 the same, a
+// batch of 4 x 96^3 5 % slower (H100, benchmarks/RESULTS.md, thirty-fifth session). A ring
+// too full for a warp's entries: the warp runs them at its next step. Without: 2D tiles,
+// which hold a warp's rows once, and the backward's sweep, which runs only on images whose
+// kept list overflowed (noise-like: their planes fill whole batches).
+template <typename In, typename Real, class Work, int QCAP>
 struct RowBands {
     RowQueues* q;
     const In* image;
     Work work;
     mutable int calls;
-    mutable int carried;
+    BlockQueue<QCAP == 0 ? 1 : QCAP>* block;  // QCAP > 0
+    mutable unsigned head;
+    mutable int own;  // entries of the warp's last plane that the ring had no room for
 
     __device__ __forceinline__ void operator()(int c, u64, i64 i) const {
         const int slot = calls * 32 + threadIdx.x % 32;
@@ -190,19 +216,6 @@ struct RowBands {
         work.entries(mine, mine && !no_entry(f), f, c, i);
     }
 
-    // Entry e of the carried ones followed by this plane's (n of them, in r.order).
-    __device__ __forceinline__ void entry(int e, int& c, i64& i) const {
-        const int warp = threadIdx.x / 32;
-        if (e < carried) {
-            c = q->carried_c[warp][e];
-            i = q->carried_index[warp][e];
-        } else {
-            const int slot = q->order[warp][e - carried];
-            c = q->c[warp][slot];
-            i = q->index[warp][slot];
-        }
-    }
-
     __device__ __forceinline__ void rows_done() const {
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         RowQueues& r = *q;
@@ -217,53 +230,105 @@ struct RowBands {
         }
         calls = 0;
         __syncwarp();  // order and index of the other lanes
-        if constexpr (!CARRY) {
+        if constexpr (QCAP == 0) {
             for (int base = 0; base < n; base += 32) {  // warp-uniform bounds: every lane takes part
                 int c = 0;
                 i64 i = 0;
-                Real f = 0;
-                const bool mine = base + lane < n;
-                if (mine) {
+                if (base + lane < n) {
                     const int slot = r.order[warp][base + lane];
                     c = r.c[warp][slot];
                     i = r.index[warp][slot];
-                    f = convert<Real>(image[i]);
                 }
-                work.entries(mine, mine && !no_entry(f), f, c, i);
+                run(min(32, n - base), c, i);
             }
-        } else {
-            // The carried entries, then this plane's, in batches of 32; fewer left are carried.
-            // One call of run(): each inlines the whole band work.
-            const int total = carried + n;
-            int first = 0;
-            for (; total - first >= 32; first += 32) {
-                const int e = first + lane;
-                int c;
-                i64 i;
-                entry(e, c, i);
-                run(32, c, i);
+        } else if (n > 0) {
+            // Into the block's ring if it has room: lane 0 reserves [at, at + n) by
+            // compare-and-swap only then (the live entries start at head, the same in every
+            // thread between drain()'s barriers). Without room, they stay in r.order for the
+            // warp's next drain(), before the next plane's sink rewrites it.
+            unsigned at = 0;
+            bool room = true;
+            if (lane == 0) {
+                at = block->tail;
+                for (;;) {
+                    if (at + (unsigned)n - head > (unsigned)QCAP) {
+                        room = false;
+                        break;
+                    }
+                    const unsigned seen = atomicCAS(&block->tail, at, at + (unsigned)n);
+                    if (seen == at) break;
+                    at = seen;
+                }
             }
-            int c = 0;
-            i64 i = 0;
-            if (first + lane < total) entry(first + lane, c, i);
-            __syncwarp();  // every lane has read its carried entry before any is overwritten
-            if (first + lane < total) {
-                r.carried_c[warp][lane] = (signed char)c;
-                r.carried_index[warp][lane] = i;
+            at = __shfl_sync(FULL, at, 0);
+            if (__shfl_sync(FULL, room, 0)) {
+                for (int e = lane; e < n; e += 32) {
+                    const int slot = r.order[warp][e];
+                    block->e[(at + e) & (QCAP - 1)] = KeptEntries::pack(r.index[warp][slot], r.c[warp][slot]);
+                }
+            } else {
+                own = n;
             }
-            carried = total - first;
         }
         __syncwarp();  // the next plane rewrites the queue
     }
 
-    // Runs the entries still carried (after the sweep: every lane of the block calls).
+    // The warp's batches: its own entries left in r.order (``own``), then ring batches warp,
+    // warp + WARPS, ... of ``chunk`` entries each of the ring's first ``taken`` entries from
+    // head; one call of run() (it inlines the whole band work). A batch runs its entries one
+    // after the other (a band's thresholds across the lanes), so the entries are dealt evenly:
+    // after a 128^3 sweep ~60 were left per block, and batches of 32 put them on two warps
+    // (the forward 26 % slower than per-warp batches). No warp puts entries between the
+    // barriers around a drain() (sweep), so every thread reads the same tail and advances head
+    // alike.
+    __device__ __forceinline__ void drain(bool all) const {
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        const unsigned waiting = block->tail - head;
+        // whole rounds of a batch of 32 per warp while sweeping, once CUTOPO_SOFT_QUEUE_DRAIN
+        // entries wait (any fewer would fall on a few warps while the others wait at the next
+        // barrier); everything after the sweep
+        const unsigned taken = all ? waiting
+                                   : waiting >= (unsigned)CUTOPO_SOFT_QUEUE_DRAIN
+                                         ? waiting / (32 * WARPS) * (32 * WARPS) : 0u;
+        const unsigned chunk = min(32u, (taken + WARPS - 1) / WARPS);
+        const int own_batches = (own + 31) / 32;
+        for (int b = 0;; ++b) {  // warp-uniform
+            int n, c = 0;
+            i64 i = 0;
+            if (b < own_batches) {
+                n = min(32, own - 32 * b);
+                if (lane < n) {
+                    const int slot = q->order[warp][32 * b + lane];
+                    c = q->c[warp][slot];
+                    i = q->index[warp][slot];
+                }
+            } else {
+                const unsigned first = chunk * (unsigned)(warp + (b - own_batches) * WARPS);
+                if (first >= taken) break;
+                n = (int)min(chunk, taken - first);
+                if (lane < n) {
+                    const unsigned long long v = block->e[(head + first + lane) & (QCAP - 1)];
+                    c = KeptEntries::contribution(v);
+                    i = KeptEntries::index(v);
+                }
+            }
+            run(n, c, i);
+        }
+        head += taken;
+        own = 0;
+    }
+
+    // At the start of every plane step (QCAP > 0): whole rounds of the block's ring, and the
+    // warp's entries it had no room for.
+    __device__ __forceinline__ void step_begin() const {
+        if constexpr (QCAP > 0) drain(false);
+    }
+
+    // What is left after the sweep (every thread of the block calls).
     __device__ __forceinline__ void finish() const {
-        if (CARRY && carried > 0) {
-            const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-            __syncwarp();
-            run(carried, lane < carried ? q->carried_c[warp][lane] : 0,
-                lane < carried ? q->carried_index[warp][lane] : 0);
-            carried = 0;
+        if constexpr (QCAP > 0) {
+            __syncthreads();  // every warp's entries are in the ring or its r.order
+            drain(true);
         }
     }
 };
@@ -556,9 +621,12 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     const int chunk = blockIdx.x % blocks_per_image;
     const i64 rows = gridDim.x / blocks_per_image;
     const ForwardWorkspace wsp(ws, rows, T);
+    constexpr int QCAP = NDIM == 3 ? block_queue_cap<K>() : 0;  // the scalar sweep's (3D)
+    __shared__ BlockQueue<QCAP == 0 ? 1 : QCAP> queue;
     if (threadIdx.x == 0) {  // published by setup's barrier
         forward_kept = KeptSink{kept != nullptr ? KeptEntries{kept, kept_cap}.slots(img, rows) : nullptr,
                                 wsp.met + img, kept_cap};
+        queue.tail = 0u;
     }
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
     if (word != nullptr && blockIdx.x == 0) report_thresholds(s.t, T, word, token);
@@ -587,9 +655,10 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     } else {
         __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
         __shared__ RowQueues q;
-        const RowBands<In, Real, ForwardWork<Real>, NDIM == 3> bands{&q, image, work, 0, 0};
-        sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
-                              ValueKey<In, K>{image}, bands, AllPixels(), Boundary<PERIODIC>(), bands);
+        const RowBands<In, Real, ForwardWork<Real>, QCAP> bands{&q, image, work, 0, &queue, 0u, 0};
+        sweep<NDIM, TCONN, K, NDIM == 3>(tile, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
+                                         ValueKey<In, K>{image}, bands, AllPixels(),
+                                         Boundary<PERIODIC>(), bands);
         bands.finish();
         bands.work.win.flush(bands.work.a);
     }
@@ -739,11 +808,11 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     }
     if (busy) {
         const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-        const RowBands<In, Real, BackwardWork<Real>, false> bands{
+        const RowBands<In, Real, BackwardWork<Real>, 0> bands{
             &q, image,
             BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
                                need_t, {}, 0.0},
-            0, 0};
+            0, nullptr, 0u, 0};
         if constexpr (LISTED) {
             const i64 rows = gridDim.x / blocks_per_image;
             const unsigned long long* e = KeptEntries{const_cast<unsigned long long*>(kept),

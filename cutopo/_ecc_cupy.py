@@ -198,6 +198,19 @@ def _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
     return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
+def chunk_length(cols, nz, slots, shortest=1):
+    """Planes per 3D tile (at least ``shortest``) that minimise the sweep's cost in plane loads:
+    (tiles x the planes each loads, two of them halo, plus a block's fixed cost of
+    HIST_BLOCK_PLANES) / resident blocks, plus one tile's for the last wave's tail. ``cols``:
+    tile columns (y-x tiles) over the batch."""
+    per_tile = 2 + HIST_BLOCK_PLANES
+
+    def cost(z):
+        return cols * math.ceil(nz / z) * (z + per_tile) / slots + z + per_tile
+
+    return min(range(shortest, max(shortest, min(HIST_ZCHUNK_MAX, nz)) + 1), key=cost)
+
+
 def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y, itemsize=4):
     """The histogram kernel's ((nz, ny, nx), zchunk, blocks_per_image), as _plan's.
 
@@ -229,12 +242,7 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TIL
                      min(math.ceil(HIST_WAVES_2D * slots / nimg), tiles_yx // min_tiles))
     else:
         cols = tiles_yx * nimg
-        per_tile = 2 + HIST_BLOCK_PLANES
-
-        def cost(z):
-            return cols * math.ceil(nz / z) * (z + per_tile) / slots + z + per_tile
-
-        zchunk = min(range(2, HIST_ZCHUNK_MAX + 1), key=cost)
+        zchunk = chunk_length(cols, nz, slots, 2)
         if cols * math.ceil(nz / zchunk) < 2 * slots:
             # Under two waves of such tiles (up to 256^3 here) the balance is another one: two
             # waves of shorter chunks measured 2-5 % faster (128^3, 300 x 200 x 100).

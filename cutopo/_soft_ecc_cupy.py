@@ -41,10 +41,12 @@ WARPS = THREADS // 32
 PLANE = 34 * 34                # ecc::PLANE: a 32 x 32 tile with its halo
 ROW_SLOTS = 32 * 4             # band::ROW_SLOTS
 # Static shared memory of the sweep kernels besides the tile: RowQueues (1 + 1 + 8 bytes per
-# slot, 8 + 1 per carried entry) and a few words; the dynamic part (thresholds, accumulators)
-# gets what is left of the 48 KiB a block may take without opting in (_band_cupy.SHARED_MAX),
-# else the accumulators go to global memory.
-QUEUE_BYTES = WARPS * (ROW_SLOTS * 10 + 32 * 9) + 128
+# slot) and a few words, and in the 3D forward the block's ring of entries (band::BlockQueue,
+# band::block_queue_cap entries of 8 bytes); the dynamic part (thresholds, accumulators) gets
+# what is left of the 48 KiB a block may take without opting in (_band_cupy.SHARED_MAX), else
+# the accumulators go to global memory.
+QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
+BLOCK_QUEUE_CAP = {4: 1024, 8: 256}  # band::block_queue_cap by key bytes
 # The packed forward's (band::PackedQueues, its one-word-per-pixel-pair tile of packed::PLANEW
 # words per plane, the block's band parameters and a register window per thread).
 PACKED_SLOTS = 2 * 32 * 4      # band::PACKED_SLOTS
@@ -154,6 +156,8 @@ def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes, packed=False):
         static = planes * PACKED_PLANE_WORDS * 4 + PACKED_QUEUE_BYTES
     else:
         static = planes * PLANE * key_bytes + QUEUE_BYTES
+        if with_sat and ndim == 3:  # the forward's ring
+            static += BLOCK_QUEUE_CAP[key_bytes] * 8 + 8
     return _shared_plan(T, real, with_g, with_sat, static)
 
 
@@ -173,7 +177,7 @@ class SoftEccPlan:
         packed = packed_forward(in_dtype, ndim, periodic)
         shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes, packed)
         tile_x = _ecc_cupy.TILE_X["unsigned short" if packed else "unsigned int"]
-        (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(fsig, nimg, spatial, ndim, smem, tile_x)
+        (nz, ny, nx), zchunk, per_image = _forward_geometry(fsig, nimg, spatial, ndim, smem, tile_x)
         # (image, thresholds, workspace, out, word, token, kept, cap, ..., lam, w, shared):
         # arrays, the check word and its token, the kept entries and the scale per call
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS,
@@ -272,6 +276,26 @@ def check_word() -> PinnedWord:
     if word is None:
         word = _WORDS.word = PinnedWord()
     return word
+
+
+def _forward_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
+    """The forward sweep's ((nz, ny, nx), zchunk, blocks_per_image). 2D: _ecc_cupy._plan's. 3D:
+    the chunk length of the exact histogram's cost model (_ecc_cupy.chunk_length) and one tile
+    per block up to HIST_WAVES_3D waves, so that the hardware balances the blocks. _plan's two
+    waves of blocks, each sweeping its tiles in turn, ran the forward 9-15 % slower on smooth
+    float32 volumes from 64^3 to 512^3 (2 planes per tile at 128^3 and 4 x 96^3, where the halo
+    doubled the loads; 12 at 256^3, where 6 % of the blocks swept a second tile), 2 % in
+    float64, the same on white noise (H100, benchmarks/RESULTS.md, thirty-fifth session)."""
+    if ndim == 2:
+        return _ecc_cupy._plan(sig, nimg, spatial, ndim, shared_mem, tile_x)
+    nz, ny, nx = spatial
+    slots = _ecc_cupy.resident_blocks(sig, THREADS, shared_mem)
+    cols = math.ceil(ny / _ecc_cupy.TILE_Y) * math.ceil(nx / tile_x)
+    zchunk = _ecc_cupy.chunk_length(cols * nimg, nz, slots)
+    tiles = cols * math.ceil(nz / zchunk)
+    tiles_per_block = _ecc_cupy.MAX_PIXELS_PER_BLOCK // (zchunk * _ecc_cupy.TILE_Y * tile_x)
+    blocks = max(math.ceil(_ecc_cupy.HIST_WAVES_3D * slots / nimg), math.ceil(tiles / tiles_per_block))
+    return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
 @functools.lru_cache(maxsize=64)

@@ -44,16 +44,20 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack
 # float64 images, 128 registers) spill ~140 B of loads on sm_80 with the block-test
 # owned_cells (4 B before; none on sm_90); the 3D float32 backward sweeps (48 registers) spill
 # ~116 B of loads on sm_90 with the carry-chain comparisons of contribution (68 B before), and
-# ran 4 % faster on the H100 so (RESULTS.md, thirty-fourth session). Anything past these
-# budgets is a real regression.
+# ran 4 % faster on the H100 so (RESULTS.md, thirty-fourth session); the 3D float32 soft
+# forwards with the block queue and 32-bit plane offsets (48 registers) spill up to ~330 B of
+# loads on sm_90 (176 B without the offsets) and ran 1-4 % faster so on the H100 and H200
+# (thirty-fifth session). Anything past these budgets is a real regression.
 _TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y|12warp_forwardIf\w*?Li3ELb[01]ELb0E"
                               r"|(?:13ecc_histogram|20ecc_histogram_masked)IhxtLi3E"
                               r"|22soft_ecc_fused_forwardI\w*?Li[23]ELb[01]ELb0E"
                               r"|22soft_ecc_fused_forwardI[di]ydLi3ELb1ELb1E"
                               r"|23soft_ecc_fused_backwardI[hst]jfLi2ELb0ELb0ELb0E"
                               r"|23soft_ecc_fused_backwardIfjfLi3ELb[01]ELb0ELb0E")
+_WIDE_SPILL = re.compile(r"22soft_ecc_fused_forwardIfjfLi3ELb[01]ELb0E")
 _MAX_SPILL_BYTES = 96
 _MAX_TOLERATED_SPILL_BYTES = 256
+_MAX_WIDE_SPILL_BYTES = 352
 
 
 def _instances():
@@ -123,7 +127,9 @@ def test_no_register_spills(compiled, arch):
         problems = []
         for name in sorted(entries):
             stack, stores, loads = props[name]
-            budget = _MAX_TOLERATED_SPILL_BYTES if _TOLERATED_SPILL.search(name) else _MAX_SPILL_BYTES
+            budget = (_MAX_WIDE_SPILL_BYTES if _WIDE_SPILL.search(name)
+                      else _MAX_TOLERATED_SPILL_BYTES if _TOLERATED_SPILL.search(name)
+                      else _MAX_SPILL_BYTES)
             if stores > budget or loads > budget:
                 problems.append(f"{name}: {stores} B spill stores, {loads} B spill loads "
                                 f"(budget {budget} B)")

@@ -241,7 +241,9 @@ int sizes() {
         (int64_t)sizeof(Window<float>), (int64_t)sizeof(Window<double>),
         (int64_t)sizeof(ForwardWork<float>), (int64_t)sizeof(ForwardWork<double>),
         (int64_t)sizeof(KeptSink), forward_workspace_words(5, 37), forward_workspace_words(6, 1000),
-        backward_workspace_words(37)};
+        backward_workspace_words(37),
+        (int64_t)sizeof(BlockQueue<block_queue_cap<unsigned>()>),
+        (int64_t)sizeof(BlockQueue<block_queue_cap<unsigned long long>()>)};
     fwrite(v, 8, sizeof v / 8, stdout);
     return 0;
 }
@@ -705,15 +707,15 @@ def test_cases_cover_the_launches():
 def test_module_sizes_match_the_kernels(emulator):
     """The numbers _soft_ecc_cupy plans with are the kernels' (as compiled here): threads,
     slots and tile planes, the tiles' width and height (_ecc_cupy), the workspaces' words, and
-    the static shared memory it reserves beside the dynamic part (QUEUE_BYTES,
-    PACKED_QUEUE_BYTES) covers the kernels' __shared__ queues, windows and words. On a GPU a
+    the static shared memory it reserves beside the dynamic part (QUEUE_BYTES, the 3D forward's
+    ring BLOCK_QUEUE_CAP, PACKED_QUEUE_BYTES) covers the kernels' __shared__ queues, windows and words. On a GPU a
     short reserve would leave a launch over the 48 KiB without opting in, which fails there."""
     run = subprocess.run([str(emulator)], input=np.array([-1, 0, 256, 0], np.int64).tobytes(),
                          capture_output=True, timeout=60)
     assert run.returncode == 0, run.stderr
     (threads, warps, row_slots, packed_slots, plane, planew, tx, ty, txp, copies, row_queues,
      packed_queues, window32, window64, work32, work64, kept_sink, fws_5_37, fws_6_1000,
-     bws_37) = (int(v) for v in np.frombuffer(run.stdout, np.int64))
+     bws_37, ring32, ring64) = (int(v) for v in np.frombuffer(run.stdout, np.int64))
     m = _soft_ecc_cupy
     assert (threads, warps, row_slots, packed_slots, plane, planew, copies) == (
         m.THREADS, m.WARPS, m.ROW_SLOTS, m.PACKED_SLOTS, m.PLANE, m.PACKED_PLANE_WORDS, m.BACKWARD_COPIES)
@@ -726,6 +728,8 @@ def test_module_sizes_match_the_kernels(emulator):
     # is_last, forward_kept and report_thresholds' flags; the backward's scratch doubles
     assert row_queues + 4 + kept_sink + 4 * warps <= m.QUEUE_BYTES
     assert row_queues + 8 * warps + 4 <= m.QUEUE_BYTES
+    # the 3D forward's ring of entries, counted apart
+    assert (ring32, ring64) == (m.BLOCK_QUEUE_CAP[4] * 8 + 8, m.BLOCK_QUEUE_CAP[8] * 8 + 8)
     # the packed forward's queues, ForwardWork and windows (raw bytes, 16-aligned), the same words
     for window, work in ((window32, work32), (window64, work64)):
         packed = packed_queues + -(-work // 16) * 16 + threads * window + 4 + kept_sink + 4 * warps
