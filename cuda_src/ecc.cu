@@ -288,6 +288,18 @@ struct TileWalk<2> {
     __device__ __forceinline__ i64 z() const { return 0; }
 };
 
+// The tile slot (row ly, column lx, halo included) of a plane load's i-th key: the 32 tile
+// columns row by row (lane = column, no division), then the two halo columns of every row.
+__device__ __forceinline__ void plane_slot(int i, int& ly, int& lx) {
+    if (i < LY * TX) {
+        ly = i / TX;
+        lx = i % TX + 1;
+    } else {
+        ly = (i - LY * TX) >> 1;
+        lx = (i & 1) ? LX - 1 : 0;
+    }
+}
+
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
 // (each thread at most PY times per plane, once per row it owns); every thread calls
@@ -312,8 +324,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
         const i64 z0 = NDIM == 3 ? w.z() * zchunk : 0;
         const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
 
-        // Keys of plane z into dst: the 32 tile columns row by row (lane = column, no division),
-        // then the two halo columns of every row.
+        // Keys of plane z into dst, in plane_slot's order.
         auto load_plane = [&](i64 z, K* dst) {
             if constexpr (Edges::PERIODIC) z = wrap_index(z, nz);
             const bool plane_inside = z >= 0 && z < nz;
@@ -329,13 +340,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                     const int gy0 = (int)y0 - 1, gx0 = (int)x0 - 1;
                     for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
                         int ly, lx;
-                        if (i < LY * TX) {
-                            ly = i / TX;
-                            lx = i % TX + 1;
-                        } else {
-                            ly = (i - LY * TX) >> 1;
-                            lx = (i & 1) ? LX - 1 : 0;
-                        }
+                        plane_slot(i, ly, lx);
                         const int gy = gy0 + ly, gx = gx0 + lx;
                         K key = all_ones<K>();
                         if (plane_inside && (unsigned)gy < (unsigned)nyi && (unsigned)gx < (unsigned)nxi)
@@ -347,13 +352,7 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
             }
             for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
                 int ly, lx;
-                if (i < LY * TX) {
-                    ly = i / TX;
-                    lx = i % TX + 1;
-                } else {
-                    ly = (i - LY * TX) >> 1;
-                    lx = (i & 1) ? LX - 1 : 0;
-                }
+                plane_slot(i, ly, lx);
                 i64 gy = y0 + ly - 1;
                 i64 gx = x0 + lx - 1;
                 if constexpr (Edges::PERIODIC) {
