@@ -184,7 +184,7 @@ __device__ __noinline__ void report_thresholds(const Real* t, int T,
 // rows held them, as before, the band work of a plane fell unevenly on the warps: bench_soft's
 // smooth 256^3 volume puts ~2.4 critical voxels in a warp's rows of a plane, and its warps
 // spent 31 % of their cycles waiting at the sweep's barriers (Nsight Compute, H100). With the
-// ring (and the chunk lengths of _soft_ecc_cupy._forward_geometry) a smooth 512^3 volume's
+// ring (and the chunk lengths of _ecc_cupy.sweep_geometry) a smooth 512^3 volume's
 // forward ran 20 % faster (32-plane chunks), white noise 4 %, 256^3 and 128^3 the same, a
 // batch of 4 x 96^3 5 % slower (H100, benchmarks/RESULTS.md, thirty-fifth session). A ring
 // too full for a warp's entries: the warp runs them at its next step. Without: 2D tiles,

@@ -252,8 +252,8 @@ def _orthant_launch(device_id, B, n_orthants, spatial) -> PreparedLaunch:
     """The launch of orthant_contributions for one geometry (called with (masks, codes, out))."""
     ndim = len(spatial)
     sig = _orthant_sig(ndim)
-    (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(sig, n_orthants * B, spatial, ndim, 0,
-                                                      _ecc_cupy.TILE_X["unsigned int"])
+    (nz, ny, nx), zchunk, per_image = _ecc_cupy.sweep_geometry(sig, n_orthants * B, spatial, ndim, 0,
+                                                               _ecc_cupy.TILE_X["unsigned int"])
     return PreparedLaunch(sig, n_orthants * B * per_image, THREADS,
                           (None, None, None, B, nz, ny, nx, zchunk, per_image))
 
@@ -510,8 +510,8 @@ class SoftEctPlan:
         self.tiles = -(-N // COMPACT_TILE)
         self._orthant_codes = device_table(np.arange(n_orthants, dtype=np.int32))
         osig = _orthant_counted_sig(ndim)
-        (nz, ny, nx), zchunk, per_image = _ecc_cupy._plan(osig, self.rows, tuple(spatial), ndim,
-                                                          0, _ecc_cupy.TILE_X["unsigned int"])
+        (nz, ny, nx), zchunk, per_image = _ecc_cupy.sweep_geometry(
+            osig, self.rows, tuple(spatial), ndim, 0, _ecc_cupy.TILE_X["unsigned int"])
         # (masks, codes, maps, counts): the maps and the tiles' counts of their non-zero pixels
         self._orthants = PreparedLaunch(osig, self.rows * per_image, THREADS,
                                         (None, None, None, None, B, nz, ny, nx, zchunk,

@@ -211,6 +211,28 @@ def chunk_length(cols, nz, slots, shortest=1):
     return min(range(shortest, max(shortest, min(HIST_ZCHUNK_MAX, nz)) + 1), key=cost)
 
 
+def sweep_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
+    """A scalar sweep's ((nz, ny, nx), zchunk, blocks_per_image) (the soft ECC's, the ECT's
+    orthant maps). 2D: _plan's. 3D: the chunk length of the histogram's cost model
+    (chunk_length) and one tile per block up to HIST_WAVES_3D waves, so that the hardware
+    balances the blocks, with enough blocks to keep each under MAX_PIXELS_PER_BLOCK pixels of
+    whole tiles. _plan's two waves of blocks, each sweeping its tiles in turn, ran the soft
+    ECC forward 9-15 % slower on smooth float32 volumes from 64^3 to 512^3 (2 planes per tile
+    at 128^3 and 4 x 96^3, where the halo doubled the loads; 12 at 256^3, where 6 % of the
+    blocks swept a second tile), 2 % in float64, the same on white noise (H100,
+    benchmarks/RESULTS.md, thirty-fifth session)."""
+    if ndim == 2:
+        return _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y)
+    nz, ny, nx = spatial
+    slots = resident_blocks(sig, THREADS, shared_mem)
+    cols = math.ceil(ny / tile_y) * math.ceil(nx / tile_x)
+    zchunk = chunk_length(cols * nimg, nz, slots)
+    tiles = cols * math.ceil(nz / zchunk)
+    tiles_per_block = MAX_PIXELS_PER_BLOCK // (zchunk * tile_y * tile_x)
+    blocks = max(math.ceil(HIST_WAVES_3D * slots / nimg), math.ceil(tiles / tiles_per_block))
+    return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
+
+
 def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y, itemsize=4):
     """The histogram kernel's ((nz, ny, nx), zchunk, blocks_per_image), as _plan's.
 

@@ -177,7 +177,7 @@ class SoftEccPlan:
         packed = packed_forward(in_dtype, ndim, periodic)
         shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes, packed)
         tile_x = _ecc_cupy.TILE_X["unsigned short" if packed else "unsigned int"]
-        (nz, ny, nx), zchunk, per_image = _forward_geometry(fsig, nimg, spatial, ndim, smem, tile_x)
+        (nz, ny, nx), zchunk, per_image = _ecc_cupy.sweep_geometry(fsig, nimg, spatial, ndim, smem, tile_x)
         # (image, thresholds, workspace, out, word, token, kept, cap, ..., lam, w, shared):
         # arrays, the check word and its token, the kept entries and the scale per call
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS,
@@ -187,8 +187,8 @@ class SoftEccPlan:
         self._bsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic)
         self._lsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic, listed=True)
         bshared, self._bsmem = _dynamic_shared(T, real, True, False, ndim, key_bytes)
-        _, bzchunk, bper_image = _ecc_cupy._plan(self._bsig, nimg, spatial, ndim, self._bsmem,
-                                                 _ecc_cupy.TILE_X["unsigned int"])
+        _, bzchunk, bper_image = _ecc_cupy.sweep_geometry(self._bsig, nimg, spatial, ndim, self._bsmem,
+                                                          _ecc_cupy.TILE_X["unsigned int"])
         self._bgeometry = (nz, ny, nx, bzchunk, bper_image, T, None, None, int(bshared))
         self._bgrid = nimg * bper_image
         self._backward = {}
@@ -276,26 +276,6 @@ def check_word() -> PinnedWord:
     if word is None:
         word = _WORDS.word = PinnedWord()
     return word
-
-
-def _forward_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x):
-    """The forward sweep's ((nz, ny, nx), zchunk, blocks_per_image). 2D: _ecc_cupy._plan's. 3D:
-    the chunk length of the exact histogram's cost model (_ecc_cupy.chunk_length) and one tile
-    per block up to HIST_WAVES_3D waves, so that the hardware balances the blocks. _plan's two
-    waves of blocks, each sweeping its tiles in turn, ran the forward 9-15 % slower on smooth
-    float32 volumes from 64^3 to 512^3 (2 planes per tile at 128^3 and 4 x 96^3, where the halo
-    doubled the loads; 12 at 256^3, where 6 % of the blocks swept a second tile), 2 % in
-    float64, the same on white noise (H100, benchmarks/RESULTS.md, thirty-fifth session)."""
-    if ndim == 2:
-        return _ecc_cupy._plan(sig, nimg, spatial, ndim, shared_mem, tile_x)
-    nz, ny, nx = spatial
-    slots = _ecc_cupy.resident_blocks(sig, THREADS, shared_mem)
-    cols = math.ceil(ny / _ecc_cupy.TILE_Y) * math.ceil(nx / tile_x)
-    zchunk = _ecc_cupy.chunk_length(cols * nimg, nz, slots)
-    tiles = cols * math.ceil(nz / zchunk)
-    tiles_per_block = _ecc_cupy.MAX_PIXELS_PER_BLOCK // (zchunk * _ecc_cupy.TILE_Y * tile_x)
-    blocks = max(math.ceil(_ecc_cupy.HIST_WAVES_3D * slots / nimg), math.ceil(tiles / tiles_per_block))
-    return (nz, ny, nx), zchunk, max(1, min(tiles, blocks))
 
 
 @functools.lru_cache(maxsize=64)
