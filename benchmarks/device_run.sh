@@ -7,7 +7,9 @@
 # DEFORM=1 (also run bench_deformable.py), CPAB=1 (bench_cpab.py with the VJP's checkpoints
 # "sparse" (the default) and "recompute", and profile_cpab.py), REGISTER=1 (bench_register.py),
 # TRANSFORM=1 (bench_transform_image.py: transform_image's fused path against the composed one),
-# NCU=1 (also count instructions per voxel with Nsight Compute).
+# NCU=1 (also count instructions per voxel with Nsight Compute), NCU_SOFT=1 (Nsight Compute's
+# warp states, scheduler and occupancy of the 3D soft ECC forward on bench_soft's 256^3 volume:
+# the first launch of profile_soft.py --forward-3d; divide thread instructions by 16777216).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # JAX must not take most of the GPU's memory: CuPy and PyTorch share the card in the adapter tests.
@@ -73,4 +75,11 @@ if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   ncu --clock-control none -k regex:ecc_histogram \
       --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,dram__bytes_read.sum,gpu__time_duration.sum \
       python3 benchmarks/count_instructions.py 2>&1 | tee "$OUT/ncu.log" | grep -E "ecc_histogram|inst_executed|dram__|duration|case" 
+fi
+
+if [ "${NCU_SOFT:-0}" = 1 ] && command -v ncu >/dev/null; then
+  ncu --clock-control none -k regex:soft_ecc_fused_forward -c 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --metrics smsp__thread_inst_executed.sum,smsp__inst_executed.sum \
+      python3 benchmarks/profile_soft.py --forward-3d 2>&1 | tee "$OUT/ncu_soft.log" | tail -90
 fi

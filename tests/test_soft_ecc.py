@@ -554,29 +554,3 @@ def test_registered():
     assert spec.arg_names == ("image", "thresholds", "scale")
     assert spec.differentiable == {"image", "thresholds", "scale"}
 
-
-@pytest.mark.parametrize("slots", [1, 264, 660])
-def test_3d_sweep_geometry_takes_one_tile_per_block(monkeypatch, slots):
-    """The launch geometry of the 3D scalar sweeps (_ecc_cupy.sweep_geometry: the soft ECC's,
-    the ECT's orthant maps; no GPU: the device's resident blocks are stubbed): chunks of 1..64 planes, one tile per block up to HIST_WAVES_3D waves, at least
-    one block per image, few enough pixels per block; at the H100/H200's 660 resident blocks
-    the chunk lengths that measured fastest for the soft ECC's forward (benchmarks/RESULTS.md,
-    thirty-fifth session)."""
-    from cutopo import _ecc_cupy
-
-    monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: slots)
-    fastest = {(1, 256, 256, 256): 8, (1, 128, 128, 128): 4, (4, 96, 96, 96): 4, (1, 96, 96, 96): 2,
-               (1, 64, 64, 64): 1}
-    cases = list(fastest) + [(1, 3, 4, 5), (2, 1, 40, 70), (1, 1024, 1024, 1024), (3, 300, 200, 100),
-                             (1, 4097, 4096, 4096)]
-    for nimg, *spatial in cases:
-        (nz, ny, nx), zchunk, blocks = _ecc_cupy.sweep_geometry(None, nimg, tuple(spatial), 3, 0, 32)
-        assert (nz, ny, nx) == tuple(spatial)
-        assert 1 <= zchunk <= 64, (spatial, zchunk)
-        tiles = -(-ny // 32) * -(-nx // 32) * -(-nz // zchunk)
-        assert 1 <= blocks <= tiles, (spatial, blocks, tiles)
-        if tiles * nimg <= _ecc_cupy.HIST_WAVES_3D * slots:
-            assert blocks == tiles, (spatial, blocks, tiles)
-        assert -(-tiles // blocks) * zchunk * 32 * 32 <= _ecc_cupy.MAX_PIXELS_PER_BLOCK, (spatial, blocks)
-        if slots == 660 and (nimg, *spatial) in fastest:
-            assert zchunk == fastest[(nimg, *spatial)], (spatial, zchunk)
