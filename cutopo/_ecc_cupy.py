@@ -219,8 +219,9 @@ def sweep_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TILE_Y):
     whole tiles. _plan's two waves of blocks, each sweeping its tiles in turn, ran the soft
     ECC forward 9-15 % slower on smooth float32 volumes from 64^3 to 512^3 (2 planes per tile
     at 128^3 and 4 x 96^3, where the halo doubled the loads; 12 at 256^3, where 6 % of the
-    blocks swept a second tile), 2 % in float64, the same on white noise (H100,
-    benchmarks/RESULTS.md, thirty-fifth session)."""
+    blocks swept a second tile), 2 % in float64, the same on white noise; the soft backward's
+    sweep 6 % slower, the 3D ECT 5-7 % and the soft ECT 1-4 % (H100, benchmarks/RESULTS.md,
+    thirty-fifth session)."""
     if ndim == 2:
         return _plan(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y)
     nz, ny, nx = spatial
