@@ -37,8 +37,9 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack
 # all of it in the plane loads, none in the word loop); the 2D soft ECC forwards (the packed sweep at 64
 # registers, 4 blocks/SM) spill ~90-130 B, much of it around the rarely taken call of the exact
 # contribution, and were 6-15 % faster than at 6 blocks/SM; the 3D ones (48 registers, 5
-# blocks/SM) spill up to ~160 B of loads with their entries carried between planes (24 B
-# before), and ran 3.5 % faster on the H100 so; the 2D backward sweeps of 1- and 2-byte inputs
+# blocks/SM) spill up to ~180 B of loads with the block queue of their band work (24 B before
+# it and its predecessor, entries carried between planes), and ran faster so on the H100 and
+# H200 (RESULTS.md, thirty-third and thirty-fifth sessions); the 2D backward sweeps of 1- and 2-byte inputs
 # (40 registers) spill ~100 B on sm_80 (88 B before for_each_band's greedy order; they run only
 # on images whose kept entries overflowed); the 3D torus soft forwards of 64-bit keys (int32 and
 # float64 images, 128 registers) spill ~140 B of loads on sm_80 with the block-test
