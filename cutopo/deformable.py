@@ -216,7 +216,9 @@ def _prepare(features, spatial_shapes, level_start_index, sampling_locations, we
     if bs_l != bs:
         raise ValueError(f"sampling_locations has batch {bs_l}, features {bs}")
     if K_l != K:
-        raise ValueError(f"sampling_locations has {K_l} cameras, spatial_shapes {K}")
+        # the cameras come from spatial_shapes, or from the feature levels when they are a list
+        source = "spatial_shapes" if flat else "the feature levels"
+        raise ValueError(f"sampling_locations has {K_l} cameras, {source} {K}")
     if wts.shape[:5] != (bs, A, P, K, S):
         raise ValueError(f"weights must have shape (bs, A, P, K, S, G) = ({bs}, {A}, {P}, {K}, {S}, G), "
                          f"got {wts.shape}")

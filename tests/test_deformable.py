@@ -302,6 +302,9 @@ def test_level_list_checks(rng):
         deformable_aggregation([levels[0], levels[1].astype(np.float32)], None, None, loc, w)
     with pytest.raises(ValueError, match="features"):
         deformable_aggregation([], None, None, loc, w)
+    # without tables, the cameras are the feature levels', and the message says so
+    with pytest.raises(ValueError, match="1 cameras, the feature levels 2"):
+        deformable_aggregation(levels, None, None, loc[:, :, :, :1], w[:, :, :, :1])
 
 
 # ---------------------------------------------------------------------------------------------
