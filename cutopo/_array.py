@@ -56,6 +56,11 @@ def as_array(x, name: str):
     arrays."""
     if is_cupy_array(x):
         return x
+    if isinstance(x, np.ma.MaskedArray):
+        # its mask would be dropped silently: every op reads the data underneath
+        raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask cutopo would ignore: pass "
+                        f"{name}.filled(value), with the value its masked entries should take "
+                        "(numpy.nan keeps pixels out of every sublevel set of the ECC ops)")
     if not isinstance(x, np.ndarray):
         try:
             x = np.asarray(x)

@@ -190,11 +190,7 @@ def _check_directions(directions):
 
 
 def _check_mask(mask, ndim):
-    if not (isinstance(mask, np.ndarray) or is_cupy_array(mask)):
-        try:
-            mask = np.asarray(mask)
-        except Exception as exc:
-            raise TypeError(f"mask must be an array, got {type(mask).__name__}") from exc
+    mask = as_array(mask, "mask")
     if mask.dtype.kind in "iu":
         mask = mask != 0
     elif mask.dtype.kind != "b":

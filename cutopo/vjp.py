@@ -14,7 +14,9 @@ Conventions
   the output's array type: of the scalar's dtype for a NumPy scalar (``numpy.float32(4.0)``),
   of the output's floating dtype for a Python float (it has no dtype). An argument that is a
   list or tuple of floating arrays (such as per-level feature maps) gets a list or tuple of
-  cotangents, one per array, each in that array's shape, dtype and array type.
+  cotangents, one per array, each in that array's shape, dtype and array type. A list or tuple
+  of Python numbers (``thresholds=[0.1, 0.5]``) is a constant and gets ``None``: pass an array
+  to differentiate it.
 * Floating means float16, float32, float64 and bfloat16 (``ml_dtypes.bfloat16``, the dtype
   CuPy and JAX use for bfloat16 arrays; NumPy files it under kind "V", not "f"):
   :func:`is_float_dtype`. Half-precision arguments are differentiated like the others: a

@@ -251,3 +251,20 @@ def test_as_c_contiguous_keeps_contiguous_arrays():
         got = as_c_contiguous(view)
         assert got.flags.c_contiguous and got is not view
         np.testing.assert_array_equal(got, view)
+
+
+def test_masked_arrays_are_refused(rng):
+    """A numpy.ma.MaskedArray is an ndarray whose mask every op would drop silently (the ECC of
+    a masked image counted its masked pixels): a TypeError naming the argument instead."""
+    image = np.ma.array(rng.random((5, 6)), mask=rng.random((5, 6)) < 0.3)
+    calls = {"image": [lambda: cutopo.ecc(image, [0.5]), lambda: cutopo.euler_contributions(image),
+                       lambda: cutopo.soft_ecc(image, [0.5], 4.0)],
+             "prob": [lambda: cutopo.expected_euler(image)],
+             "mask": [lambda: cutopo.ect(image > 0.5, np.eye(2), [0.0])]}
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(TypeError, match=rf"^{name} is a numpy.ma.MaskedArray.*{name}.filled"):
+                fn()
+    # its filled data is what to pass: NaN pixels never enter a sublevel set
+    filled = image.filled(np.nan)
+    assert cutopo.ecc(filled, [0.5])[0] == cutopo.ecc(np.where(image.mask, np.inf, image.data), [0.5])[0]

@@ -634,6 +634,23 @@ def test_step_size_guard_on_huge_theta(rng):
             fn(x, theta * 1e150, tess)
 
 
+@pytest.mark.parametrize("shape", [(4,), (2, 2)])
+def test_step_size_guard_when_the_affine_maps_overflow(shape, rng):
+    """theta = 1e308 everywhere: B theta adds +inf and -inf, so A_c holds NaN and so does the
+    guard's norm, which slipped past a ``largest > limit`` test (NaN results at n_steps=1, and
+    an error blaming ``points`` at 3). The guard's overflow error instead, at any n_steps."""
+    tess = Tessellation(shape)
+    theta = np.full(tess.n_params, 1e308)
+    assert np.isnan(tess.affine_maps(theta)).any()  # the case this test is about
+    x = rng.random((3, tess.ndim))
+    for n_steps in (1, 3):
+        for fn in (integrate, log_jacobian):
+            with pytest.raises(ValueError, match="theta is too large: .* overflows float64"):
+                fn(x, theta, tess, n_steps=n_steps)
+        with pytest.raises(ValueError, match="theta is too large"):
+            cutopo.vjp(integrate, x, theta, tess, n_steps=n_steps)
+
+
 def test_exports():
     import cutopo.cpab as cpab
 

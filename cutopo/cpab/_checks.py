@@ -53,8 +53,9 @@ class StepSizeError(ValueError):
 
 def check_step_size(largest, n_steps, name):
     """Refuse an ``n_steps`` too coarse for fields whose largest ||A_c,lin||_F is ``largest``
-    (+inf where the norm overflows float64: a finite theta too large for any step count)."""
-    if not largest > MAX_STEP_NORM * n_steps:
+    (+inf where the norm overflows float64, NaN where A_c itself does, inf - inf in B theta:
+    a finite theta too large for any step count)."""
+    if largest <= MAX_STEP_NORM * n_steps:  # False for NaN
         return
     if not math.isfinite(largest):
         raise StepSizeError(f"cpab.{name}: theta is too large: max_c ||A_c,lin||_F overflows "
