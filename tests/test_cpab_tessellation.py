@@ -569,6 +569,10 @@ def test_sample_bad_input():
         Tessellation((5000,)).sample(1)
     with pytest.raises(ValueError, match="n=1000000000000 draws need .* smaller batches"):
         tess.sample(10 ** 12)                                       # not a MemoryError
+    with pytest.raises(TypeError, match="rng must be"):  # NumPy's own message named no argument
+        tess.sample(1, rng="x")
+    with pytest.raises(ValueError, match="rng must be"):
+        tess.sample(1, rng=-1)
 
 
 # ---------------------------------------------------------------------------------------------

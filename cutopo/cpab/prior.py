@@ -43,7 +43,11 @@ def sample_vertex_prior(tess, n, *, length_scale, scale, rng):
     n = check_count(n, "n", minimum=0)
     length_scale = _check_positive_float(length_scale, "length_scale")
     scale = _check_positive_float(scale, "scale", allow_zero=True)
-    rng = np.random.default_rng(rng)
+    try:
+        rng = np.random.default_rng(rng)
+    except (TypeError, ValueError) as exc:  # the same type, with the argument named
+        raise type(exc)(f"Tessellation.sample: rng must be None, a non-negative int or a "
+                        f"numpy.random.Generator, got {rng!r}") from exc
 
     den = tess.grid_denominator
     points = tuple(den * s + 1 for s in tess.shape)                       # grid points per axis
