@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call that measures where every open issue stands on the committed tree (prepared
+# in the thirty-sixth session, which was lent no machine): the GPU suite, bench_ecc (issue 2)
+# with Nsight Compute's instruction counts, bench_soft (issue 3) with Nsight Compute of the 3D
+# soft forward, the soft ECT's stages, and bench_stream's Dask rows (issue 8). ~9 minutes.
+#
+#   OUT=... bash benchmarks/wip/status_call.sh      (carry .whl; logs.tgz comes back)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site $(ls .whl/*.whl | grep -v 2026.7.1) >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+T0=$(date +%s)
+stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/stamps.txt"; }
+stamp start
+OUT=$OUT TESTS='-n 14 -m "gpu and not slow" --ignore-glob="tests/*_host.py" tests' \
+    NCU=1 NCU_SOFT=1 BENCH_ARGS="--no-cpu" timeout 450 bash benchmarks/device_run.sh \
+    > "$OUT/device_run.txt" 2>&1
+stamp device_run
+timeout 45 python3 benchmarks/profile_host.py soft_ect_stages > "$OUT/soft_ect_stages.log" 2>&1
+stamp soft_ect_stages
+timeout 80 python3 benchmarks/bench_stream.py --quick --only chunks --reps 15 > "$OUT/stream.log" 2>&1
+stamp stream
+tail -5 "$OUT/tests.log"
+# at most 8 files come back: one archive
+cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt
