@@ -265,9 +265,11 @@ int main() {
 """
 
 
-def _driver() -> str:
+def _driver(instances=None) -> str:
+    """The emulator's main for ``instances`` (kernel names; default this module's INSTANCES),
+    launched by their index in that list."""
     cases = "\n".join(f"        case {i}: return run(grid, shared, &{name});"
-                      for i, name in enumerate(INSTANCES))
+                      for i, name in enumerate(INSTANCES if instances is None else instances))
     return _DRIVER % {"instances": cases}
 
 
@@ -309,14 +311,16 @@ class _Word:
         return word & 3
 
 
-def _launch_class(emulator, log):
+def _launch_class(emulator, log, instances=None):
     """PreparedLaunch's stand-in, running every launch in ``emulator`` (``log``: the
-    (signature name, grid, dynamic shared bytes) of each launch, in order)."""
+    (signature name, grid, dynamic shared bytes) of each launch, in order; ``instances``: the
+    emulator's kernels, default INSTANCES)."""
+    instances = INSTANCES if instances is None else instances
 
     class EmulatedLaunch:
         def __init__(self, sig, grid, block, args, *, shared_mem=0, options=()):
             assert len(args) == len(sig.params), sig.name
-            assert sig.name in INSTANCES, f"{sig.name} is not compiled into the emulator"
+            assert sig.name in instances, f"{sig.name} is not compiled into the emulator"
             self.sig, self.grid, self.block, self.shared_mem = sig, int(grid), int(block), int(shared_mem)
             self.args = list(args)
             self.slots = [i for i, a in enumerate(args) if a is None]
@@ -327,17 +331,19 @@ def _launch_class(emulator, log):
             for i, v in zip(self.slots, values):
                 args[i] = v
             log.append((self.sig.name, self.grid, self.shared_mem))
-            _run(emulator, self.sig, self.grid, self.block, self.shared_mem, args)
+            _run(emulator, self.sig, self.grid, self.block, self.shared_mem, args, instances)
 
         call_checked_once = __call__
 
     return EmulatedLaunch
 
 
-def _run(emulator, sig, grid, block, shared_mem, args):
+def _run(emulator, sig, grid, block, shared_mem, args, instances=None):
     """Runs ``sig``'s kernel on ``args`` (NumPy arrays, NULL, _Word, scalars) in the emulator
-    and copies what it wrote back into the arrays."""
-    parts = [np.array([INSTANCES.index(sig.name), grid, block, shared_mem], np.int64).tobytes()]
+    (its kernels: ``instances``, default INSTANCES) and copies what it wrote back into the
+    arrays."""
+    index = (INSTANCES if instances is None else instances).index(sig.name)
+    parts = [np.array([index, grid, block, shared_mem], np.int64).tobytes()]
     arrays = []
     for i, (kind, a) in enumerate(zip(sig.params, args)):
         if kind.startswith("ptr:") or kind == HOST_WORD:
