@@ -46,6 +46,7 @@ def _instances():
 
 INSTANCES = _instances()
 
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     return build(tmp_path_factory, "ect_emulated", _driver(INSTANCES), soft=True)
