@@ -10,14 +10,13 @@ tests/test_soft_ecc_kernels_host.py).
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 
 import numpy as np
 import pytest
 
 import cutopo
-from cutopo import _array, _band_cupy, _ecc_cupy
+from cutopo import _array, _band_cupy, _band_numpy, _ecc_cupy
 from cutopo._band_numpy import band_halfwidth
 from ecc_host_build import build
 from test_soft_ecc_kernels_host import _close, _driver, _fake_cupy, _launch_class
@@ -126,7 +125,7 @@ def test_emulated_soft_ect_equals_numpy(emulator, case, resident, rng):
     reach = float(np.abs(dirs).sum(axis=1).max())
     t = np.sort(rng.uniform(-reach, reach, T)).astype(real)
     spacing = 2 * reach / max(T - 1, 1)
-    scale = float(17.0 / (per_band * spacing / 2)) if real == np.float32 else float(37.0 / (per_band * spacing / 2))
+    scale = float(_band_numpy._BAND[real] / (per_band * spacing / 2))  # bands of ~per_band
     lam = real.type(scale)
     w = band_halfwidth(real, lam)
     out_np, pullback = cutopo.vjp(cutopo.soft_ect, mask, dirs, t, lam)

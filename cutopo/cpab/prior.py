@@ -45,9 +45,10 @@ def sample_vertex_prior(tess, n, *, length_scale, scale, rng):
     scale = _check_positive_float(scale, "scale", allow_zero=True)
     try:
         rng = np.random.default_rng(rng)
-    except (TypeError, ValueError) as exc:  # the same type, with the argument named
-        raise type(exc)(f"Tessellation.sample: rng must be None, a non-negative int or a "
-                        f"numpy.random.Generator, got {rng!r}") from exc
+    except (TypeError, ValueError) as exc:  # the same kind of error, with the argument named
+        kind = ValueError if isinstance(exc, ValueError) else TypeError
+        raise kind(f"Tessellation.sample: rng must be None, a non-negative int or a "
+                   f"numpy.random.Generator, got {rng!r}") from exc
 
     den = tess.grid_denominator
     points = tuple(den * s + 1 for s in tess.shape)                       # grid points per axis
