@@ -30,6 +30,20 @@ constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr unsigned FULL = 0xffffffffu;
 
+// Whether the band work evaluates two short bands per pass of a warp (Window's PAIRS), in the
+// soft ECT's kernels and in the soft ECC's. The soft ECC's sweeps are register-capped, and the
+// second accumulator made them spill more (sm_90, float32: 3D forward 160/332 -> 224/416 B,
+// listed 2D backward 72/72 -> 132/116 B); the ECT kernels little (forward 16 -> 20/24 B,
+// backward 0 -> 20 B). Not yet timed on a GPU: benchmarks/RESULTS.md, thirty-sixth session.
+#ifndef CUTOPO_ECT_BAND_PAIRS
+#define CUTOPO_ECT_BAND_PAIRS 1
+#endif
+#ifndef CUTOPO_SOFT_BAND_PAIRS
+#define CUTOPO_SOFT_BAND_PAIRS 0
+#endif
+constexpr bool ECT_BAND_PAIRS = CUTOPO_ECT_BAND_PAIRS != 0;
+constexpr bool SOFT_BAND_PAIRS = CUTOPO_SOFT_BAND_PAIRS != 0;
+
 // sigmoid(u) and sigmoid'(u) = s (1 - s) from e = exp(-|u|), without cancellation, in the
 // operation order of the NumPy path (_soft_ecc._sigmoid_parts).
 __device__ __forceinline__ float exp_neg_abs(float u) { return expf(-fabsf(u)); }
@@ -152,50 +166,112 @@ struct Accum {
 // band accumulator (T double), difference array (T int). Offsets rounded to 16 bytes.
 __host__ __device__ inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-// A warp's register accumulators for the 32 thresholds k0 .. k0 + 31 (lane j owns k0 + j),
-// with the lane's threshold (and cotangent) cached. Consecutive entries of a warp are nearby
-// pixels with nearby values, so their bands usually fall in one window: the sigmoid terms then
-// go into registers, and memory (shared atomics) is touched only when the window moves. Adding
-// every term with a shared atomic instead made lanes of different warps contend for the same
+// A warp's register accumulators for the 32 thresholds k0 .. k0 + 31, with the lanes'
+// thresholds (and cotangents) cached. Consecutive entries of a warp are nearby pixels with
+// nearby values, so their bands usually fall in one window: the sigmoid terms then go into
+// registers, and memory (shared atomics) is touched only when the window moves. Adding every
+// term with a shared atomic instead made lanes of different warps contend for the same
 // thresholds (CAS loops for doubles): ~2000 cycles per entry at 1024^2.
-template <typename Real>
-struct Window {
-    int k0 = -(1 << 30);  // no window yet: the first band always moves it
-    double acc = 0.0;     // sum of the lane's terms since the window was placed
-    Real t = 0, g = 0;    // t[k0 + lane] and g[k0 + lane] (0 past T)
+//
+// PAIRS false: lane l holds threshold k0 + l (acc0, t0), and a pass of the warp evaluates one
+// entry. PAIRS true: lane l (h = l % 16) holds k0 + h (acc0, t0) and k0 + 16 + h (acc1, t1),
+// lanes l and l + 16 the same two, so that a pass evaluates two entries whose bands are at most
+// 16 long, lanes 0-15 one and 16-31 the other, each lane at the one of its thresholds that
+// lies in its entry's band (16 consecutive thresholds at most fall on distinct h); an entry
+// alone still takes one threshold per lane, k0 + l. Bands of the benchmarks are ~8.5
+// thresholds long: a pass on one entry leaves ~3/4 of the lanes idle. The second accumulator
+// costs three registers (four in the backward), which the register-capped sweeps spill.
+template <typename Real, bool PAIRS> struct WindowSlots { double acc0 = 0.0; Real t0 = 0; };
+template <typename Real> struct WindowSlots<Real, true> { double acc0 = 0.0, acc1 = 0.0; Real t0 = 0, t1 = 0; };
 
-    // Adds the lane's sum to the accumulators of the row (distinct k per lane).
+template <typename Real, bool PAIRS>
+struct Window : WindowSlots<Real, PAIRS> {
+    int k0 = -(1 << 30);  // no window yet: the first band always moves it
+
+    __device__ __forceinline__ int first() const {  // the lane's (first) threshold
+        return k0 + (int)(threadIdx.x % (PAIRS ? 16 : 32));
+    }
+    // Adds the lane's sums to the accumulators of the row (distinct k per lane, or half warp).
     __device__ __forceinline__ void flush(const Accum& a) {
-        if (acc != 0.0) a.add(k0 + threadIdx.x % 32, acc);
-        acc = 0.0;
+        if (this->acc0 != 0.0) a.add(first(), this->acc0);
+        this->acc0 = 0.0;
+        if constexpr (PAIRS) {
+            if (this->acc1 != 0.0) a.add(first() + 16, this->acc1);
+            this->acc1 = 0.0;
+        }
     }
     __device__ __forceinline__ bool covers(int lo, int hi) const { return lo >= k0 && hi <= k0 + 32; }
     // Makes [lo, hi) (at most 32 long) part of the window, placing a new one that starts at lo
-    // (or ends at T) if needed: for_each_band moves it to the lowest band left.
-    __device__ __forceinline__ void cover(int lo, int hi, const Real* tt, const Real* gg, int T,
-                                          const Accum& a) {
-        if (covers(lo, hi)) return;  // warp-uniform: lo, hi are the same in every lane
+    // (or ends at T) if needed: for_each_band moves it to the lowest band left. Returns whether
+    // it moved.
+    __device__ __forceinline__ bool cover(int lo, int hi, const Real* tt, int T, const Accum& a) {
+        if (covers(lo, hi)) return false;  // warp-uniform: lo, hi are the same in every lane
         flush(a);
         k0 = max(0, min(lo, T - 32));
-        const int k = k0 + threadIdx.x % 32;
-        t = k < T ? tt[k] : Real(0);
-        if (gg) g = k < T ? gg[k] : Real(0);
+        const int k = first();
+        this->t0 = k < T ? tt[k] : Real(0);
+        if constexpr (PAIRS) this->t1 = k + 16 < T ? tt[k + 16] : Real(0);
+        return true;
+    }
+    // Whether this lane evaluates a threshold of the band [lo, hi) (covered; ``pair``: the band
+    // is at most 16 long and the half warp's own), and which: ``upper`` for its second one.
+    __device__ __forceinline__ bool pick(int lo, int hi, bool pair, bool& upper) const {
+        const int lane = threadIdx.x % 32;
+        upper = PAIRS && (pair ? first() < lo : lane >= 16);
+        const int k = first() + (upper ? 16 : 0);
+        return k >= lo && k < hi;
+    }
+    __device__ __forceinline__ Real t_at(bool upper) const {
+        if constexpr (PAIRS) return upper ? this->t1 : this->t0;
+        else return this->t0;
+    }
+    __device__ __forceinline__ void add(bool upper, double v) {
+        if constexpr (PAIRS) {
+            if (upper) this->acc1 += v;
+            else this->acc0 += v;
+        } else {
+            this->acc0 += v;
+        }
     }
 };
 
-// Runs body(src, f, c, lo, hi) in the whole warp for each lane src whose entry has a non-empty
-// band, one entry after the other: the lanes then cover that band's thresholds together.
-// Order: first every entry whose band the window already covers, then the entry of the lowest
-// band left (whose cover() moves the window to start there), and so on: a greedy cover of the
-// warp's bands by the fewest windows. In the lanes' order the window moved for 76 % of the
-// entries of bench_soft's 1024^2 image (neighbours of a smooth image are 4 pixels or more apart
-// in a warp's queue, their values further apart than the window's 23 spare thresholds), each
-// move a flush (a shared-memory CAS loop per lane) and a reload; in this order 27 %.
-template <typename Real, typename Win, typename Body>
+// The backward's window: the cotangent row's entries at the lane's thresholds too.
+template <typename Real, bool PAIRS> struct GradSlots { Real g0 = 0; };
+template <typename Real> struct GradSlots<Real, true> { Real g0 = 0, g1 = 0; };
+
+template <typename Real, bool PAIRS>
+struct GradWindow : Window<Real, PAIRS>, GradSlots<Real, PAIRS> {
+    __device__ __forceinline__ void cover(int lo, int hi, const Real* tt, const Real* gg, int T,
+                                          const Accum& a) {
+        if (!Window<Real, PAIRS>::cover(lo, hi, tt, T, a)) return;
+        const int k = this->first();
+        this->g0 = k < T ? gg[k] : Real(0);
+        if constexpr (PAIRS) this->g1 = k + 16 < T ? gg[k + 16] : Real(0);
+    }
+    __device__ __forceinline__ Real g_at(bool upper) const {
+        if constexpr (PAIRS) return upper ? this->g1 : this->g0;
+        else return this->g0;
+    }
+};
+
+// Runs body(a, b, f, c, lo, hi) in the whole warp for each lane whose entry has a non-empty
+// band: b < 0: entry a alone, every lane holding its values (the lanes then cover its band's
+// thresholds together); b >= 0 (warp-uniform): two entries whose bands are at most 16 long and
+// covered by the window, lanes 0-15 holding a's values and 16-31 b's (Window::pick).
+// Order: first every entry whose band the window already covers (paired where both are short),
+// then the entry of the lowest band left (whose cover() moves the window to start there), and
+// so on: a greedy cover of the warp's bands by the fewest windows. In the lanes' order the
+// window moved for 76 % of the entries of bench_soft's 1024^2 image (neighbours of a smooth
+// image are 4 pixels or more apart in a warp's queue, their values further apart than the
+// window's 23 spare thresholds), each move a flush (a shared-memory CAS loop per lane) and a
+// reload; in this order 27 %. Pairs: a pass evaluates one sigmoid per lane, and bands of the
+// benchmarks are ~8.5 thresholds long, so a pass on one entry leaves ~3/4 of the lanes idle.
+template <bool PAIRS, typename Real, typename Win, typename Body>
 __device__ __forceinline__ void for_each_band(bool banded, Real f, int c, int lo, int hi,
                                               const Win& win, Body body) {
     const int lane = threadIdx.x % 32;
     unsigned todo = __ballot_sync(FULL, banded);
+    const unsigned short_band = PAIRS ? __ballot_sync(FULL, banded && hi - lo <= 16) : 0u;
     while (todo) {
         const bool pending = (todo >> lane) & 1u;
         unsigned run = __ballot_sync(FULL, pending && win.covers(lo, hi));
@@ -206,9 +282,16 @@ __device__ __forceinline__ void for_each_band(bool banded, Real f, int c, int lo
         }
         todo &= ~run;
         do {  // the window does not move in this run (its entries are covered, or it is one entry)
-            const int src = __ffs(run) - 1;
+            const int a = __ffs(run) - 1;
             run &= run - 1;
-            body(src, __shfl_sync(FULL, f, src), __shfl_sync(FULL, c, src),
+            int b = -1;  // a partner: the next short band of the run (none in a moving run of one)
+            const unsigned partners = run & short_band;
+            if (PAIRS && ((short_band >> a) & 1u) && partners != 0u) {
+                b = __ffs(partners) - 1;
+                run &= ~(1u << b);
+            }
+            const int src = (b >= 0 && lane >= 16) ? b : a;
+            body(a, b, __shfl_sync(FULL, f, src), __shfl_sync(FULL, c, src),
                  __shfl_sync(FULL, lo, src), __shfl_sync(FULL, hi, src));
         } while (run);
     }
@@ -216,10 +299,10 @@ __device__ __forceinline__ void for_each_band(bool banded, Real f, int c, int lo
 
 // Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
 // Returns whether the lane's entry has a non-empty band (the entries a backward evaluates).
-template <typename Real>
+template <typename Real, bool PAIRS>
 __device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Real* t, int T,
                                              Real lam, double w, bool soft, const Accum& a,
-                                             Window<Real>& win) {
+                                             Window<Real, PAIRS>& win) {
     const int lane = threadIdx.x % 32;
     int lo = T, hi = T;
     if (valid) {
@@ -231,11 +314,12 @@ __device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Re
         }
         if (hi < T) a.add_sat(hi, c);
     }
-    for_each_band(valid && lo < hi, f, c, lo, hi, win, [&](int, Real fi, int ci, int loi, int hii) {
+    for_each_band<PAIRS>(valid && lo < hi, f, c, lo, hi, win, [&](int, int pb, Real fi, int ci, int loi, int hii) {
         if (hii - loi <= 32) {
-            win.cover(loi, hii, t, nullptr, T, a);
-            const int k = win.k0 + lane;
-            if (k >= loi && k < hii) win.acc += (double)sigmoid<Real>((win.t - fi) * lam) * (double)ci;
+            win.cover(loi, hii, t, T, a);  // (a pair is covered: no move)
+            bool upper;
+            if (win.pick(loi, hii, pb >= 0, upper))
+                win.add(upper, (double)sigmoid<Real>((win.t_at(upper) - fi) * lam) * (double)ci);
         } else {  // a band wider than a window: straight to the accumulators, distinct k per lane
             for (int k = loi + lane; k < hii; k += 32)
                 a.add(k, (double)sigmoid<Real>((t[k] - fi) * lam) * (double)ci);
@@ -247,24 +331,24 @@ __device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Re
 // Backward of one warp's entries: threshold cotangents (when need_t) through the window into
 // a, the scale cotangent into dscale (per lane), and, when need_sum, the sum over k of
 // g_k c sigma'_k of the lane's own entry returned (0 for an invalid entry).
-template <typename Real>
+template <typename Real, bool PAIRS>
 __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const Real* t,
                                                 const Real* g, int T, Real lam, double w,
                                                 bool need_t, bool need_sum, double& dscale,
-                                                const Accum& a, Window<Real>& win) {
+                                                const Accum& a, GradWindow<Real, PAIRS>& win) {
     const int lane = threadIdx.x % 32;
     int lo = T, hi = T;
     if (valid) band_edges(f, w, t, T, lo, hi);
     double mine = 0.0;
-    for_each_band(valid && lo < hi, f, c, lo, hi, win, [&](int src, Real fi, int ci, int loi, int hii) {
+    for_each_band<PAIRS>(valid && lo < hi, f, c, lo, hi, win, [&](int pa, int pb, Real fi, int ci, int loi, int hii) {
         double sum = 0.0;
         if (hii - loi <= 32) {
-            win.cover(loi, hii, t, g, T, a);
-            const int k = win.k0 + lane;
-            if (k >= loi && k < hii) {
-                const Real diff = win.t - fi;
-                sum = (double)dsigmoid<Real>(diff * lam) * (double)ci * (double)win.g;
-                if (need_t) win.acc += sum;
+            win.cover(loi, hii, t, g, T, a);  // (a pair is covered: no move)
+            bool upper;
+            if (win.pick(loi, hii, pb >= 0, upper)) {
+                const Real diff = win.t_at(upper) - fi;
+                sum = (double)dsigmoid<Real>(diff * lam) * (double)ci * (double)win.g_at(upper);
+                if (need_t) win.add(upper, sum);
                 dscale += sum * (double)diff;
             }
         } else {
@@ -276,9 +360,20 @@ __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const
                 dscale += v * (double)diff;
             }
         }
-        if (need_sum) {
+        if (need_sum && !PAIRS) {
             sum = warp_sum(sum);
-            if (lane == src) mine = sum;
+            if (lane == pa) mine = sum;
+        } else if (need_sum) {  // half-warp sums, then each half's from the other half
+#pragma unroll
+            for (int d = 8; d > 0; d >>= 1) sum += __shfl_xor_sync(FULL, sum, d);
+            const double other = __shfl_xor_sync(FULL, sum, 16);
+            if (pb < 0) {
+                if (lane == pa) mine = sum + other;
+            } else if (lane == pa) {
+                mine = lane < 16 ? sum : other;  // a's sum is the lower half's
+            } else if (lane == pb) {
+                mine = lane < 16 ? other : sum;
+            }
         }
     });
     return mine;
@@ -413,7 +508,7 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
     double* acc_row = soft ? acc_g + blk.row * T : nullptr;
     long long* sat_row = sat_g + blk.row * T;
     const Accum a{s.acc, acc_row, s.sat, sat_row};
-    Window<Real> win;
+    Window<Real, ECT_BAND_PAIRS> win;
     for (i64 base = blk.begin + (threadIdx.x & ~31); base < blk.end; base += THREADS) {
         const i64 e = base + threadIdx.x % 32;
         int c = 0;
@@ -445,7 +540,7 @@ ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ en
     const EctBlock<NDIM> blk(seg, seg_of_dir, dirs, B, D, chunks_per_row);
     const Smem<Real> s = setup<Real>(smem, thresholds, g + blk.row * T, T, shared, false);
     const Accum a{s.acc, dt_g, nullptr, nullptr};
-    Window<Real> win;
+    GradWindow<Real, ECT_BAND_PAIRS> win;
     double dscale = 0.0;
     double dv[NDIM];
 #pragma unroll

@@ -238,7 +238,7 @@ int sizes() {
     const int64_t v[] = {
         band::THREADS, band::WARPS, ROW_SLOTS, PACKED_SLOTS, PLANE, packed::PLANEW, TX, TY,
         packed::TXP, BACKWARD_COPIES, (int64_t)sizeof(RowQueues), (int64_t)sizeof(PackedQueues),
-        (int64_t)sizeof(Window<float>), (int64_t)sizeof(Window<double>),
+        (int64_t)sizeof(Window<float, SOFT_BAND_PAIRS>), (int64_t)sizeof(Window<double, SOFT_BAND_PAIRS>),
         (int64_t)sizeof(ForwardWork<float>), (int64_t)sizeof(ForwardWork<double>),
         (int64_t)sizeof(KeptSink), forward_workspace_words(5, 37), forward_workspace_words(6, 1000),
         backward_workspace_words(37),
@@ -273,9 +273,12 @@ def _driver(instances=None) -> str:
     return _DRIVER % {"instances": cases}
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
-    return build(tmp_path_factory, "soft_ecc_emulated", _driver(), soft=True)
+@pytest.fixture(scope="module", params=[0, 1], ids=["single", "pairs"])
+def emulator(tmp_path_factory, request):
+    """The kernels as built, and with the band work's pairs (ecc_band.cuh's Window PAIRS, which
+    the soft ECT's kernels take and the soft ECC's may: -DCUTOPO_SOFT_BAND_PAIRS=1)."""
+    return build(tmp_path_factory, f"soft_ecc_emulated_{request.param}", _driver(),
+                 f"-DCUTOPO_SOFT_BAND_PAIRS={request.param}", soft=True)
 
 
 # ---------------------------------------------------------------------------------------------
