@@ -41,8 +41,12 @@ constexpr unsigned FULL = 0xffffffffu;
 #ifndef CUTOPO_SOFT_BAND_PAIRS
 #define CUTOPO_SOFT_BAND_PAIRS 0
 #endif
+#ifndef CUTOPO_SOFT_LISTED_PAIRS  // the soft ECC backward's listed instance (band work alone)
+#define CUTOPO_SOFT_LISTED_PAIRS CUTOPO_SOFT_BAND_PAIRS
+#endif
 constexpr bool ECT_BAND_PAIRS = CUTOPO_ECT_BAND_PAIRS != 0;
 constexpr bool SOFT_BAND_PAIRS = CUTOPO_SOFT_BAND_PAIRS != 0;
+constexpr bool SOFT_LISTED_PAIRS = CUTOPO_SOFT_LISTED_PAIRS != 0;
 
 // sigmoid(u) and sigmoid'(u) = s (1 - s) from e = exp(-|u|), without cancellation, in the
 // operation order of the NumPy path (_soft_ecc._sigmoid_parts).

@@ -694,7 +694,7 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     }
 }
 
-template <typename Real>
+template <typename Real, bool PAIRS = SOFT_BAND_PAIRS>
 struct BackwardWork {
     const Real* t;
     const Real* g;
@@ -704,7 +704,7 @@ struct BackwardWork {
     Accum a;
     Real* d_image;  // nullptr: not wanted
     bool need_t;
-    mutable GradWindow<Real, SOFT_BAND_PAIRS> win;
+    mutable GradWindow<Real, PAIRS> win;
     mutable double dscale;
 
     __device__ __forceinline__ void skipped(i64 i) const {
@@ -808,9 +808,12 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     }
     if (busy) {
         const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-        const RowBands<In, Real, BackwardWork<Real>, 0> bands{
+        // the listed instance's window may pair short bands apart from the sweep's (it is only
+        // band work; CUTOPO_SOFT_LISTED_PAIRS)
+        using Work = BackwardWork<Real, LISTED ? SOFT_LISTED_PAIRS : SOFT_BAND_PAIRS>;
+        const RowBands<In, Real, Work, 0> bands{
             &q, image,
-            BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
+            Work{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
                                need_t, {}, 0.0},
             0, nullptr, 0u, 0};
         if constexpr (LISTED) {
