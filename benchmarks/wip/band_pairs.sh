@@ -3,7 +3,7 @@
 # pairs, and A/B of the band kernels against main, alternating processes.
 #
 #   here:       bash benchmarks/wip/band_pairs.sh prepare     (from a checkout of band-pairs)
-#   on device:  OUT=... bash benchmarks/wip/band_pairs.sh run  (carry .whl; ab/ travels)
+#   on device:  OUT=... [PART=2] bash benchmarks/wip/band_pairs.sh run  (carry .whl; ab/ travels)
 #
 # Trees: ab/old = main; "." = the branch (ECT pairs on, soft ECC pairs off); ab/soft = the
 # branch with every soft ECC kernel's pairs on; ab/listed = only the listed soft backward's.
@@ -32,10 +32,16 @@ run)
     python3 -m pytest -q -n 14 -m gpu $sel -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/tests.txt"
     (cd ab/soft && PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -n 14 -m gpu $sel \
         -p no:cacheprovider 2>&1 | tail -5) | tee -a "$OUT/tests.txt"
+    # PART 1 (default): the ECT's pairs, and the soft ECC as the branch leaves it (its packed 2D
+    # forward's window lost its unused g: 44/52 -> 32/40 B of spills); PART 2: the soft trees.
     {
-        bash benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ect
-        bash benchmarks/ab_trees.sh ab/old ab/soft 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
-        bash benchmarks/ab_trees.sh ab/old ab/listed 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
+        if [ "${PART:-1}" = 1 ]; then
+            bash benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ect
+            bash benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
+        else
+            bash benchmarks/ab_trees.sh ab/old ab/soft 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
+            bash benchmarks/ab_trees.sh ab/old ab/listed 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
+        fi
     } 2>&1 | tee "$OUT/ab.txt" | grep -E "^\[|ms" | tail -80
     ;;
 *)
