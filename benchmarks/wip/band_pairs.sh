@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# The device call that decides branch band-pairs (thirty-sixth session): GPU tests of the
-# pairs, and A/B of the band kernels against main, alternating processes.
+# The device calls that decide branch band-pairs (thirty-sixth session): GPU tests of the band
+# window's layouts (ecc_band.cuh, Window: 0 one entry per pass on 32 thresholds, the layout of
+# main; 1 pairs of short bands per pass; 2 one entry per pass on 64 thresholds) and A/B of the
+# band kernels against main in alternating processes.
 #
-#   here:       bash benchmarks/wip/band_pairs.sh prepare     (from a checkout of band-pairs)
-#   on device:  OUT=... [PART=2] bash benchmarks/wip/band_pairs.sh run  (carry .whl; ab/ travels)
+#   here:       bash benchmarks/wip/band_pairs.sh prepare      (from a checkout of band-pairs)
+#   on device:  OUT=... PART=1|2|3 bash benchmarks/wip/band_pairs.sh run
+#               (carry .whl; ab/ travels with the working tree; ~5 minutes a part)
 #
-# Trees: ab/old = main; "." = the branch (ECT pairs on, soft ECC pairs off); ab/soft = the
-# branch with every soft ECC kernel's pairs on; ab/listed = only the listed soft backward's.
-# Merge what is faster; the ECT spills rose (sm_90 float32: forward 16 -> 16/24 B 3D, backward
-# 0 -> 20 B 2D, 12 -> 64 B 3D), the soft sweeps' more (RESULTS.md).
+# Trees: ab/old = main; "." = the branch as committed (ECT layout 1, soft ECC layout 0);
+# ab/ect2 = ECT layout 2; ab/soft1, ab/soft2 = every soft ECC kernel on layout 1 or 2;
+# ab/listed1, ab/listed2 = only the listed soft backward. Part 1: the ECT (". " and ect2) and
+# the soft ECC as the branch leaves it (its packed 2D forward's window lost an unused member:
+# 44/52 -> 32/40 B of spills); part 2: soft1 and soft2; part 3: listed1 and listed2. Merge the
+# layouts that are faster; the model in RESULTS.md (passes and window moves per layout) says
+# what to expect.
 set -uo pipefail
+trees="ect2:ECT_BAND_WINDOW:2 soft1:SOFT_BAND_WINDOW:1 soft2:SOFT_BAND_WINDOW:2
+       listed1:SOFT_LISTED_WINDOW:1 listed2:SOFT_LISTED_WINDOW:2"
 case "${1:-}" in
 prepare)
-    rm -rf ab/old ab/soft ab/listed
-    mkdir -p ab/old ab/soft ab/listed
+    rm -rf ab/old ab/ect2 ab/soft1 ab/soft2 ab/listed1 ab/listed2
+    mkdir -p ab/old
     git archive main cutopo cuda_src benchmarks | tar -x -C ab/old
-    for t in soft listed; do git archive HEAD cutopo cuda_src benchmarks tests pyproject.toml | tar -x -C ab/$t; done
-    sed -i 's/^#define CUTOPO_SOFT_BAND_PAIRS 0$/#define CUTOPO_SOFT_BAND_PAIRS 1/' ab/soft/cuda_src/ecc_band.cuh
-    sed -i 's/^#define CUTOPO_SOFT_LISTED_PAIRS CUTOPO_SOFT_BAND_PAIRS$/#define CUTOPO_SOFT_LISTED_PAIRS 1/' \
-        ab/listed/cuda_src/ecc_band.cuh
-    grep -c "define CUTOPO_SOFT_BAND_PAIRS 1" ab/soft/cuda_src/ecc_band.cuh
-    grep -c "define CUTOPO_SOFT_LISTED_PAIRS 1" ab/listed/cuda_src/ecc_band.cuh
+    for spec in $trees; do
+        IFS=: read -r name macro value <<<"$spec"
+        mkdir -p "ab/$name"
+        git archive HEAD cutopo cuda_src benchmarks tests pyproject.toml | tar -x -C "ab/$name"
+        # the macro's default (#ifndef ... #define CUTOPO_X default) becomes the value
+        sed -i "s/^#define CUTOPO_$macro .*$/#define CUTOPO_$macro $value/" "ab/$name/cuda_src/ecc_band.cuh"
+        grep -c "^#define CUTOPO_$macro $value$" "ab/$name/cuda_src/ecc_band.cuh"
+    done
     ;;
 run)
     OUT=${OUT:-/tmp/out}
@@ -29,19 +39,22 @@ run)
     export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.txt"
     sel="tests/test_band_gpu.py tests/test_ect.py tests/test_soft_ecc.py tests/test_periodic.py"
-    python3 -m pytest -q -n 14 -m gpu $sel -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/tests.txt"
-    (cd ab/soft && PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -n 14 -m gpu $sel \
-        -p no:cacheprovider 2>&1 | tail -5) | tee -a "$OUT/tests.txt"
-    # PART 1 (default): the ECT's pairs, and the soft ECC as the branch leaves it (its packed 2D
-    # forward's window lost its unused g: 44/52 -> 32/40 B of spills); PART 2: the soft trees.
+    case "${PART:-1}" in
+        1) test_trees=". ab/ect2" ;;
+        2) test_trees="ab/soft1 ab/soft2" ;;
+        *) test_trees="ab/listed1 ab/listed2" ;;
+    esac
+    for tree in $test_trees; do
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -n 14 -m gpu $sel \
+            -p no:cacheprovider 2>&1 | tail -3 | sed "s|^|[$tree] |")
+    done | tee "$OUT/tests.txt"
+    bench() { bash benchmarks/ab_trees.sh ab/old "$1" 2 -- python3 benchmarks/bench_soft.py --no-baseline --only "$2"; }
     {
-        if [ "${PART:-1}" = 1 ]; then
-            bash benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ect
-            bash benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
-        else
-            bash benchmarks/ab_trees.sh ab/old ab/soft 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
-            bash benchmarks/ab_trees.sh ab/old ab/listed 2 -- python3 benchmarks/bench_soft.py --no-baseline --only soft_ecc
-        fi
+        case "${PART:-1}" in
+            1) bench . soft_ect; bench ab/ect2 soft_ect; bench . soft_ecc ;;
+            2) bench ab/soft1 soft_ecc; bench ab/soft2 soft_ecc ;;
+            *) bench ab/listed1 soft_ecc; bench ab/listed2 soft_ecc ;;
+        esac
     } 2>&1 | tee "$OUT/ab.txt" | grep -E "^\[|ms" | tail -80
     ;;
 *)
