@@ -45,6 +45,11 @@ constexpr unsigned FULL = 0xffffffffu;
 #ifndef CUTOPO_SOFT_LISTED_WINDOW  // the soft ECC backward's listed instance (band work alone)
 #define CUTOPO_SOFT_LISTED_WINDOW CUTOPO_SOFT_BAND_WINDOW
 #endif
+// Whether the ECT's band kernels deal a block's entries evenly over its warps (EctBlock).
+#ifndef CUTOPO_ECT_SPREAD
+#define CUTOPO_ECT_SPREAD 1
+#endif
+constexpr bool ECT_SPREAD = CUTOPO_ECT_SPREAD != 0;
 constexpr int ECT_BAND_WINDOW = CUTOPO_ECT_BAND_WINDOW;
 constexpr int SOFT_BAND_WINDOW = CUTOPO_SOFT_BAND_WINDOW;
 constexpr int SOFT_LISTED_WINDOW = CUTOPO_SOFT_LISTED_WINDOW;
@@ -498,6 +503,14 @@ struct EctBlock {
         begin = s0 + n * chunk / chunks_per_row;
         end = s0 + n * (chunk + 1) / chunks_per_row;
     }
+    // Entries per warp batch: 32, or with ECT_SPREAD the block's entries dealt evenly over its
+    // warps (at most 32 each). A warp evaluates its batch one pass after the other, and a block
+    // of bench_soft's soft ECT holds ~100 entries: 32 a warp kept four warps busy for 32
+    // dependent passes each and left four idle; dealt out, each warp makes ~13.
+    __device__ __forceinline__ int per_warp() const {
+        if constexpr (!ECT_SPREAD) return 32;
+        return (int)min((i64)32, max((i64)1, (end - begin + WARPS - 1) / WARPS));
+    }
 };
 
 // Blocks per multiprocessor of the ECT kernels: the registers ptxas took for them unbounded
@@ -524,11 +537,14 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
     long long* sat_row = sat_g + blk.row * T;
     const Accum a{s.acc, acc_row, s.sat, sat_row};
     Window<Real, ECT_BAND_WINDOW> win;
-    for (i64 base = blk.begin + (threadIdx.x & ~31); base < blk.end; base += THREADS) {
-        const i64 e = base + threadIdx.x % 32;
+    const int per_warp = blk.per_warp(), lane = threadIdx.x % 32;
+    // warp-uniform bounds: every lane takes part in forward_warp's votes
+    for (i64 base = blk.begin + (i64)(threadIdx.x / 32) * per_warp; base < blk.end;
+         base += (i64)WARPS * per_warp) {
+        const i64 e = base + lane;
         int c = 0;
         Real f = 0;
-        if (e < blk.end) {
+        if (lane < per_warp && e < blk.end) {
             c = ent_c[e];
             double x[NDIM];
             position<NDIM>(ent_lin[e], coords, n0, n1, n2, x);
@@ -560,12 +576,14 @@ ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ en
     double dv[NDIM];
 #pragma unroll
     for (int k = 0; k < NDIM; ++k) dv[k] = 0.0;
-    for (i64 base = blk.begin + (threadIdx.x & ~31); base < blk.end; base += THREADS) {
-        const i64 e = base + threadIdx.x % 32;
+    const int per_warp = blk.per_warp(), lane = threadIdx.x % 32;
+    for (i64 base = blk.begin + (i64)(threadIdx.x / 32) * per_warp; base < blk.end;
+         base += (i64)WARPS * per_warp) {
+        const i64 e = base + lane;
         int c = 0;
         Real f = 0;
         double x[NDIM] = {};
-        if (e < blk.end) {
+        if (lane < per_warp && e < blk.end) {
             c = ent_c[e];
             position<NDIM>(ent_lin[e], coords, n0, n1, n2, x);
             f = (Real)height<NDIM>(x, blk.v);

@@ -8,19 +8,20 @@
 #   on device:  OUT=... PART=1|2|3 bash benchmarks/wip/band_pairs.sh run
 #               (carry .whl; ab/ travels with the working tree; ~5 minutes a part)
 #
-# Trees: ab/old = main; "." = the branch as committed (ECT layout 1, soft ECC layout 0);
-# ab/ect2 = ECT layout 2; ab/soft1, ab/soft2 = every soft ECC kernel on layout 1 or 2;
-# ab/listed1, ab/listed2 = only the listed soft backward. Part 1: the ECT (". " and ect2) and
+# Trees: ab/old = main; "." = the branch as committed (ECT layout 1 with a block's entries dealt
+# over its warps, soft ECC layout 0); ab/ect2 = ECT layout 2; ab/ectnospread = ECT layout 1,
+# 32 entries a warp as on main; ab/soft1, ab/soft2 = every soft ECC kernel on layout 1 or 2;
+# ab/listed1, ab/listed2 = only the listed soft backward. Part 1: the ECT (".", ect2, ectnospread) and
 # the soft ECC as the branch leaves it (its packed 2D forward's window lost an unused member:
 # 44/52 -> 32/40 B of spills); part 2: soft1 and soft2; part 3: listed1 and listed2. Merge the
 # layouts that are faster; the model in RESULTS.md (passes and window moves per layout) says
 # what to expect.
 set -uo pipefail
-trees="ect2:ECT_BAND_WINDOW:2 soft1:SOFT_BAND_WINDOW:1 soft2:SOFT_BAND_WINDOW:2
+trees="ect2:ECT_BAND_WINDOW:2 ectnospread:ECT_SPREAD:0 soft1:SOFT_BAND_WINDOW:1 soft2:SOFT_BAND_WINDOW:2
        listed1:SOFT_LISTED_WINDOW:1 listed2:SOFT_LISTED_WINDOW:2"
 case "${1:-}" in
 prepare)
-    rm -rf ab/old ab/ect2 ab/soft1 ab/soft2 ab/listed1 ab/listed2
+    rm -rf ab/old ab/ect2 ab/ectnospread ab/soft1 ab/soft2 ab/listed1 ab/listed2
     mkdir -p ab/old
     git archive main cutopo cuda_src benchmarks | tar -x -C ab/old
     for spec in $trees; do
@@ -40,7 +41,7 @@ run)
     nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.txt"
     sel="tests/test_band_gpu.py tests/test_ect.py tests/test_soft_ecc.py tests/test_periodic.py"
     case "${PART:-1}" in
-        1) test_trees=". ab/ect2" ;;
+        1) test_trees=". ab/ect2 ab/ectnospread" ;;
         2) test_trees="ab/soft1 ab/soft2" ;;
         *) test_trees="ab/listed1 ab/listed2" ;;
     esac
@@ -51,7 +52,7 @@ run)
     bench() { bash benchmarks/ab_trees.sh ab/old "$1" 2 -- python3 benchmarks/bench_soft.py --no-baseline --only "$2"; }
     {
         case "${PART:-1}" in
-            1) bench . soft_ect; bench ab/ect2 soft_ect; bench . soft_ecc ;;
+            1) bench . soft_ect; bench ab/ect2 soft_ect; bench ab/ectnospread soft_ect; bench . soft_ecc ;;
             2) bench ab/soft1 soft_ecc; bench ab/soft2 soft_ecc ;;
             *) bench ab/listed1 soft_ecc; bench ab/listed2 soft_ecc ;;
         esac
