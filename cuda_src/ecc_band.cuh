@@ -503,10 +503,10 @@ struct EctBlock {
         begin = s0 + n * chunk / chunks_per_row;
         end = s0 + n * (chunk + 1) / chunks_per_row;
     }
-    // Entries per warp batch: 32, or with ECT_SPREAD the block's entries dealt evenly over its
-    // warps (at most 32 each). A warp evaluates its batch one pass after the other, and a block
-    // of bench_soft's soft ECT holds ~100 entries: 32 a warp kept four warps busy for 32
-    // dependent passes each and left four idle; dealt out, each warp makes ~13.
+    // Entries per warp batch of the soft ECT: 32, or with ECT_SPREAD the block's entries dealt
+    // evenly over its warps (at most 32 each). A warp evaluates its batch one pass after the
+    // other, and a block of bench_soft's soft ECT holds ~100 entries: 32 a warp kept four warps
+    // busy for 32 dependent passes each and left four idle; dealt out, each warp makes ~13.
     __device__ __forceinline__ int per_warp() const {
         if constexpr (!ECT_SPREAD) return 32;
         return (int)min((i64)32, max((i64)1, (end - begin + WARPS - 1) / WARPS));
@@ -537,7 +537,8 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
     long long* sat_row = sat_g + blk.row * T;
     const Accum a{s.acc, acc_row, s.sat, sat_row};
     Window<Real, ECT_BAND_WINDOW> win;
-    const int per_warp = blk.per_warp(), lane = threadIdx.x % 32;
+    // (the exact ECT's batches are lane-parallel, no passes: 32 entries a warp as they were)
+    const int per_warp = soft ? blk.per_warp() : 32, lane = threadIdx.x % 32;
     // warp-uniform bounds: every lane takes part in forward_warp's votes
     for (i64 base = blk.begin + (i64)(threadIdx.x / 32) * per_warp; base < blk.end;
          base += (i64)WARPS * per_warp) {
