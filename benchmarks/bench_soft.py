@@ -271,6 +271,31 @@ class SoftEct:
         bwd = ins + 4 * out_size + 4 * directions.size + t.nbytes + 4
         return {"forward": fwd, "VJP": bwd, "forward+VJP": fwd + bwd}
 
+    def device_stages(self, cp, args, kw, g):
+        """The op's device work alone: SoftEctPlan's kernels called directly, the argument
+        check's kernel included and the copy of its flags to the host not (that copy's event
+        keeps the op itself out of a CUDA graph)."""
+        from cutopo import _band_cupy
+        from cutopo._band_numpy import band_halfwidth
+
+        mask, directions, t, scale = args
+        real = t.dtype
+        lam = real.type(scale)
+        w = band_halfwidth(real, lam)
+        plan = _band_cupy.soft_ect_plan(mask.device.id, 1, mask.shape, self.D, self.T, real,
+                                        directions.dtype)
+        mask_b = mask.reshape((1,) + mask.shape)
+
+        def fwd():
+            workspace, dirs64, codes = plan.checked_arguments(t, directions)
+            return plan.forward(mask_b, workspace, dirs64, codes, t, lam, w)
+
+        def bwd(kept):
+            return plan.backward(kept, t, g, lam, w, (True, True, True), real, real)
+
+        kept = fwd()[1]
+        return {"forward": fwd, "VJP": lambda: bwd(kept), "forward+VJP": lambda: bwd(fwd()[1])}
+
     def _coords(self, xp, spatial):
         from cutopo._ect import _axis_coordinates  # the op's own positions, so heights agree
 

@@ -30,32 +30,14 @@ constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr unsigned FULL = 0xffffffffu;
 
-// The band work's register window (Window's LAYOUT, below) in the soft ECT's kernels and in
-// the soft ECC's: 0 one entry per pass on 32 thresholds, 1 pairs of short bands per pass on 32,
-// 2 one entry per pass on 64. Layouts 1 and 2 keep a second accumulator per lane, which made
-// the register-capped soft ECC sweeps spill more (sm_90, float32: 3D forward 160/332 -> 224/416
-// B, listed 2D backward 72/72 -> 132/116 B), the ECT kernels little (2D forward 16 B either
-// way, backward 0 -> 20 B). Not yet timed on a GPU: benchmarks/RESULTS.md, thirty-sixth session.
-#ifndef CUTOPO_ECT_BAND_WINDOW
-#define CUTOPO_ECT_BAND_WINDOW 1
-#endif
-#ifndef CUTOPO_SOFT_BAND_WINDOW
-#define CUTOPO_SOFT_BAND_WINDOW 0
-#endif
-#ifndef CUTOPO_SOFT_LISTED_WINDOW  // the soft ECC backward's listed instance (band work alone)
-#define CUTOPO_SOFT_LISTED_WINDOW CUTOPO_SOFT_BAND_WINDOW
-#endif
-// Whether the ECT's band kernels deal a block's entries evenly over its warps (EctBlock).
-#ifndef CUTOPO_ECT_SPREAD
-#define CUTOPO_ECT_SPREAD 1
-#endif
-constexpr bool ECT_SPREAD = CUTOPO_ECT_SPREAD != 0;
-constexpr int ECT_BAND_WINDOW = CUTOPO_ECT_BAND_WINDOW;
-constexpr int SOFT_BAND_WINDOW = CUTOPO_SOFT_BAND_WINDOW;
-constexpr int SOFT_LISTED_WINDOW = CUTOPO_SOFT_LISTED_WINDOW;
-static_assert(ECT_BAND_WINDOW >= 0 && ECT_BAND_WINDOW <= 2 && SOFT_BAND_WINDOW >= 0 &&
-              SOFT_BAND_WINDOW <= 2 && SOFT_LISTED_WINDOW >= 0 && SOFT_LISTED_WINDOW <= 2,
-              "band window layouts are 0, 1 and 2");
+// The band work's register window (Window, below): pairs of short bands per pass in the soft
+// ECT's kernels, one entry per pass in the soft ECC's. Timed on an H100 (benchmarks/RESULTS.md,
+// thirty-seventh session): pairs, with a block's entries dealt over its warps (EctBlock), took
+// the soft ECT's backward from 0.057 to 0.037 ms; in the soft ECC's kernels pairs (and a window
+// of 64 thresholds) were 0-10 % slower: the register-capped sweeps spill more with a second
+// accumulator per lane, and their bands are fewer per warp.
+constexpr bool ECT_PAIRS = true;
+constexpr bool SOFT_PAIRS = false;
 
 // sigmoid(u) and sigmoid'(u) = s (1 - s) from e = exp(-|u|), without cancellation, in the
 // operation order of the NumPy path (_soft_ecc._sigmoid_parts).
@@ -179,31 +161,26 @@ struct Accum {
 // band accumulator (T double), difference array (T int). Offsets rounded to 16 bytes.
 __host__ __device__ inline size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
-// A warp's register accumulators for the thresholds k0 .. k0 + W - 1, with the lanes'
-// thresholds (and cotangents) cached. Consecutive entries of a warp are nearby pixels with
-// nearby values, so their bands usually fall in one window: the sigmoid terms then go into
-// registers, and memory (shared atomics) is touched only when the window moves. Adding every
-// term with a shared atomic instead made lanes of different warps contend for the same
-// thresholds (CAS loops for doubles): ~2000 cycles per entry at 1024^2.
+// A warp's register accumulators for 32 thresholds k0 .. k0 + 31, with the lanes' thresholds
+// (and cotangents) cached. Consecutive entries of a warp are nearby pixels with nearby values,
+// so their bands usually fall in one window: the sigmoid terms then go into registers, and
+// memory (shared atomics) is touched only when the window moves. Adding every term with a
+// shared atomic instead made lanes of different warps contend for the same thresholds (CAS
+// loops for doubles): ~2000 cycles per entry at 1024^2.
 //
-// LAYOUT 0: W = 32, lane l holds threshold k0 + l (acc0, t0); a pass of the warp evaluates one
-// entry. LAYOUT 1 (pairs): W = 32, lane l (h = l % 16) holds k0 + h (acc0, t0) and k0 + 16 + h
-// (acc1, t1), lanes l and l + 16 the same two, so that a pass evaluates two entries whose bands
-// are at most 16 long, lanes 0-15 one and 16-31 the other, each lane at the one of its
-// thresholds in its entry's band (16 consecutive thresholds at most fall on distinct h); an
-// entry alone still takes one threshold per lane, k0 + l. Bands of the benchmarks are ~8.5
-// thresholds long: a pass on one entry leaves ~3/4 of the lanes idle. LAYOUT 2 (wide): W = 64,
-// lane l holds k0 + l and k0 + 32 + l and evaluates, for a band of at most 32, the one in the
-// band: one entry per pass, but the window moves (a flush of shared atomics and a reload)
-// about half as often for entries whose values spread, as the soft ECC's do.
-template <typename Real, bool TWO> struct WindowSlots { double acc0 = 0.0; Real t0 = 0; };
+// Without PAIRS lane l holds threshold k0 + l (acc0, t0), and a pass of the warp evaluates one
+// entry. With PAIRS lane l (h = l % 16) holds k0 + h (acc0, t0) and k0 + 16 + h (acc1, t1),
+// lanes l and l + 16 the same two, so that a pass evaluates two entries whose bands are at most
+// 16 long, lanes 0-15 one and 16-31 the other, each lane at the one of its thresholds in its
+// entry's band (16 consecutive thresholds fall on distinct h); an entry alone still takes one
+// threshold per lane, k0 + l. Bands of bench_soft's soft ECT are ~8.5 thresholds long: a pass
+// on one entry leaves ~3/4 of the lanes idle.
+template <typename Real, bool PAIRS> struct WindowSlots { double acc0 = 0.0; Real t0 = 0; };
 template <typename Real> struct WindowSlots<Real, true> { double acc0 = 0.0, acc1 = 0.0; Real t0 = 0, t1 = 0; };
 
-template <typename Real, int LAYOUT>
-struct Window : WindowSlots<Real, LAYOUT != 0> {
-    static constexpr bool PAIRS = LAYOUT == 1;
-    static constexpr int H = LAYOUT == 1 ? 16 : 32;  // offset of a lane's second threshold
-    static constexpr int W = LAYOUT == 2 ? 64 : 32;  // the window's width
+template <typename Real, bool PAIRS>
+struct Window : WindowSlots<Real, PAIRS> {
+    static constexpr int H = PAIRS ? 16 : 32;  // the lane's first threshold is k0 + lane % H
     int k0 = -(1 << 30);  // no window yet: the first band always moves it
 
     __device__ __forceinline__ int first() const {  // the lane's (first) threshold
@@ -213,39 +190,38 @@ struct Window : WindowSlots<Real, LAYOUT != 0> {
     __device__ __forceinline__ void flush(const Accum& a) {
         if (this->acc0 != 0.0) a.add(first(), this->acc0);
         this->acc0 = 0.0;
-        if constexpr (LAYOUT != 0) {
+        if constexpr (PAIRS) {
             if (this->acc1 != 0.0) a.add(first() + H, this->acc1);
             this->acc1 = 0.0;
         }
     }
-    __device__ __forceinline__ bool covers(int lo, int hi) const { return lo >= k0 && hi <= k0 + W; }
+    __device__ __forceinline__ bool covers(int lo, int hi) const { return lo >= k0 && hi <= k0 + 32; }
     // Makes [lo, hi) (at most 32 long) part of the window, placing a new one that starts at lo
     // (or ends at T) if needed: for_each_band moves it to the lowest band left. Returns whether
     // it moved.
     __device__ __forceinline__ bool cover(int lo, int hi, const Real* tt, int T, const Accum& a) {
         if (covers(lo, hi)) return false;  // warp-uniform: lo, hi are the same in every lane
         flush(a);
-        k0 = max(0, min(lo, T - W));
+        k0 = max(0, min(lo, T - 32));
         const int k = first();
         this->t0 = k < T ? tt[k] : Real(0);
-        if constexpr (LAYOUT != 0) this->t1 = k + H < T ? tt[k + H] : Real(0);
+        if constexpr (PAIRS) this->t1 = k + H < T ? tt[k + H] : Real(0);
         return true;
     }
     // Whether this lane evaluates a threshold of the band [lo, hi) (covered, at most 32 long;
     // ``pair``: at most 16 long and the half warp's own), and which: ``upper`` for its second.
     __device__ __forceinline__ bool pick(int lo, int hi, bool pair, bool& upper) const {
-        if constexpr (LAYOUT == 0) upper = false;
-        else if constexpr (LAYOUT == 1) upper = pair ? first() < lo : threadIdx.x % 32 >= 16;
-        else upper = first() < lo;
+        if constexpr (PAIRS) upper = pair ? first() < lo : threadIdx.x % 32 >= 16;
+        else upper = false;
         const int k = first() + (upper ? H : 0);
         return k >= lo && k < hi;
     }
     __device__ __forceinline__ Real t_at(bool upper) const {
-        if constexpr (LAYOUT != 0) return upper ? this->t1 : this->t0;
+        if constexpr (PAIRS) return upper ? this->t1 : this->t0;
         else return this->t0;
     }
     __device__ __forceinline__ void add(bool upper, double v) {
-        if constexpr (LAYOUT != 0) {
+        if constexpr (PAIRS) {
             if (upper) this->acc1 += v;
             else this->acc0 += v;
         } else {
@@ -255,21 +231,21 @@ struct Window : WindowSlots<Real, LAYOUT != 0> {
 };
 
 // The backward's window: the cotangent row's entries at the lane's thresholds too.
-template <typename Real, bool TWO> struct GradSlots { Real g0 = 0; };
+template <typename Real, bool PAIRS> struct GradSlots { Real g0 = 0; };
 template <typename Real> struct GradSlots<Real, true> { Real g0 = 0, g1 = 0; };
 
-template <typename Real, int LAYOUT>
-struct GradWindow : Window<Real, LAYOUT>, GradSlots<Real, LAYOUT != 0> {
+template <typename Real, bool PAIRS>
+struct GradWindow : Window<Real, PAIRS>, GradSlots<Real, PAIRS> {
     __device__ __forceinline__ void cover(int lo, int hi, const Real* tt, const Real* gg, int T,
                                           const Accum& a) {
-        if (!Window<Real, LAYOUT>::cover(lo, hi, tt, T, a)) return;
-        constexpr int H = Window<Real, LAYOUT>::H;
+        if (!Window<Real, PAIRS>::cover(lo, hi, tt, T, a)) return;
+        constexpr int H = Window<Real, PAIRS>::H;
         const int k = this->first();
         this->g0 = k < T ? gg[k] : Real(0);
-        if constexpr (LAYOUT != 0) this->g1 = k + H < T ? gg[k + H] : Real(0);
+        if constexpr (PAIRS) this->g1 = k + H < T ? gg[k + H] : Real(0);
     }
     __device__ __forceinline__ Real g_at(bool upper) const {
-        if constexpr (LAYOUT != 0) return upper ? this->g1 : this->g0;
+        if constexpr (PAIRS) return upper ? this->g1 : this->g0;
         else return this->g0;
     }
 };
@@ -319,10 +295,10 @@ __device__ __forceinline__ void for_each_band(bool banded, Real f, int c, int lo
 
 // Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
 // Returns whether the lane's entry has a non-empty band (the entries a backward evaluates).
-template <typename Real, int LAYOUT>
+template <typename Real, bool PAIRS>
 __device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Real* t, int T,
                                              Real lam, double w, bool soft, const Accum& a,
-                                             Window<Real, LAYOUT>& win) {
+                                             Window<Real, PAIRS>& win) {
     const int lane = threadIdx.x % 32;
     int lo = T, hi = T;
     if (valid) {
@@ -334,7 +310,7 @@ __device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Re
         }
         if (hi < T) a.add_sat(hi, c);
     }
-    for_each_band<LAYOUT == 1>(valid && lo < hi, f, c, lo, hi, win, [&](int, int pb, Real fi, int ci, int loi, int hii) {
+    for_each_band<PAIRS>(valid && lo < hi, f, c, lo, hi, win, [&](int, int pb, Real fi, int ci, int loi, int hii) {
         if (hii - loi <= 32) {
             win.cover(loi, hii, t, T, a);  // (a pair is covered: no move)
             bool upper;
@@ -351,16 +327,16 @@ __device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Re
 // Backward of one warp's entries: threshold cotangents (when need_t) through the window into
 // a, the scale cotangent into dscale (per lane), and, when need_sum, the sum over k of
 // g_k c sigma'_k of the lane's own entry returned (0 for an invalid entry).
-template <typename Real, int LAYOUT>
+template <typename Real, bool PAIRS>
 __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const Real* t,
                                                 const Real* g, int T, Real lam, double w,
                                                 bool need_t, bool need_sum, double& dscale,
-                                                const Accum& a, GradWindow<Real, LAYOUT>& win) {
+                                                const Accum& a, GradWindow<Real, PAIRS>& win) {
     const int lane = threadIdx.x % 32;
     int lo = T, hi = T;
     if (valid) band_edges(f, w, t, T, lo, hi);
     double mine = 0.0;
-    for_each_band<LAYOUT == 1>(valid && lo < hi, f, c, lo, hi, win, [&](int pa, int pb, Real fi, int ci, int loi, int hii) {
+    for_each_band<PAIRS>(valid && lo < hi, f, c, lo, hi, win, [&](int pa, int pb, Real fi, int ci, int loi, int hii) {
         double sum = 0.0;
         if (hii - loi <= 32) {
             win.cover(loi, hii, t, g, T, a);  // (a pair is covered: no move)
@@ -380,7 +356,7 @@ __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const
                 dscale += v * (double)diff;
             }
         }
-        if (need_sum && LAYOUT != 1) {
+        if (need_sum && !PAIRS) {
             sum = warp_sum(sum);
             if (lane == pa) mine = sum;
         } else if (need_sum) {  // half-warp sums, then each half's from the other half
@@ -503,12 +479,11 @@ struct EctBlock {
         begin = s0 + n * chunk / chunks_per_row;
         end = s0 + n * (chunk + 1) / chunks_per_row;
     }
-    // Entries per warp batch of the soft ECT: 32, or with ECT_SPREAD the block's entries dealt
-    // evenly over its warps (at most 32 each). A warp evaluates its batch one pass after the
+    // Entries per warp batch of the soft ECT: the block's entries dealt evenly over its warps
+    // (at most 32 each). A warp evaluates its batch one pass after the
     // other, and a block of bench_soft's soft ECT holds ~100 entries: 32 a warp kept four warps
     // busy for 32 dependent passes each and left four idle; dealt out, each warp makes ~13.
     __device__ __forceinline__ int per_warp() const {
-        if constexpr (!ECT_SPREAD) return 32;
         return (int)min((i64)32, max((i64)1, (end - begin + WARPS - 1) / WARPS));
     }
 };
@@ -536,7 +511,7 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
     double* acc_row = soft ? acc_g + blk.row * T : nullptr;
     long long* sat_row = sat_g + blk.row * T;
     const Accum a{s.acc, acc_row, s.sat, sat_row};
-    Window<Real, ECT_BAND_WINDOW> win;
+    Window<Real, ECT_PAIRS> win;
     // (the exact ECT's batches are lane-parallel, no passes: 32 entries a warp as they were)
     const int per_warp = soft ? blk.per_warp() : 32, lane = threadIdx.x % 32;
     // warp-uniform bounds: every lane takes part in forward_warp's votes
@@ -572,7 +547,7 @@ ect_backward(const i64* __restrict__ ent_lin, const signed char* __restrict__ en
     const EctBlock<NDIM> blk(seg, seg_of_dir, dirs, B, D, chunks_per_row);
     const Smem<Real> s = setup<Real>(smem, thresholds, g + blk.row * T, T, shared, false);
     const Accum a{s.acc, dt_g, nullptr, nullptr};
-    GradWindow<Real, ECT_BAND_WINDOW> win;
+    GradWindow<Real, ECT_PAIRS> win;
     double dscale = 0.0;
     double dv[NDIM];
 #pragma unroll

@@ -485,7 +485,7 @@ __device__ __forceinline__ void resolve_ties(signed char* c_slots, const unsigne
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, class Work>
 __device__ __forceinline__ void packed_bands(const signed char* c_slots, const unsigned char* order, int n,
                                           const In* image, i64 base, i64 z, i64 y, i64 x0, i64 nz,
-                                          i64 ny, i64 nx, const Work* work_s, Window<Real, SOFT_BAND_WINDOW>* window) {
+                                          i64 ny, i64 nx, const Work* work_s, Window<Real, SOFT_PAIRS>* window) {
     const int lane = threadIdx.x % 32;
     Work work = *work_s;
     work.win = *window;
@@ -520,7 +520,7 @@ struct PackedRowBands {
     const In* image;
     i64 base, nz, ny, nx;
     const Work* work_s;       // shared
-    Window<Real, SOFT_BAND_WINDOW>* windows;    // shared, one per thread
+    Window<Real, SOFT_PAIRS>* windows;    // shared, one per thread
 
     __device__ __forceinline__ void word(unsigned pos, unsigned neg, unsigned ties, i64, i64 gy,
                                          i64 gx, int j) const {
@@ -579,7 +579,7 @@ struct ForwardWork {
     Real lam;
     double w;
     Accum a;
-    mutable Window<Real, SOFT_BAND_WINDOW> win;
+    mutable Window<Real, SOFT_PAIRS> win;
 
     __device__ __forceinline__ void skipped(i64) const {}
     __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64 i) const {
@@ -640,11 +640,11 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
         __shared__ PackedQueues q;
         // raw storage: a __shared__ variable takes no initialiser (Window has defaults)
         __shared__ __align__(16) unsigned char work_bytes[sizeof(ForwardWork<Real>)];
-        __shared__ __align__(16) unsigned char window_bytes[THREADS * sizeof(Window<Real, SOFT_BAND_WINDOW>)];
+        __shared__ __align__(16) unsigned char window_bytes[THREADS * sizeof(Window<Real, SOFT_PAIRS>)];
         ForwardWork<Real>* work_s = reinterpret_cast<ForwardWork<Real>*>(work_bytes);
-        Window<Real, SOFT_BAND_WINDOW>* windows = reinterpret_cast<Window<Real, SOFT_BAND_WINDOW>*>(window_bytes);
+        Window<Real, SOFT_PAIRS>* windows = reinterpret_cast<Window<Real, SOFT_PAIRS>*>(window_bytes);
         if (threadIdx.x == 0) *work_s = work;
-        windows[threadIdx.x] = Window<Real, SOFT_BAND_WINDOW>();
+        windows[threadIdx.x] = Window<Real, SOFT_PAIRS>();
         __syncthreads();
         const PackedRowBands<In, K, Real, NDIM, TCONN, ForwardWork<Real>> bands{
             &q, image, base, nz, ny, nx, work_s, windows};
@@ -694,7 +694,7 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     }
 }
 
-template <typename Real, int LAYOUT = SOFT_BAND_WINDOW>
+template <typename Real>
 struct BackwardWork {
     const Real* t;
     const Real* g;
@@ -704,7 +704,7 @@ struct BackwardWork {
     Accum a;
     Real* d_image;  // nullptr: not wanted
     bool need_t;
-    mutable GradWindow<Real, LAYOUT> win;
+    mutable GradWindow<Real, SOFT_PAIRS> win;
     mutable double dscale;
 
     __device__ __forceinline__ void skipped(i64 i) const {
@@ -808,12 +808,9 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     }
     if (busy) {
         const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-        // the listed instance's window may pair short bands apart from the sweep's (it is only
-        // band work; CUTOPO_SOFT_LISTED_WINDOW)
-        using Work = BackwardWork<Real, LISTED ? SOFT_LISTED_WINDOW : SOFT_BAND_WINDOW>;
-        const RowBands<In, Real, Work, 0> bands{
+        const RowBands<In, Real, BackwardWork<Real>, 0> bands{
             &q, image,
-            Work{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
+            BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
                                need_t, {}, 0.0},
             0, nullptr, 0u, 0};
         if constexpr (LISTED) {

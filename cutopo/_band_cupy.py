@@ -553,6 +553,12 @@ class SoftEctPlan:
         """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward` (and
         the flags' word), the directions in float64, their orthant codes, and the pending
         flags of the checks (read them with ``cutopo._cuda.deferred.reading``)."""
+        workspace, dirs64, codes = self.checked_arguments(t, directions)
+        return workspace, dirs64, codes, DeferredFlags(workspace[:1])
+
+    def checked_arguments(self, t, directions):
+        """:meth:`arguments`' launches alone, the checks' flags left in ``workspace[0]`` (the
+        copy to the host is what keeps a call out of a CUDA graph: benchmarks time this)."""
         import cupy
 
         M = self.B * self.D * self.T
@@ -560,9 +566,8 @@ class SoftEctPlan:
         workspace = cupy.zeros(1 + self.rows * self.tiles + 2 * M, dtype=np.uint64)
         dirs64 = cupy.empty((self.D, self.ndim), dtype=np.float64)
         codes = cupy.empty(self.D, dtype=np.int32)
-        status = workspace[:1]
-        self._check(t, directions, dirs64, codes, status)
-        return workspace, dirs64, codes, DeferredFlags(status)
+        self._check(t, directions, dirs64, codes, workspace[:1])
+        return workspace, dirs64, codes
 
     def forward(self, mask_b, workspace, dirs64, codes, t, lam, w):
         """((B * D, T) soft ECT in the dtype of t, the DeviceEntries for the backward)."""

@@ -48,12 +48,10 @@ ROW_SLOTS = 32 * 4             # band::ROW_SLOTS
 QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
 BLOCK_QUEUE_CAP = {4: 1024, 8: 256}  # band::block_queue_cap by key bytes
 # The packed forward's (band::PackedQueues, its one-word-per-pixel-pair tile of packed::PLANEW
-# words per plane, the block's band parameters and a register window per thread: band::Window,
-# 24 bytes, 32 (float) or 40 (double) with -DCUTOPO_SOFT_BAND_WINDOW=1 or 2, which this reserve
-# covers).
+# words per plane, the block's band parameters and a register window per thread).
 PACKED_SLOTS = 2 * 32 * 4      # band::PACKED_SLOTS
 PACKED_PLANE_WORDS = 36 * 34   # packed::PLANEW
-PACKED_QUEUE_BYTES = WARPS * PACKED_SLOTS * 2 + THREADS * 40 + 256
+PACKED_QUEUE_BYTES = WARPS * PACKED_SLOTS * 2 + THREADS * 32 + 256
 # Workspaces up to this size are kept per plan, thread and stream (the kernels leave them
 # zeroed); larger ones are made zeroed at every call.
 KEEP_WORKSPACE_BYTES = 1 << 20

@@ -5,9 +5,7 @@ The kernels of ``_band_cupy.SoftEctPlan`` (the argument check, the orthant maps 
 tile counts, the compaction, the band forward and backward, the finalisation and the
 cotangents' conversion) are compiled into one host program, and the plan's own methods run
 with CuPy replaced by NumPy and every launch by a run of that program (the stand-in device of
-tests/test_soft_ecc_kernels_host.py). The band kernels are built with each layout of their
-register window (``CUTOPO_ECT_BAND_WINDOW``) and with a block's entries dealt over its warps or
-not (``CUTOPO_ECT_SPREAD``).
+tests/test_soft_ecc_kernels_host.py).
 """
 from __future__ import annotations
 
@@ -47,15 +45,10 @@ def _instances():
 
 INSTANCES = _instances()
 
-# (window layout, spread): main's band kernels, and the two layouts with the spread
-BUILDS = [(0, 0), (1, 1), (2, 1)]
 
-
-@pytest.fixture(scope="module", params=BUILDS, ids=lambda b: f"window{b[0]}-spread{b[1]}")
-def emulator(tmp_path_factory, request):
-    layout, spread = request.param
-    return build(tmp_path_factory, f"ect_emulated_{layout}_{spread}", _driver(INSTANCES),
-                 f"-DCUTOPO_ECT_BAND_WINDOW={layout}", f"-DCUTOPO_ECT_SPREAD={spread}", soft=True)
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build(tmp_path_factory, "ect_emulated", _driver(INSTANCES), soft=True)
 
 
 class _Flags:
@@ -103,8 +96,8 @@ def _directions(rng, D, ndim, dtype):
     return (d / np.linalg.norm(d, axis=1, keepdims=True)).astype(dtype)
 
 
-# (spatial shape, batch, D, T, thresholds per band, real dtype): bands of ~8 thresholds (pairs),
-# of ~20 (one entry a pass), wider than 32 (the accumulators' path), one threshold
+# (spatial shape, batch, D, T, thresholds per band, real dtype): bands of ~8 thresholds (two
+# entries a pass), of ~20 (one entry a pass), wider than 32 (the accumulators' path), one threshold
 CASES = [
     ((40, 37), 1, 12, 64, 8, "float32"),
     ((33, 70), 2, 9, 48, 20, "float32"),

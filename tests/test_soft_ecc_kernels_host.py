@@ -238,7 +238,7 @@ int sizes() {
     const int64_t v[] = {
         band::THREADS, band::WARPS, ROW_SLOTS, PACKED_SLOTS, PLANE, packed::PLANEW, TX, TY,
         packed::TXP, BACKWARD_COPIES, (int64_t)sizeof(RowQueues), (int64_t)sizeof(PackedQueues),
-        (int64_t)sizeof(Window<float, SOFT_BAND_WINDOW>), (int64_t)sizeof(Window<double, SOFT_BAND_WINDOW>),
+        (int64_t)sizeof(Window<float, SOFT_PAIRS>), (int64_t)sizeof(Window<double, SOFT_PAIRS>),
         (int64_t)sizeof(ForwardWork<float>), (int64_t)sizeof(ForwardWork<double>),
         (int64_t)sizeof(KeptSink), forward_workspace_words(5, 37), forward_workspace_words(6, 1000),
         backward_workspace_words(37),
@@ -273,13 +273,9 @@ def _driver(instances=None) -> str:
     return _DRIVER % {"instances": cases}
 
 
-@pytest.fixture(scope="module", params=[0, 1, 2], ids=["window32", "pairs", "window64"])
-def emulator(tmp_path_factory, request):
-    """The kernels as built (the soft ECC's band window: layout 0), and with the other two
-    layouts of ecc_band.cuh's Window (1: pairs of short bands per pass, which the soft ECT's
-    kernels take; 2: a window of 64 thresholds), -DCUTOPO_SOFT_BAND_WINDOW=1 or 2."""
-    return build(tmp_path_factory, f"soft_ecc_emulated_{request.param}", _driver(),
-                 f"-DCUTOPO_SOFT_BAND_WINDOW={request.param}", soft=True)
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build(tmp_path_factory, "soft_ecc_emulated", _driver(), soft=True)
 
 
 # ---------------------------------------------------------------------------------------------
