@@ -34,8 +34,8 @@ constexpr unsigned FULL = 0xffffffffu;
 // ECT's kernels, one entry per pass in the soft ECC's. Timed on an H100 (benchmarks/RESULTS.md,
 // thirty-seventh session): pairs, with a block's entries dealt over its warps (EctBlock), took
 // the soft ECT's backward from 0.057 to 0.037 ms; in the soft ECC's kernels pairs (and a window
-// of 64 thresholds) were 0-10 % slower: the register-capped sweeps spill more with a second
-// accumulator per lane, and their bands are fewer per warp.
+// of 64 thresholds) were 0-10 % slower (their register-capped sweeps spill more with a second
+// accumulator per lane).
 constexpr bool ECT_PAIRS = true;
 constexpr bool SOFT_PAIRS = false;
 
