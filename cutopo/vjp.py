@@ -165,6 +165,15 @@ def _as_cotangent(g, like, name):
     return g.astype(like.dtype, copy=False)
 
 
+def _check_cotangent_device(cotangent, device, name):
+    """A CuPy cotangent must live on the device of the output (``device``; None: a NumPy or
+    empty output, nothing to check): the backwards' kernels read it there, and some launch
+    without checking their arguments again after a plan's first call."""
+    if device is not None and cotangent.size and cotangent.data.device_id != device:
+        raise ValueError(f"cotangent lives on device {cotangent.data.device_id}, the output of "
+                         f"{name} on device {device}")
+
+
 def vjp(op, *args, wrt=None, **kwargs):
     """Run ``op(*args, **kwargs)`` and return ``(out, pullback)``.
 
@@ -214,15 +223,18 @@ def vjp(op, *args, wrt=None, **kwargs):
     xp = array_module(out)
     out_is_cupy = xp is not np
     array_type, out_dtype, out_shape = xp.ndarray, out.dtype, out.shape
+    out_device = out.data.device_id if out_is_cupy and out.size else None  # (None: no check)
 
     def pullback(cotangent):
         if (type(cotangent) is array_type and cotangent.dtype == out_dtype
                 and cotangent.shape == out_shape):
+            _check_cotangent_device(cotangent, out_device, spec.name)
             return _pull(cotangent)  # already the output's array type, dtype and shape
         if is_cupy_array(cotangent) != out_is_cupy:
             raise TypeError(f"cotangent must be a {'CuPy' if out_is_cupy else 'NumPy'} array like "
                             f"the output of {spec.name}")
         cotangent = xp.asarray(cotangent)
+        _check_cotangent_device(cotangent, out_device, spec.name)
         if cotangent.shape != out_shape:
             raise ValueError(f"cotangent has shape {cotangent.shape}, the output of {spec.name} "
                              f"has shape {out_shape}")

@@ -187,3 +187,22 @@ def test_soft_ecc_numpy_scale_cotangent_keeps_its_dtype(rng):
     assert d_scale.shape == () and d_scale.dtype == np.float32
     _, pullback = cutopo.vjp(cutopo.soft_ecc, image, 5, 4.0)  # Python float: the output's
     assert pullback(np.ones_like(out))[2].dtype == np.float64
+
+
+def test_cotangent_on_another_device_is_refused():
+    """A CuPy cotangent on another GPU than the output's raises a ValueError naming it (the
+    backwards' kernels would read it on the output's device); empty arrays and NumPy outputs
+    are not checked. Stand-ins for CuPy arrays: the check reads ``size`` and
+    ``data.device_id``, as the kernel launches do."""
+    from types import SimpleNamespace
+
+    from cutopo.vjp import _check_cotangent_device
+
+    def on(device, size=4):
+        return SimpleNamespace(size=size, data=SimpleNamespace(device_id=device))
+
+    _check_cotangent_device(on(1), 1, "toy")
+    _check_cotangent_device(on(0, size=0), 1, "toy")
+    _check_cotangent_device(np.ones(3), None, "toy")
+    with pytest.raises(ValueError, match="cotangent lives on device 0, the output of toy on device 1"):
+        _check_cotangent_device(on(0), 1, "toy")
