@@ -9,7 +9,8 @@
 //
 // Work layout: each thread prepares one entry (band edges, the saturated part), then its warp
 // walks the warp's entries one at a time, the 32 lanes covering consecutive thresholds of the
-// band. Lanes thus add to distinct accumulators: shared-memory float atomics are CAS loops on
+// band (in the soft ECT's kernels two at a time where both bands are at most 16 long, a half
+// warp each: Window, ECT_PAIRS). Lanes thus add to distinct accumulators: shared-memory float atomics are CAS loops on
 // sm_80/sm_90, and lanes of one warp hitting one address (neighbouring pixels of a smooth image
 // have nearly equal values) would serialise them.
 //
