@@ -498,6 +498,14 @@ class SoftEctPlan:
 
     The entries equal those of :func:`entries_v` (same maps, same order per orthant), so the
     results equal that path's.
+
+    The arrays of :meth:`arguments` and :meth:`forward` are made here or by
+    ``_ect._soft_forward_device`` on the plan's device (the current one: the plan is memoized
+    per device, and that path takes only mask, directions and thresholds on one device), C
+    contiguous and of the plan's dtypes (bool mask, ``dir_dtype`` directions, ``real``
+    thresholds and scale). So their launches check every argument at the first call only
+    (``PreparedLaunch.call_checked_once``), as the soft ECC plan's do.
+    The backward's cotangent is the caller's, and its launch checks it at every call.
     """
 
     def __init__(self, B, spatial, D, T, real, dir_dtype):
@@ -566,7 +574,7 @@ class SoftEctPlan:
         workspace = cupy.zeros(1 + self.rows * self.tiles + 2 * M, dtype=np.uint64)
         dirs64 = cupy.empty((self.D, self.ndim), dtype=np.float64)
         codes = cupy.empty(self.D, dtype=np.int32)
-        self._check(t, directions, dirs64, codes, workspace[:1])
+        self._check.call_checked_once(t, directions, dirs64, codes, workspace[:1])
         return workspace, dirs64, codes
 
     def forward(self, mask_b, workspace, dirs64, codes, t, lam, w):
@@ -579,15 +587,15 @@ class SoftEctPlan:
         sat = workspace[k:k + M].view(np.int64)
         acc = workspace[k + M:].view(np.float64)
         maps = cupy.empty((self.rows, self.N), dtype=np.int8)
-        self._orthants(mask_b, self._orthant_codes, maps, counts)
+        self._orthants.call_checked_once(mask_b, self._orthant_codes, maps, counts)
         seg = cupy.empty(self.rows + 1, dtype=np.int64)
         lin = cupy.empty(self.rows * self.N, dtype=np.int64)
         c = cupy.empty(self.rows * self.N, dtype=np.int8)
-        self._write(maps, counts, lin, c, seg)
+        self._write.call_checked_once(maps, counts, lin, c, seg)
         del maps
-        self._forward(lin, c, seg, codes, dirs64, t, acc, sat, lam, w)
+        self._forward.call_checked_once(lin, c, seg, codes, dirs64, t, acc, sat, lam, w)
         out = cupy.empty((self.B * self.D, self.T), dtype=self.real)
-        self._finalize(sat, acc, out)
+        self._finalize.call_checked_once(sat, acc, out)
         return out, DeviceEntries(self, lin, c, seg, codes, dirs64)
 
     def _finish_launch(self, t_dtype, s_dtype) -> PreparedLaunch:
