@@ -19,7 +19,7 @@ from ._checks import THRESHOLDS_NOT_FINITE, THRESHOLDS_NOT_SORTED
 from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.deferred import DeferredFlags
-from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
+from ._cuda.launch import PreparedLaunch, Signature, as_c_contiguous, launch, resident_blocks
 
 FAMILY = "ecc"
 THREADS = 256                   # band::THREADS
@@ -627,7 +627,7 @@ class SoftEctPlan:
         d_dirs = workspace[:k].reshape(self.D, self.ndim)
         dt = workspace[k:k + self.T]
         dscale = workspace[k + self.T:]
-        g = cupy.ascontiguousarray(g.reshape(self.B * self.D, self.T).astype(self.real, copy=False))
+        g = as_c_contiguous(g.reshape(self.B * self.D, self.T).astype(self.real, copy=False))
         launch_(kept.lin, kept.c, kept.seg, kept.codes, kept.dirs64, t, g, d_dirs, dt, dscale,
                 lam, w)
         out_dirs = cupy.empty((self.D, self.ndim), dtype=self.dir_dtype)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The device call that decides branch ect-prechecked (thirty-seventh session; no device time
 # was left to run it): the soft ECT's GPU tests on the branch, then its per-call time against
-# main's in alternating processes (bench_soft.py's soft ECT case, 3 rounds; ~3 minutes).
+# main's in alternating processes (bench_soft.py's soft ECT case, 3 rounds; ~3 minutes). The
+# branch cuts host time only: the forward's five launches check their arguments at the first
+# call of a plan only, and as_c_contiguous replaces CuPy's ascontiguousarray on the call's
+# arrays (kernels unchanged: the GPU ms must not move, the call ms should).
 #
 #   here:       mkdir -p ab/old && git archive main cutopo cuda_src benchmarks | tar -x -C ab/old
 #   on device:  OUT=... bash benchmarks/wip/ect_prechecked.sh
