@@ -498,14 +498,18 @@ constexpr int ect_min_blocks() {
 }
 
 // Forward of the exact (soft = 0: Real is double, only the difference array) or soft ECT.
+// With ``out`` (soft only; ``done``: a zeroed counter per row) the last block of each row to
+// finish also writes out[row] = prefix sum of sat + acc (soft_finalize's work, without its
+// launch).
 template <typename Real, int NDIM>
 __global__ void __launch_bounds__(THREADS, (ect_min_blocks<Real, false>()))
 ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent_c,
             const i64* __restrict__ seg, const int* __restrict__ seg_of_dir,
             const double* __restrict__ coords, const double* __restrict__ dirs,
             const Real* __restrict__ thresholds, double* __restrict__ acc_g,
-            long long* __restrict__ sat_g, i64 n0, i64 n1, i64 n2, int B, int D,
-            int chunks_per_row, int T, Real lam, double w, int soft, int shared) {
+            long long* __restrict__ sat_g, Real* __restrict__ out, unsigned* __restrict__ done,
+            i64 n0, i64 n1, i64 n2, int B, int D, int chunks_per_row, int T, Real lam, double w,
+            int soft, int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
     const EctBlock<NDIM> blk(seg, seg_of_dir, dirs, B, D, chunks_per_row);
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
@@ -531,6 +535,23 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
     }
     win.flush(a);
     if (shared) flush(soft ? s.acc : nullptr, s.sat, acc_row, sat_row, T);
+    if (out == nullptr) return;  // (grid-uniform)
+    // The pattern of ecc.cu's histogram tail: the barrier orders the block's additions before
+    // thread 0's cumulative fence; the other blocks' additions are read from L2.
+    __shared__ int is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd(done + blk.row, 1u) == (unsigned)chunks_per_row - 1u;
+    }
+    __syncthreads();
+    if (is_last && threadIdx.x < 32) {
+        __threadfence();
+        Real* o = out + blk.row * T;
+        warp_row_prefix_sum(sat_row, T, [o, acc_row](int k, long long sum) {
+            o[k] = (Real)((double)sum + __ldcg(acc_row + k));
+        });
+    }
 }
 
 // d_dirs (D, NDIM) float64 receives -lambda sum g c sigma' x_p (added; must be zeroed).

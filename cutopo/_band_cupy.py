@@ -19,7 +19,7 @@ from ._checks import THRESHOLDS_NOT_FINITE, THRESHOLDS_NOT_SORTED
 from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.deferred import DeferredFlags
-from ._cuda.launch import PreparedLaunch, Signature, as_c_contiguous, launch, resident_blocks
+from ._cuda.launch import NULL, PreparedLaunch, Signature, as_c_contiguous, launch, resident_blocks
 
 FAMILY = "ecc"
 THREADS = 256                   # band::THREADS
@@ -51,9 +51,10 @@ def _ect_sig(kind, real_dtype, ndim):
     name = f"cutopo::ecc::band::ect_{kind}<{_REAL[real_dtype]}, {ndim}>"
     head = ("ptr:int64", "ptr:int8", "ptr:int64", "ptr:int32", "ptr:float64", "ptr:float64",
             f"ptr:{r}")
-    if kind == "forward":
-        params = head + ("ptr:float64", "ptr:int64", "int64", "int64", "int64", "int32", "int32",
-                         "int32", "int32", r, "float64", "int32", "int32")
+    if kind == "forward":  # (..., acc, sat, out, done, n0, ...)
+        params = head + ("ptr:float64", "ptr:int64", f"ptr:{r}", "ptr:uint32", "int64", "int64",
+                         "int64", "int32", "int32", "int32", "int32", r, "float64", "int32",
+                         "int32")
     else:
         params = head + (f"ptr:{r}", "ptr:float64", "ptr:float64", "ptr:float64", "int64",
                          "int64", "int64", "int32", "int32", "int32", "int32", r, "float64",
@@ -409,7 +410,7 @@ def ect_forward(mask_b, dirs64, coords, t, tconn, soft, lam=None, w=0.0, keep=Fa
             sig, shared, smem, chunks = _ect_plan("forward", ent, B, ndim, Dg, T, real)
             launch(sig, B * Dg * chunks, THREADS,
                    (ent.lin, ent.c, ent.seg, ent.seg_of_dir, geo.coords_cat,
-                    cupy.ascontiguousarray(geo.dirs[d0:d1]), geo.t, acc, sat) + n
+                    cupy.ascontiguousarray(geo.dirs[d0:d1]), geo.t, acc, sat, NULL, NULL) + n
                    + (B, Dg, chunks, T, lam, w, _cbool(soft), _cbool(shared)), shared_mem=smem)
         if soft:
             part = _finalize(sat, acc, real)
@@ -493,7 +494,7 @@ class SoftEctPlan:
       known on the host, and for a full set of directions every one is), their compaction into
       entries sized for the worst case (one kernel, each block summing the counts before its
       tile: there are few; no read of the total), the band kernel over every (image,
-      direction) and the finalisation.
+      direction), whose last block of each row also writes that row of the result.
     * :meth:`backward`: one kernel over the kept entries.
 
     The entries equal those of :func:`entries_v` (same maps, same order per orthant), so the
@@ -539,14 +540,13 @@ class SoftEctPlan:
         sig = _ect_sig("forward", real, ndim)
         shared, smem = _shared_plan(T, real, False, True)
         chunks = _blocks_per_row(sig, B * D, per_segment, T, smem, MIN_ENTRIES_PER_BLOCK)
-        # (lin, c, seg, codes, coords, dirs, t, acc, sat, n0, n1, n2, B, D, chunks, T, lam, w,
-        #  soft, shared): the arrays of a call, its scale and band per call
+        # (lin, c, seg, codes, coords, dirs, t, acc, sat, out, done, n0, n1, n2, B, D, chunks,
+        #  T, lam, w, soft, shared): the arrays of a call, its scale and band per call; the
+        #  last block of each row writes its out row (no finalisation launch)
         self._forward = PreparedLaunch(
             sig, B * D * chunks, THREADS,
-            (None, None, None, None, coords, None, None, None, None) + n
+            (None, None, None, None, coords) + (None,) * 6 + n
             + (B, D, chunks, T, None, None, 1, _cbool(shared)), shared_mem=smem)
-        self._finalize = PreparedLaunch(_finalize_sig(real), math.ceil(B * D / WARPS), THREADS,
-                                        (None, None, None, B * D, T))
         bsig = _ect_sig("backward", real, ndim)
         bshared, bsmem = _shared_plan(T, real, True, False)
         bchunks = _blocks_per_row(bsig, B * D, per_segment, T, bsmem, MIN_ENTRIES_PER_BLOCK)
@@ -570,8 +570,10 @@ class SoftEctPlan:
         import cupy
 
         M = self.B * self.D * self.T
-        # status, the tiles' counts, saturated counts, sums: one memset
-        workspace = cupy.zeros(1 + self.rows * self.tiles + 2 * M, dtype=np.uint64)
+        # status, the tiles' counts, saturated counts, sums, the rows' finished-block counters
+        # (uint32, two a word): one memset
+        workspace = cupy.zeros(1 + self.rows * self.tiles + 2 * M + -(-self.B * self.D // 2),
+                               dtype=np.uint64)
         dirs64 = cupy.empty((self.D, self.ndim), dtype=np.float64)
         codes = cupy.empty(self.D, dtype=np.int32)
         self._check.call_checked_once(t, directions, dirs64, codes, workspace[:1])
@@ -585,7 +587,8 @@ class SoftEctPlan:
         k = 1 + self.rows * self.tiles
         counts = workspace[1:k].view(np.int64)
         sat = workspace[k:k + M].view(np.int64)
-        acc = workspace[k + M:].view(np.float64)
+        acc = workspace[k + M:k + 2 * M].view(np.float64)
+        done = workspace[k + 2 * M:].view(np.uint32)
         maps = cupy.empty((self.rows, self.N), dtype=np.int8)
         self._orthants.call_checked_once(mask_b, self._orthant_codes, maps, counts)
         seg = cupy.empty(self.rows + 1, dtype=np.int64)
@@ -593,9 +596,8 @@ class SoftEctPlan:
         c = cupy.empty(self.rows * self.N, dtype=np.int8)
         self._write.call_checked_once(maps, counts, lin, c, seg)
         del maps
-        self._forward.call_checked_once(lin, c, seg, codes, dirs64, t, acc, sat, lam, w)
         out = cupy.empty((self.B * self.D, self.T), dtype=self.real)
-        self._finalize.call_checked_once(sat, acc, out)
+        self._forward.call_checked_once(lin, c, seg, codes, dirs64, t, acc, sat, out, done, lam, w)
         return out, DeviceEntries(self, lin, c, seg, codes, dirs64)
 
     def _finish_launch(self, t_dtype, s_dtype) -> PreparedLaunch:

@@ -2,9 +2,12 @@
 # The device call that decides branch ect-prechecked (thirty-seventh session; no device time
 # was left to run it): the soft ECT's GPU tests on the branch, then its per-call time against
 # main's in alternating processes (bench_soft.py's soft ECT case, 3 rounds; ~3 minutes). The
-# branch cuts host time only: the forward's five launches check their arguments at the first
-# call of a plan only, and as_c_contiguous replaces CuPy's ascontiguousarray on the call's
-# arrays (kernels unchanged: the GPU ms must not move, the call ms should).
+# branch cuts host time: the forward's launches check their arguments at the first call of a
+# plan only, as_c_contiguous replaces CuPy's ascontiguousarray on the call's arrays, and the
+# band forward's last block of each row writes that row of the result (no soft_finalize
+# launch: four launches a forward instead of five). The GPU ms should hardly move, the call ms
+# should drop. The exact ECT's and the grouped soft ECT's band forward (launched with out =
+# NULL) are covered by the GPU tests of test_ect.py and test_band_gpu.py.
 #
 #   here:       mkdir -p ab/old && git archive main cutopo cuda_src benchmarks | tar -x -C ab/old
 #   on device:  OUT=... bash benchmarks/wip/ect_prechecked.sh
