@@ -6,16 +6,17 @@
 # plan only, as_c_contiguous replaces CuPy's ascontiguousarray on the call's arrays, and the
 # band forward's last block of each row writes that row of the result (no soft_finalize
 # launch: four launches a forward instead of five). The GPU ms should hardly move, the call ms
-# should drop. The exact ECT's and the grouped soft ECT's band forward (launched with out =
-# NULL) are covered by the GPU tests of test_ect.py and test_band_gpu.py.
+# should drop. The GPU suite covers the exact and grouped soft ECT's band forward too (launched
+# with out = NULL). Needs the Dask wheels of .whl for the suite's Dask files (carry .whl).
 #
 #   here:       mkdir -p ab/old && git archive main cutopo cuda_src benchmarks | tar -x -C ab/old
 #   on device:  OUT=... bash benchmarks/wip/ect_prechecked.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-timeout 150 python3 -m pytest -q -n 14 -m gpu tests/test_band_gpu.py tests/test_ect.py \
-    tests/test_checks.py tests/test_jax_adapter.py tests/test_torch_adapter.py -k ect \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site $(ls .whl/*.whl | grep -v 2026.7.1) >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+timeout 200 python3 -m pytest -q -n 14 -m "gpu and not slow" --ignore-glob="tests/*_host.py" tests \
     -p no:cacheprovider > "$OUT/tests.log" 2>&1
 tail -2 "$OUT/tests.log"
 timeout 120 bash benchmarks/ab_trees.sh ab/old . 3 -- \
