@@ -866,18 +866,25 @@ write_entries_scanned(const signed char* __restrict__ c, const long long* __rest
 // ---------------------------------------------------------------------------------------------
 // The device-resident arguments of the soft ECT (cutopo/_band_cupy.py, SoftEctPlan), so that a
 // call with device directions and thresholds reads none of them on the host: the thresholds'
-// checks (bit 0 of status[0], zeroed: a value is not finite; bit 1: some t[k + 1] < t[k], a NaN
-// comparing false, setting bit 0), and per direction d its
+// checks (flag bit 0: a value is not finite; bit 1: some t[k + 1] < t[k], a NaN comparing
+// false, setting bit 0), and per direction d its
 // float64 copy dirs64 (D, NDIM), its orthant code (bit a: v_a >= 0, so -0.0 counts as +, as
 // on the host), and the flags bit 2 (a component is not finite), bit 3 (every component is
 // zero) and bit 4 (sum |v_a| > 1e300: the heights might overflow float64, which the host then
 // decides exactly). The ECT kernels stay in bounds on such arguments (codes are in
 // [0, 2^NDIM) and loops are bounded); their output is never returned.
+//
+// The flags reach the host as prepare_cells' (cpab.cu) do, without a copy, an event or a
+// memset per call (cutopo._cuda.deferred.PinnedStatus): the warps reduce them into status[0]
+// (zero at rest; status[2] counts the finished blocks), and the last block to finish zeroes
+// both for the next launch and, where `host` is not null, stores the flags in host[1] and then
+// token << 2 in host[0] (mapped page-locked memory, after a system fence).
 template <typename Real, typename Dir, int NDIM>
 __global__ void __launch_bounds__(THREADS)
 check_ect_arguments(const Real* __restrict__ t, i64 T, const Dir* __restrict__ dirs, i64 D,
                     double* __restrict__ dirs64, int* __restrict__ codes,
-                    unsigned long long* __restrict__ status) {
+                    unsigned long long* __restrict__ status, unsigned long long* __restrict__ host,
+                    long long token) {
     const i64 stride = (i64)gridDim.x * blockDim.x;
     const i64 n = T > D ? T : D;
     unsigned bad = 0;
@@ -906,7 +913,22 @@ check_ect_arguments(const Real* __restrict__ t, i64 T, const Dir* __restrict__ d
         }
     }
     bad = __reduce_or_sync(FULL, bad);
-    if (threadIdx.x % 32 == 0 && bad) atomicOr(status, (unsigned long long)bad);
+    if (threadIdx.x % 32 == 0 && bad) {
+        atomicOr(status, (unsigned long long)bad);
+        __threadfence();
+    }
+    __syncthreads();  // this block's reductions are fenced
+    if (threadIdx.x == 0 && atomicAdd(status + 2, 1ull) == (unsigned long long)gridDim.x - 1) {
+        __threadfence();
+        const unsigned long long flags = atomicExch(status, 0ull);
+        atomicExch(status + 2, 0ull);
+        if (host != nullptr) {
+            volatile unsigned long long* word = host;
+            word[1] = flags;
+            __threadfence_system();  // the flags land before the token that releases them
+            word[0] = (unsigned long long)token << 2;
+        }
+    }
 }
 
 // The soft ECT's cotangents from SoftEctPlan's float64 workspace (d_dirs: n_dirs values, d_t: T,

@@ -18,8 +18,9 @@ from . import _ecc_cupy
 from ._checks import THRESHOLDS_NOT_FINITE, THRESHOLDS_NOT_SORTED
 from ._cuda import tables
 from ._cuda.compile import register_instances
-from ._cuda.deferred import DeferredFlags
-from ._cuda.launch import NULL, PreparedLaunch, Signature, as_c_contiguous, launch, resident_blocks
+from ._cuda.deferred import thread_status
+from ._cuda.launch import (CALL_INT64, HOST_WORD, NULL, PreparedLaunch, Signature, as_c_contiguous,
+                           launch, resident_blocks)
 
 FAMILY = "ecc"
 THREADS = 256                   # band::THREADS
@@ -84,7 +85,7 @@ def _check_arguments_sig(real_dtype, dir_dtype, ndim):
     return Signature(FAMILY, "cutopo::ecc::band::check_ect_arguments"
                              f"<{_REAL[real_dtype]}, {_REAL[dir_dtype]}, {ndim}>",
                      (f"ptr:{real_dtype.name}", "int64", f"ptr:{dir_dtype.name}", "int64",
-                      "ptr:float64", "ptr:int32", "ptr:uint64"))
+                      "ptr:float64", "ptr:int32", "ptr:uint64", HOST_WORD, CALL_INT64))
 
 
 # Directions that SoftEctPlan reads on the device (others are read on the host).
@@ -481,14 +482,27 @@ class DeviceEntries(NamedTuple):
     s_dtype: object = None
 
 
+class _ArgumentFlags:
+    """check_ect_arguments' flags from its PinnedStatus, as the one-value array that
+    ``_ect._raise_failed_arguments`` reads (``cutopo._cuda.deferred.reading``)."""
+
+    def __init__(self, status):
+        self._status, self._values = status, None
+
+    def read(self) -> np.ndarray:
+        if self._values is None:
+            self._values = np.array([self._status.read_status()[1]], dtype=np.uint64)
+        return self._values
+
+
 class SoftEctPlan:
     """The soft ECT (V construction, box) of one geometry when the directions and thresholds
     are device arrays, planned once (memoized by :func:`soft_ect_plan`): a call reads nothing
     on the host before it returns, and launches a fixed sequence of kernels.
 
     * :meth:`arguments`: one kernel (check_ect_arguments) converts the directions to float64,
-      finds their orthant codes and checks directions and thresholds into flags, whose copy
-      to the host is queued behind it (:class:`DeferredFlags`).
+      finds their orthant codes and checks directions and thresholds into flags, which its
+      last block stores in page-locked host memory (a ``PinnedStatus``: no copy or event).
     * :meth:`forward`: the contribution maps of all 2^ndim orthants, with the count of their
       non-zero pixels per compaction tile (one kernel; which orthants the directions use is not
       known on the host, and for a full set of directions every one is), their compaction into
@@ -531,7 +545,7 @@ class SoftEctPlan:
         self._check = PreparedLaunch(
             _check_arguments_sig(real, dir_dtype, ndim),
             max(1, min(-(-max(T, D) // THREADS), CHECK_BLOCKS)), THREADS,
-            (None, T, None, D, None, None, None))
+            (None, T, None, D, None, None, None, None, None))
         coords = device_table(np.concatenate(_axis_coordinates(spatial)))
         n = tuple(spatial) + (1,) * (3 - ndim)
         # Blocks per (image, direction) from a guess of the critical pixels per direction (an
@@ -558,25 +572,28 @@ class SoftEctPlan:
         self.dir_dtype = dir_dtype
 
     def arguments(self, t, directions):
-        """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward` (and
-        the flags' word), the directions in float64, their orthant codes, and the pending
-        flags of the checks (read them with ``cutopo._cuda.deferred.reading``)."""
-        workspace, dirs64, codes = self.checked_arguments(t, directions)
-        return workspace, dirs64, codes, DeferredFlags(workspace[:1])
+        """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward`, the
+        directions in float64, their orthant codes, and the pending flags of the checks (read
+        them with ``cutopo._cuda.deferred.reading``)."""
+        status = thread_status("ecc.check_ect_arguments")
+        workspace, dirs64, codes = self.checked_arguments(t, directions, status, status.arm())
+        return workspace, dirs64, codes, _ArgumentFlags(status)
 
-    def checked_arguments(self, t, directions):
-        """:meth:`arguments`' launches alone, the checks' flags left in ``workspace[0]`` (the
-        copy to the host is what keeps a call out of a CUDA graph: benchmarks time this)."""
+    def checked_arguments(self, t, directions, host=NULL, token=0):
+        """:meth:`arguments`' launches, the flags stored in ``host`` (a ``PinnedStatus`` armed
+        with ``token``) or, with NULL, nowhere: reading them is what keeps a call out of a
+        CUDA graph, so benchmarks time the kernels this way."""
         import cupy
 
         M = self.B * self.D * self.T
-        # status, the tiles' counts, saturated counts, sums, the rows' finished-block counters
-        # (uint32, two a word): one memset
-        workspace = cupy.zeros(1 + self.rows * self.tiles + 2 * M + -(-self.B * self.D // 2),
+        # the tiles' counts, saturated counts, sums, the rows' finished-block counters (uint32,
+        # two a word): one memset
+        workspace = cupy.zeros(self.rows * self.tiles + 2 * M + -(-self.B * self.D // 2),
                                dtype=np.uint64)
         dirs64 = cupy.empty((self.D, self.ndim), dtype=np.float64)
         codes = cupy.empty(self.D, dtype=np.int32)
-        self._check.call_checked_once(t, directions, dirs64, codes, workspace[:1])
+        counters = thread_status("ecc.check_ect_arguments").counters
+        self._check.call_checked_once(t, directions, dirs64, codes, counters, host, token)
         return workspace, dirs64, codes
 
     def forward(self, mask_b, workspace, dirs64, codes, t, lam, w):
@@ -584,8 +601,8 @@ class SoftEctPlan:
         import cupy
 
         M = self.B * self.D * self.T
-        k = 1 + self.rows * self.tiles
-        counts = workspace[1:k].view(np.int64)
+        k = self.rows * self.tiles
+        counts = workspace[:k].view(np.int64)
         sat = workspace[k:k + M].view(np.int64)
         acc = workspace[k + M:k + 2 * M].view(np.float64)
         done = workspace[k + 2 * M:].view(np.uint32)

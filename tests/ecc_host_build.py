@@ -246,6 +246,7 @@ inline float half_bits_to_float(unsigned short h) {
 
 inline void __syncthreads() { emu::block_sync(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T> T __ldg(const T* p) { return *p; }
 template <class T> T __ldcg(const T* p) {
     T r;

@@ -51,14 +51,24 @@ def emulator(tmp_path_factory):
     return build(tmp_path_factory, "ect_emulated", _driver(INSTANCES), soft=True)
 
 
-class _Flags:
-    """DeferredFlags' stand-in: the kernels have run when it is made."""
+class _Status:
+    """PinnedStatus' stand-in: the device counters, and the two host words that the check's
+    last block writes (flags in word 1, then the token in word 0)."""
 
-    def __init__(self, values):
-        self.values = values
+    def __init__(self):
+        self.counters = np.zeros(3, np.uint64)
+        self.host = np.zeros(2, np.uint64)
+        self.token = 0
 
-    def read(self):
-        return self.values.copy()
+    def arm(self) -> int:
+        self.token += 1
+        return self.token
+
+    def read_status(self):
+        word = int(self.host[0])
+        assert word == self.token << 2, f"the check left host word 0 at {word:#x}"
+        assert not self.counters.any(), "the check left its counters set"
+        return 0, int(self.host[1])
 
 
 @contextlib.contextmanager
@@ -74,7 +84,8 @@ def _emulated_device(emulator, resident):
         m.setattr(_band_cupy, "resident_blocks", fixed)
         m.setattr(_band_cupy, "PreparedLaunch", _launch_class(emulator, log, INSTANCES))
         m.setattr(_band_cupy, "device_table", lambda host: np.ascontiguousarray(host))
-        m.setattr(_band_cupy, "DeferredFlags", _Flags)
+        status = _Status()
+        m.setattr(_band_cupy, "thread_status", lambda kind: status)
         yield log
 
 
@@ -149,3 +160,27 @@ def test_emulated_soft_ect_equals_numpy(emulator, case, resident, rng):
     _close(d_dirs, d_dirs_np, g_sum * n_crit, real, "directions' cotangent")
     _close(d_t, d_t_np, g_sum * n_crit, real, "thresholds' cotangent")
     _close(d_s, d_s_np, float(np.abs(g).sum()) * n_crit * (reach + w) * 4, real, "scale's cotangent")
+
+
+@pytest.mark.parametrize("resident", [1, 40])
+def test_emulated_argument_check_publishes_its_flags(emulator, resident, rng):
+    """check_ect_arguments' last block stores the flags of every block in the host word and
+    zeroes its counters, call after call on one status: unsorted and non-finite thresholds,
+    a zero and a non-finite direction, then clean arguments again (~800 thresholds and
+    directions: several blocks)."""
+    T = D = 800
+    t = np.sort(rng.uniform(-1, 1, T))
+    dirs = _directions(rng, D, 2, np.float64)
+    bad_order, bad_value = t.copy(), t.copy()
+    bad_order[700], bad_order[701] = t[701], t[700]  # in the last block
+    bad_value[5] = np.nan
+    zero_dir, inf_dir = dirs.copy(), dirs.copy()
+    zero_dir[650] = 0.0
+    inf_dir[3, 1] = np.inf
+    calls = [(bad_order, dirs, 2), (bad_value, dirs, 1), (t, zero_dir, 8), (t, inf_dir, 4 | 16),
+             (t, dirs, 0)]
+    with _emulated_device(emulator, resident):
+        plan = _band_cupy.SoftEctPlan(1, (20, 20), D, T, np.dtype(np.float64), dirs.dtype)
+        for thresholds, directions, expected in calls:
+            *_, flags = plan.arguments(thresholds, directions)
+            assert int(flags.read()[0]) == expected, (expected, int(flags.read()[0]))

@@ -20,6 +20,7 @@ blocks goes the same way through a :class:`PinnedStatus` (its last block stores 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -161,3 +162,21 @@ class PinnedStatus(PinnedWord):
         flags = self.read()
         self._unread = False
         return flags, int(self._host[1])
+
+
+_STATUSES = threading.local()
+
+
+def thread_status(kind: str) -> PinnedStatus:
+    """This thread's :class:`PinnedStatus` for the kernel ``kind`` on the current device (one
+    per thread, device and kernel: a PinnedStatus serves one launch after the other)."""
+    import cupy
+
+    table = getattr(_STATUSES, "table", None)
+    if table is None:
+        table = _STATUSES.table = {}
+    key = (kind, cupy.cuda.runtime.getDevice())
+    status = table.get(key)
+    if status is None:
+        status = table[key] = PinnedStatus()
+    return status

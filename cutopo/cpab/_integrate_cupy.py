@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 
 import numpy as np
 
 from .._cuda import tables
 from .._cuda.compile import register_instances
-from .._cuda.deferred import DeferredFlags, PinnedStatus, reading
+from .._cuda.deferred import DeferredFlags, reading, thread_status
 from .._cuda.launch import CALL_INT64, HOST_WORD, NULL, Signature, as_c_contiguous, launch
 from ._checks import check_step_size
 from .velocity import raise_not_finite
@@ -258,21 +257,9 @@ CHECK_BLOCKS = 2048
 PREPARE_THREADS = 128  # cpab::prepare_cells' block (expm's registers)
 
 
-_STATUS = threading.local()
-
-
 def _cell_status():
     """This thread's PinnedStatus on the current device (prepare_cells' flags and norm)."""
-    import cupy
-
-    device = cupy.cuda.runtime.getDevice()
-    table = getattr(_STATUS, "table", None)
-    if table is None:
-        table = _STATUS.table = {}
-    status = table.get(device)
-    if status is None:
-        status = table[device] = PinnedStatus()
-    return status
+    return thread_status("cpab.prepare_cells")
 
 
 class _CellFlags:
