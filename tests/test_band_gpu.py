@@ -892,6 +892,30 @@ def test_soft_ect_device_arguments_raise_the_host_errors(rng, bad, message):
         cutopo.soft_ect(cp.asnumpy(mask), dirs, t, 5.0)
 
 
+def test_soft_ect_device_arguments_refuse_graph_capture(rng):
+    """Inside a stream capture the argument check does not run, so its flags (a PinnedStatus)
+    cannot be read: a clear error, not a hang; the calls after it check their own arguments."""
+    cp = _cp()
+    mask = cp.asarray(_mask(rng, (1, 24, 20)))
+    dirs = cp.asarray(rng.standard_normal((6, 2)).astype(np.float32))
+    t = cp.asarray(np.linspace(-1.5, 1.5, 16).astype(np.float32))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        expected = cutopo.soft_ect(mask, dirs, t, 8.0)  # warm: the plan, a free block of the pool
+        stream.synchronize()
+        begin_capture(stream)
+        try:
+            with pytest.raises(RuntimeError, match="CUDA graph capture"):
+                cutopo.soft_ect(mask, dirs, t, 8.0)
+        finally:
+            stream.end_capture()
+        again = cutopo.soft_ect(mask, dirs, t, 8.0)
+        with pytest.raises(ValueError, match="sorted"):
+            cutopo.soft_ect(mask, dirs, t[::-1].copy(), 8.0)
+        last = cutopo.soft_ect(mask, dirs, t, 8.0)
+    assert bool(cp.array_equal(again, expected)) and bool(cp.array_equal(last, expected))
+
+
 def test_soft_ect_device_arguments_large_but_finite_heights(rng, monkeypatch):
     """sum |v_a| above 1e300 only flags a possible overflow; the host's exact check passes
     these, and the result is the NumPy path's."""
