@@ -514,13 +514,13 @@ class SoftEctPlan:
     The entries equal those of :func:`entries_v` (same maps, same order per orthant), so the
     results equal that path's.
 
-    The arrays of :meth:`arguments` and :meth:`forward` are made here or by
-    ``_ect._soft_forward_device`` on the plan's device (the current one: the plan is memoized
-    per device, and that path takes only mask, directions and thresholds on one device), C
-    contiguous and of the plan's dtypes (bool mask, ``dir_dtype`` directions, ``real``
-    thresholds and scale). So their launches check every argument at the first call only
-    (``PreparedLaunch.call_checked_once``), as the soft ECC plan's do.
-    The backward's cotangent is the caller's, and its launch checks it at every call.
+    The arrays of every launch are made here or by ``_ect._soft_forward_device`` on the
+    plan's device (the current one: the plan is memoized per device, and that path takes only
+    mask, directions and thresholds on one device), C contiguous and of the plan's dtypes (bool
+    mask, ``dir_dtype`` directions, ``real`` thresholds and scale), except the backward's
+    cotangent, which comes through ``cutopo.vjp`` (on the output's device, refused elsewhere)
+    cast to ``real`` and made contiguous. So the launches check every argument at the first
+    call only (``PreparedLaunch.call_checked_once``), as the soft ECC plan's do.
     """
 
     def __init__(self, B, spatial, D, T, real, dir_dtype):
@@ -647,12 +647,13 @@ class SoftEctPlan:
         dt = workspace[k:k + self.T]
         dscale = workspace[k + self.T:]
         g = as_c_contiguous(g.reshape(self.B * self.D, self.T).astype(self.real, copy=False))
-        launch_(kept.lin, kept.c, kept.seg, kept.codes, kept.dirs64, t, g, d_dirs, dt, dscale,
-                lam, w)
+        launch_.call_checked_once(kept.lin, kept.c, kept.seg, kept.codes, kept.dirs64, t, g,
+                                  d_dirs, dt, dscale, lam, w)
         out_dirs = cupy.empty((self.D, self.ndim), dtype=self.dir_dtype)
         out_t = cupy.empty(self.T, dtype=t_dtype)
         out_scale = cupy.empty((), dtype=s_dtype)
-        self._finish_launch(t_dtype, s_dtype)(workspace, float(lam), out_dirs, out_t, out_scale)
+        self._finish_launch(t_dtype, s_dtype).call_checked_once(workspace, float(lam), out_dirs,
+                                                                out_t, out_scale)
         return out_dirs, out_t, out_scale
 
 

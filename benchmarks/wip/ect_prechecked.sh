@@ -2,7 +2,7 @@
 # The device call that decides branch ect-prechecked (thirty-seventh session; no device time
 # was left to run it): the GPU suite on the branch, then the soft ECT's per-call time against
 # main's in alternating processes (bench_soft.py's soft ECT case, 3 rounds; profile_host.py's
-# soft ECT stages, 2 rounds; ~4 minutes). The branch cuts host time: the forward's launches
+# soft ECT stages, 2 rounds; ~4 minutes). The branch cuts host time: the plan's launches
 # check their arguments at the first call of a plan only, as_c_contiguous replaces CuPy's
 # ascontiguousarray on the call's arrays, the band forward's last block of each row writes that
 # row of the result (no soft_finalize launch: four launches a forward instead of five), and the
