@@ -291,12 +291,13 @@ struct TileWalk<2> {
 // The tile slot (row ly, column lx, halo included) of a plane load's i-th key: the 32 tile
 // columns row by row (lane = column, no division), then the two halo columns of every row.
 __device__ __forceinline__ void plane_slot(int i, int& ly, int& lx) {
-    if (i < LY * TX) {
-        ly = i / TX;
-        lx = i % TX + 1;
+    const unsigned u = (unsigned)i;  // i >= 0: a shift and a mask, not signed division
+    if (u < LY * TX) {
+        ly = (int)(u / TX);
+        lx = (int)(u % TX) + 1;
     } else {
-        ly = (i - LY * TX) >> 1;
-        lx = (i & 1) ? LX - 1 : 0;
+        ly = (int)((u - LY * TX) >> 1);
+        lx = (u & 1u) ? LX - 1 : 0;
     }
 }
 
