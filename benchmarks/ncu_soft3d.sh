@@ -2,7 +2,11 @@
 # Where the 3D soft forward's instructions go (thirty-eighth session): Nsight Compute's
 # instruction mix and per-SASS-instruction execution counts of one 256^3 float32 forward
 # (bench_soft's smooth volume, T = 256, entries kept as the VJP's forward keeps them).
-#   OUT=... bash benchmarks/wip/ncu_soft3d.sh    (after ect_prechecked.sh's setup)
+# soft3d_sass.csv: one row per SASS address (executions, thread instructions, stall samples);
+# soft3d_cuda_sass.csv: the same under the lines of the self-contained source
+# (cutopo._cuda.source.family_source("ecc")); an inlined instruction is listed under each of
+# its lines, so sum per address. benchmarks/sass_lines.py gives the static view here.
+#   OUT=... bash benchmarks/ncu_soft3d.sh    (PYTHONPATH as device_run.sh sets it)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
