@@ -10,9 +10,9 @@
 // Work layout: each thread prepares one entry (band edges, the saturated part), then its warp
 // walks the warp's entries one at a time, the 32 lanes covering consecutive thresholds of the
 // band (in the soft ECT's kernels two at a time where both bands are at most 16 long, a half
-// warp each: Window, ECT_PAIRS). Lanes thus add to distinct accumulators: shared-memory float atomics are CAS loops on
-// sm_80/sm_90, and lanes of one warp hitting one address (neighbouring pixels of a smooth image
-// have nearly equal values) would serialise them.
+// warp each: Window, ECT_PAIRS). Lanes thus add to distinct accumulators: shared-memory float
+// atomics are CAS loops on sm_80/sm_90, and lanes of one warp hitting one address (neighbouring
+// pixels of a smooth image have nearly equal values) would serialise them.
 //
 // Entry sources: the critical pixels of an image as ecc.cu's sweep finds them (soft ECC,
 // ecc_soft.cuh), or the critical pixels of a mask with their heights <x_p, v_d> in direction d
