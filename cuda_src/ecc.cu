@@ -305,7 +305,8 @@ __device__ __forceinline__ void plane_slot(int i, int& ly, int& lx) {
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
 // (each thread at most PY times per plane, once per row it owns); every thread calls
 // after.step_begin() at the start of every plane step and after.rows_done() after its rows.
-// NARROW: read the planes with 32-bit offsets where they allow it (below).
+// NARROW: read the planes with 32-bit offsets where they allow it, by 16-byte reads where the
+// rows are aligned (KeyOf is then a Reads16 key with key_in; below).
 template <int NDIM, bool TCONN, typename K, bool NARROW = false, class KeyOf, class Sink,
           class Region = AllPixels, class Edges = Boundary<false>, class After = NoRowsHook>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
@@ -339,7 +340,29 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                 if (ny * nx < (i64)0x7fffff00) {
                     const int nyi = (int)ny, nxi = (int)nx;
                     const int gy0 = (int)y0 - 1, gx0 = (int)x0 - 1;
-                    for (int i = threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
+                    int first = 0;  // plane_slot's first key still to load
+                    if (key_of.vector_rows(nx)) {
+                        // The tile's rows by 16-byte reads (KeyOf is a Reads16 key): one address
+                        // and bounds test per VEC keys, where plane_slot's loop takes ~40
+                        // instructions per key (sm_90 SASS); the halo columns below.
+                        constexpr int VEC = KeyOf::VEC;
+                        constexpr int PER_ROW = TX / VEC;
+                        for (int r = threadIdx.x; r < LY * PER_ROW; r += THREADS) {
+                            const unsigned ly = (unsigned)r / PER_ROW, v = (unsigned)r % PER_ROW;
+                            const int gy = gy0 + (int)ly, gx = (int)x0 + (int)v * VEC;
+                            K* row = dst + ly * LX + 1 + v * VEC;
+                            if (plane_inside && (unsigned)gy < (unsigned)nyi && gx < nxi) {
+                                const uint4 raw = key_of.load16(plane_base + (gy * nxi + gx));
+#pragma unroll
+                                for (int k = 0; k < VEC; ++k) row[k] = key_of.key_in(raw, k);
+                            } else {
+#pragma unroll
+                                for (int k = 0; k < VEC; ++k) row[k] = all_ones<K>();
+                            }
+                        }
+                        first = LY * TX;
+                    }
+                    for (int i = first + threadIdx.x; i < LY * TX + 2 * LY; i += THREADS) {
                         int ly, lx;
                         plane_slot(i, ly, lx);
                         const int gy = gy0 + ly, gx = gx0 + lx;
@@ -922,14 +945,41 @@ struct ThresholdBins {
     }
 };
 
+// The image reads the sweeps' key types share: 16-byte reads of VEC pixels where every image
+// row starts 16-byte aligned. Then so does every tile row, whose first column is a multiple of
+// VEC, and a read lies wholly inside or wholly outside its row (nx % VEC == 0).
+template <typename In_>
+struct Reads16 {
+    typedef In_ In;
+    static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte read
+    const In* image;
+    __device__ __forceinline__ In load(i64 i) const { return image[i]; }
+    __device__ __forceinline__ bool vector_rows(i64 nx) const {
+        return (reinterpret_cast<size_t>(image) % 16) == 0 && (nx * (i64)sizeof(In)) % 16 == 0;
+    }
+    // The 16 bytes from element i (16-byte aligned).
+    __device__ __forceinline__ uint4 load16(i64 i) const {
+        return __ldg(reinterpret_cast<const uint4*>(image + i));
+    }
+    // Pixel k of a 16-byte read.
+    __device__ __forceinline__ static In value_in(uint4 raw, int k) {
+        union {
+            uint4 raw;
+            In px[VEC];
+        } u;
+        u.raw = raw;
+        return u.px[k];
+    }
+};
+
 // Key of a pixel for the histogram: its threshold bin. One-byte inputs look it up in a
 // 256-entry table built once per block.
 template <typename In_, typename Cmp, typename K>
-struct BinKey {
+struct BinKey : Reads16<In_> {
     typedef In_ In;
+    using Reads16<In>::VEC;
+    using Reads16<In>::image;
     static constexpr bool GROUP_READS = true;  // packed::sweep's 2D plane reads
-    static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
-    const In* image;
     ThresholdBins<Cmp> bins;
     const K* byte_bins;  // one-byte inputs only
     __device__ __forceinline__ K of_value(In v) const {
@@ -940,24 +990,12 @@ struct BinKey {
         }
     }
     __device__ __forceinline__ K operator()(i64 i) const { return of_value(image[i]); }
-    __device__ __forceinline__ In load(i64 i) const { return image[i]; }
-    // Whether every image row starts 16-byte aligned (then tile rows do too: x0 % 64 == 0).
-    __device__ __forceinline__ bool vector_rows(i64 nx) const {
-        return (reinterpret_cast<size_t>(image) % 16) == 0 && (nx * (i64)sizeof(In)) % 16 == 0;
-    }
-    // The 16 bytes from element i (16-byte aligned), and their VEC keys two per word.
-    __device__ __forceinline__ uint4 load16(i64 i) const {
-        return __ldg(reinterpret_cast<const uint4*>(image + i));
-    }
+    // The VEC keys of a 16-byte read, two per word.
     __device__ __forceinline__ void pack(uint4 raw, unsigned (&packed)[VEC / 2]) const {
-        union {
-            uint4 raw;
-            In px[VEC];
-        } u;
-        u.raw = raw;
 #pragma unroll
         for (int k = 0; k < VEC / 2; ++k)
-            packed[k] = (unsigned)of_value(u.px[2 * k]) | ((unsigned)of_value(u.px[2 * k + 1]) << 16);
+            packed[k] = (unsigned)of_value(this->value_in(raw, 2 * k)) |
+                        ((unsigned)of_value(this->value_in(raw, 2 * k + 1)) << 16);
     }
 };
 
@@ -1001,6 +1039,24 @@ __device__ __forceinline__ void warp_row_prefix_sum(const long long* h, int T, S
 // add nothing. A compile-time choice: a run-time test of the shared pointer kept both atomics
 // and their branches in the count (322 -> 234 instructions per thread and 2D float32 plane;
 // 3-6 % faster, benchmarks/RESULTS.md, twenty-fourth session).
+// Whether this block is the last of ``blocks`` to count itself done in *counter; every thread
+// of the block calls it, once per kernel. The barrier orders the block's additions before
+// thread 0's fence, which is cumulative: they are visible device-wide before the block counts
+// itself (the pattern of cooperative groups' grid sync). The last block fences again before
+// it reads what the others added (from L2: __ldcg, or loads that bypass L1).
+__device__ __forceinline__ bool last_block_done(unsigned* counter, unsigned blocks) {
+    __shared__ int is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd(counter, 1u) == blocks - 1u;
+    }
+    __syncthreads();
+    const bool last = is_last != 0;
+    if (last) __threadfence();
+    return last;
+}
+
 template <bool SHARED>
 struct HistSink {
     static constexpr bool WORDS = false, TIES = false;  // one pixel per call (packed::sweep)
@@ -1069,7 +1125,7 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
 
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
-    BinKey<In, Cmp, K> key_of{image, bins, byte_bins};
+    BinKey<In, Cmp, K> key_of{{image}, bins, byte_bins};
     // 16-bit keys: T <= HIST_SMEM_MAX_BINS, so hist_in_smem (_ecc_cupy.HistogramPlan)
     HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T};
     if constexpr (sizeof(K) == 2) {
@@ -1129,20 +1185,8 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     if (done != nullptr) {
         // The image's last block to finish turns its row into the cumulative curve: no second
         // launch (ecc_cumsum, 2.5 of a 1024^2 call's 17 us; the call measured ~4 % faster).
-        // The barrier orders the block's additions before thread 0's fence, which is cumulative:
-        // they are visible device-wide before the block counts itself done (the pattern of
-        // cooperative groups' grid sync).
-        __shared__ int is_last;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            is_last = atomicAdd(done + img, 1u) == (unsigned)blocks_per_image - 1u;
-        }
-        __syncthreads();
-        if (is_last && threadIdx.x < 32) {
-            __threadfence();
+        if (last_block_done(done + img, (unsigned)blocks_per_image) && threadIdx.x < 32)
             warp_row_prefix_sum(row, T, [row](int k, long long sum) { row[k] = sum; });
-        }
     }
 }
 
@@ -1274,9 +1318,10 @@ finite_range(const In* __restrict__ image, i64 n, u64* __restrict__ range) {
 }
 
 template <typename In, typename K>
-struct ValueKey {
-    const In* image;
-    __device__ __forceinline__ K operator()(i64 i) const { return (K)order_key(image[i]); }
+struct ValueKey : Reads16<In> {
+    __device__ __forceinline__ K operator()(i64 i) const { return (K)order_key(this->image[i]); }
+    // The key of pixel k of a 16-byte read.
+    __device__ __forceinline__ K key_in(uint4 raw, int k) const { return (K)order_key(this->value_in(raw, k)); }
 };
 
 struct MapSink {
@@ -1293,7 +1338,7 @@ ecc_contributions(const In* __restrict__ image, signed char* __restrict__ out, i
     __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
-    ValueKey<In, K> key_of{image};
+    ValueKey<In, K> key_of{{image}};
     MapSink sink{out};
     sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk, blocks_per_image,
                           key_of, sink, AllPixels(), Boundary<PERIODIC>());

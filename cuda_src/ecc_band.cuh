@@ -62,6 +62,17 @@ __device__ __forceinline__ Real dsigmoid(Real u) {
     return e * r * r;
 }
 
+// out_row[k] = (sum of sat_row[0 .. k]) + acc_row[k], rounded once, by one warp: a soft
+// curve's row from its accumulators (the saturated parts' difference array, the band sums).
+// acc_row is read from L2: other blocks' atomics wrote it.
+template <typename Real>
+__device__ __forceinline__ void write_soft_row(const long long* sat_row, const double* acc_row,
+                                               Real* out_row, int T) {
+    warp_row_prefix_sum(sat_row, T, [out_row, acc_row](int k, long long sum) {
+        out_row[k] = (Real)((double)sum + __ldcg(acc_row + k));
+    });
+}
+
 __device__ __forceinline__ double inf_d() { return __longlong_as_double(0x7ff0000000000000LL); }
 
 // The next double towards -inf / +inf (nextafter without its library call, which made ptxas
@@ -536,22 +547,8 @@ ect_forward(const i64* __restrict__ ent_lin, const signed char* __restrict__ ent
     win.flush(a);
     if (shared) flush(soft ? s.acc : nullptr, s.sat, acc_row, sat_row, T);
     if (out == nullptr) return;  // (grid-uniform)
-    // The pattern of ecc.cu's histogram tail: the barrier orders the block's additions before
-    // thread 0's cumulative fence; the other blocks' additions are read from L2.
-    __shared__ int is_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        is_last = atomicAdd(done + blk.row, 1u) == (unsigned)chunks_per_row - 1u;
-    }
-    __syncthreads();
-    if (is_last && threadIdx.x < 32) {
-        __threadfence();
-        Real* o = out + blk.row * T;
-        warp_row_prefix_sum(sat_row, T, [o, acc_row](int k, long long sum) {
-            o[k] = (Real)((double)sum + __ldcg(acc_row + k));
-        });
-    }
+    if (last_block_done(done + blk.row, (unsigned)chunks_per_row) && threadIdx.x < 32)
+        write_soft_row(sat_row, acc_row, out + blk.row * T, T);
 }
 
 // d_dirs (D, NDIM) float64 receives -lambda sum g c sigma' x_p (added; must be zeroed).
@@ -612,10 +609,7 @@ soft_finalize(const long long* __restrict__ sat, const double* __restrict__ acc,
               Real* __restrict__ out, i64 rows, int T) {
     const i64 row = (i64)blockIdx.x * WARPS + threadIdx.x / 32;
     if (row >= rows) return;  // whole warps leave together: no block barrier below
-    Real* o = out + row * T;
-    const double* a = acc + row * T;
-    warp_row_prefix_sum(sat + row * T, T,
-                        [o, a](int k, long long sum) { o[k] = (Real)((double)sum + a[k]); });
+    write_soft_row(sat + row * T, acc + row * T, out + row * T, T);
 }
 
 // ---------------------------------------------------------------------------------------------

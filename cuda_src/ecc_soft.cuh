@@ -380,14 +380,14 @@ constexpr unsigned QUANT_TOP = 32765u;  // the largest quantized key (below pack
 // pack into a word with one byte permute. inv and off map [t_0, t_{T-1}], widened by 1/16 of
 // its span at each end, onto [0, TOP] (from_thresholds; every block computes the same).
 template <typename In>
-struct QuantKey {
+struct QuantKey : Reads16<In> {
+    using Reads16<In>::VEC;
+    using Reads16<In>::image;
     // packed::sweep reads plane rows one 16-byte read at a time: grouped reads spilled the
     // fused forward's registers (ptxas: 92 -> 148 bytes of stores in float32).
     static constexpr bool GROUP_READS = false;
-    static constexpr int VEC = 16 / sizeof(In);  // pixels per 16-byte load
     static constexpr bool EXACT = sizeof(In) == 1;
     typedef typename Select<sizeof(In) == 8, double, float>::type Q;
-    const In* image;
     Q inv, off;
 
     template <typename Real>
@@ -402,7 +402,7 @@ struct QuantKey {
             inv = (Q)1;
             off = (Q)(QUANT_TOP / 2);
         }
-        return QuantKey{image, inv, off};
+        return QuantKey{{image}, inv, off};
     }
     // A word whose low 16 bits are the key of x.
     __device__ __forceinline__ unsigned raw(In x) const {
@@ -417,20 +417,11 @@ struct QuantKey {
         }
     }
     __device__ __forceinline__ unsigned operator()(i64 i) const { return raw(image[i]) & 0xffffu; }
-    __device__ __forceinline__ bool vector_rows(i64 nx) const {
-        return (reinterpret_cast<size_t>(image) % 16) == 0 && (nx * (i64)sizeof(In)) % 16 == 0;
-    }
-    __device__ __forceinline__ uint4 load16(i64 i) const {
-        return __ldg(reinterpret_cast<const uint4*>(image + i));
-    }
+    // The VEC keys of a 16-byte read, two per word.
     __device__ __forceinline__ void pack(uint4 raw16, unsigned (&packed)[VEC / 2]) const {
-        union {
-            uint4 raw;
-            In px[VEC];
-        } u;
-        u.raw = raw16;
 #pragma unroll
-        for (int k = 0; k < VEC / 2; ++k) packed[k] = __byte_perm(raw(u.px[2 * k]), raw(u.px[2 * k + 1]), 0x5410);
+        for (int k = 0; k < VEC / 2; ++k)
+            packed[k] = __byte_perm(raw(this->value_in(raw16, 2 * k)), raw(this->value_in(raw16, 2 * k + 1)), 0x5410);
     }
 };
 
@@ -616,7 +607,6 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
                        i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
                        int shared) {
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ int is_last;
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
     const i64 rows = gridDim.x / blocks_per_image;
@@ -657,30 +647,18 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
         __shared__ RowQueues q;
         const RowBands<In, Real, ForwardWork<Real>, QCAP> bands{&q, image, work, 0, &queue, 0u, 0};
         sweep<NDIM, TCONN, K, NDIM == 3>(tile, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
-                                         ValueKey<In, K>{image}, bands, AllPixels(),
+                                         ValueKey<In, K>{{image}}, bands, AllPixels(),
                                          Boundary<PERIODIC>(), bands);
         bands.finish();
         bands.work.win.flush(bands.work.a);
     }
     if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
 
-    // The image's last block: out = prefix sum of sat + acc, rounded once (the pattern of
-    // ecc.cu's histogram tail: the barrier orders the block's additions before thread 0's
-    // cumulative fence, and the other blocks' additions are read from L2); then it zeroes the
+    // The image's last block: out = prefix sum of sat + acc, rounded once; then it zeroes the
     // image's accumulators and counters for the next launch on the workspace (every other
     // block of the image has finished) and hands the count of its entries to ``kept``.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        is_last = atomicAdd(wsp.done + img, 1u) == (unsigned)blocks_per_image - 1u;
-    }
-    __syncthreads();
-    if (is_last && threadIdx.x < 32) {
-        __threadfence();
-        Real* o = out + img * T;
-        warp_row_prefix_sum(sat_row, T, [o, acc_row](int k, long long sum) {
-            o[k] = (Real)((double)sum + __ldcg(acc_row + k));
-        });
+    if (last_block_done(wsp.done + img, (unsigned)blocks_per_image) && threadIdx.x < 32) {
+        write_soft_row(sat_row, acc_row, out + img * T, T);
         __syncwarp();
         for (int k = threadIdx.x; k < T; k += 32) {
             acc_row[k] = 0.0;
@@ -772,7 +750,6 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     __shared__ K tile[LISTED ? 1 : (NDIM == 3 ? 3 : 1)][PLANE];  // (unused when LISTED)
     __shared__ RowQueues q;
     __shared__ double scratch[WARPS];
-    __shared__ int is_last;
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
     const bool need_t = d_t_real != nullptr || d_t_double != nullptr;
@@ -838,7 +815,7 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
             }
         } else {
             sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
-                                  blocks_per_image, ValueKey<In, K>{image}, bands, AllPixels(),
+                                  blocks_per_image, ValueKey<In, K>{{image}}, bands, AllPixels(),
                                   Boundary<PERIODIC>(), bands);
         }
         bands.work.win.flush(bands.work.a);
@@ -847,14 +824,7 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     }
     if (!LISTED && kept != nullptr) return;  // the LISTED launch makes the final write
 
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        is_last = atomicAdd(done, 1u) == gridDim.x - 1u;
-    }
-    __syncthreads();
-    if (is_last) {
-        __threadfence();
+    if (last_block_done(done, gridDim.x)) {
         for (int k = threadIdx.x; k < T && need_t; k += THREADS) {
             double v = 0.0;
             for (int c = 0; c < BACKWARD_COPIES; ++c) {
