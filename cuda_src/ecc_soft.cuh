@@ -32,6 +32,13 @@ namespace band {
 
 constexpr int ROW_SLOTS = TX * PY;  // pixels of a warp's rows per plane: 32 columns x PY rows
 
+// The 3D forward's band work after the sweep (RowBands::finish) in pairs (a variant for
+// benchmarks/ab_trees.sh until measured).
+#ifndef CUTOPO_SOFT_FINISH_PAIRS
+#define CUTOPO_SOFT_FINISH_PAIRS 0
+#endif
+constexpr bool FINISH_PAIRS = CUTOPO_SOFT_FINISH_PAIRS != 0;
+
 // Blocks per multiprocessor the sweep kernels' register budget is sized for (-D options of the
 // A/B runs). Measured on the H200 (benchmarks/RESULTS.md, seventeenth session) for float32 with
 // 32-bit keys: 6 in 2D (40 registers; 32 at 7 or 8 was 1-7 % slower at 1024^2, up to 7 % faster
@@ -209,11 +216,13 @@ struct RowBands {
         else work.skipped(i);
     }
 
-    // Entries of the lanes below n (warp-uniform), each lane's (c, i).
-    __device__ __forceinline__ void run(int n, int c, i64 i) const {
+    // Entries of the lanes below n (warp-uniform), each lane's (c, i), through the window
+    // ``win`` (the work's own, or finish()'s).
+    template <class Win>
+    __device__ __forceinline__ void run(int n, int c, i64 i, Win& win) const {
         const bool mine = threadIdx.x % 32 < n;
         const Real f = mine ? convert<Real>(image[i]) : Real(0);
-        work.entries(mine, mine && !no_entry(f), f, c, i);
+        work.entries(mine, mine && !no_entry(f), f, c, i, win);
     }
 
     __device__ __forceinline__ void rows_done() const {
@@ -239,7 +248,7 @@ struct RowBands {
                     c = r.c[warp][slot];
                     i = r.index[warp][slot];
                 }
-                run(min(32, n - base), c, i);
+                run(min(32, n - base), c, i, work.win);
             }
         } else if (n > 0) {
             // Into the block's ring if it has room: lane 0 reserves [at, at + n) by
@@ -281,7 +290,8 @@ struct RowBands {
     // (the forward 26 % slower than per-warp batches). No warp puts entries between the
     // barriers around a drain() (sweep), so every thread reads the same tail and advances head
     // alike.
-    __device__ __forceinline__ void drain(bool all) const {
+    template <class Win>
+    __device__ __forceinline__ void drain(bool all, Win& win) const {
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         const unsigned waiting = block->tail - head;
         // whole rounds of a batch of 32 per warp while sweeping, once CUTOPO_SOFT_QUEUE_DRAIN
@@ -312,7 +322,7 @@ struct RowBands {
                     i = KeptEntries::index(v);
                 }
             }
-            run(n, c, i);
+            run(n, c, i, win);
         }
         head += taken;
         own = 0;
@@ -321,14 +331,24 @@ struct RowBands {
     // At the start of every plane step (QCAP > 0): whole rounds of the block's ring, and the
     // warp's entries it had no room for.
     __device__ __forceinline__ void step_begin() const {
-        if constexpr (QCAP > 0) drain(false);
+        if constexpr (QCAP > 0) drain(false, work.win);
     }
 
-    // What is left after the sweep (every thread of the block calls).
+    // What is left after the sweep (every thread of the block calls). With FINISH_PAIRS in
+    // a window of pairs (Window): two entries a pass where both bands are at most 16 long.
+    // The sweep's steps keep one entry a pass (SOFT_PAIRS: pairs made its register-capped
+    // steps spill); after the sweep their registers are free.
     __device__ __forceinline__ void finish() const {
         if constexpr (QCAP > 0) {
             __syncthreads();  // every warp's entries are in the ring or its r.order
-            drain(true);
+            if constexpr (FINISH_PAIRS && !SOFT_PAIRS) {
+                work.win.flush(work.a);
+                Window<Real, true> pairs;
+                drain(true, pairs);
+                pairs.flush(work.a);
+            } else {
+                drain(true, work.win);
+            }
         }
     }
 };
@@ -573,7 +593,8 @@ struct ForwardWork {
     mutable Window<Real, SOFT_PAIRS> win;
 
     __device__ __forceinline__ void skipped(i64) const {}
-    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64 i) const {
+    template <class Win>
+    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64 i, Win& win) const {
         const bool banded = forward_warp<Real>(valid, f, c, t, T, lam, w, true, a, win);
         unsigned long long* slots = forward_kept.slots;
         if (slots == nullptr) return;
@@ -584,6 +605,9 @@ struct ForwardWork {
         if (lane == 0) base = atomicAdd(forward_kept.met, (unsigned long long)__popc(b));
         base = __shfl_sync(FULL, base, 0) + __popc(b & ((1u << lane) - 1u));
         if (banded && base < (unsigned long long)forward_kept.cap) slots[base] = KeptEntries::pack(i, c);
+    }
+    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
+        entries(mine, valid, f, c, i, win);
     }
 };
 
@@ -688,10 +712,14 @@ struct BackwardWork {
     __device__ __forceinline__ void skipped(i64 i) const {
         if (d_image) d_image[i] = Real(0);
     }
-    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
+    template <class Win>
+    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i, Win& win) const {
         const double sum = backward_warp<Real>(valid, f, c, t, g, T, lam, w, need_t,
                                                d_image != nullptr, dscale, a, win);
         if (d_image && mine) d_image[i] = valid ? (Real)(-(double)lam * sum) : Real(0);
+    }
+    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
+        entries(mine, valid, f, c, i, win);
     }
 };
 
