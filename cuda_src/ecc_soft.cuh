@@ -32,12 +32,13 @@ namespace band {
 
 constexpr int ROW_SLOTS = TX * PY;  // pixels of a warp's rows per plane: 32 columns x PY rows
 
-// The 3D forward's band work after the sweep (RowBands::finish) in pairs (a variant for
-// benchmarks/ab_trees.sh until measured).
-#ifndef CUTOPO_SOFT_FINISH_PAIRS
-#define CUTOPO_SOFT_FINISH_PAIRS 0
+// The 3D forward's band work in pairs (Window<Real, true>), variants for
+// benchmarks/ab_trees.sh until measured: 0 none; 1 the work after the sweep (RowBands::finish);
+// 2 every drain, the window kept in shared memory between them (RowBands::pairs).
+#ifndef CUTOPO_SOFT_DRAIN_PAIRS
+#define CUTOPO_SOFT_DRAIN_PAIRS 0
 #endif
-constexpr bool FINISH_PAIRS = CUTOPO_SOFT_FINISH_PAIRS != 0;
+constexpr int DRAIN_PAIRS = SOFT_PAIRS ? 0 : CUTOPO_SOFT_DRAIN_PAIRS;
 
 // Blocks per multiprocessor the sweep kernels' register budget is sized for (-D options of the
 // A/B runs). Measured on the H200 (benchmarks/RESULTS.md, seventeenth session) for float32 with
@@ -206,6 +207,7 @@ struct RowBands {
     BlockQueue<QCAP == 0 ? 1 : QCAP>* block;  // QCAP > 0
     mutable unsigned head;
     mutable int own;  // entries of the warp's last plane that the ring had no room for
+    Window<Real, true>* pairs = nullptr;  // DRAIN_PAIRS 2: each thread's window (shared)
 
     __device__ __forceinline__ void operator()(int c, u64, i64 i) const {
         const int slot = calls * 32 + threadIdx.x % 32;
@@ -290,16 +292,19 @@ struct RowBands {
     // (the forward 26 % slower than per-warp batches). No warp puts entries between the
     // barriers around a drain() (sweep), so every thread reads the same tail and advances head
     // alike.
+    // The ring entries a drain takes (block-uniform): whole rounds of a batch of 32 per warp
+    // while sweeping, once CUTOPO_SOFT_QUEUE_DRAIN entries wait (any fewer would fall on a few
+    // warps while the others wait at the next barrier); everything after the sweep.
+    __device__ __forceinline__ unsigned taken(bool all) const {
+        const unsigned waiting = block->tail - head;
+        return all ? waiting
+                   : waiting >= (unsigned)CUTOPO_SOFT_QUEUE_DRAIN ? waiting / (32 * WARPS) * (32 * WARPS) : 0u;
+    }
+
     template <class Win>
     __device__ __forceinline__ void drain(bool all, Win& win) const {
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        const unsigned waiting = block->tail - head;
-        // whole rounds of a batch of 32 per warp while sweeping, once CUTOPO_SOFT_QUEUE_DRAIN
-        // entries wait (any fewer would fall on a few warps while the others wait at the next
-        // barrier); everything after the sweep
-        const unsigned taken = all ? waiting
-                                   : waiting >= (unsigned)CUTOPO_SOFT_QUEUE_DRAIN
-                                         ? waiting / (32 * WARPS) * (32 * WARPS) : 0u;
+        const unsigned taken = this->taken(all);
         const unsigned chunk = min(32u, (taken + WARPS - 1) / WARPS);
         const int own_batches = (own + 31) / 32;
         for (int b = 0;; ++b) {  // warp-uniform
@@ -331,21 +336,29 @@ struct RowBands {
     // At the start of every plane step (QCAP > 0): whole rounds of the block's ring, and the
     // warp's entries it had no room for.
     __device__ __forceinline__ void step_begin() const {
-        if constexpr (QCAP > 0) drain(false, work.win);
+        if constexpr (QCAP > 0 && DRAIN_PAIRS == 2) {
+            if (own > 0 || taken(false) > 0) {  // warp-uniform
+                Window<Real, true> w = pairs[threadIdx.x];
+                drain(false, w);
+                pairs[threadIdx.x] = w;
+            }
+        } else if constexpr (QCAP > 0) {
+            drain(false, work.win);
+        }
     }
 
-    // What is left after the sweep (every thread of the block calls). With FINISH_PAIRS in
-    // a window of pairs (Window): two entries a pass where both bands are at most 16 long.
-    // The sweep's steps keep one entry a pass (SOFT_PAIRS: pairs made its register-capped
-    // steps spill); after the sweep their registers are free.
+    // What is left after the sweep (every thread of the block calls). With DRAIN_PAIRS in a
+    // window of pairs: two entries a pass where both bands are at most 16 long. (SOFT_PAIRS,
+    // pairs in every kernel's register window, made the register-capped sweeps spill; after
+    // the sweep its registers are free.)
     __device__ __forceinline__ void finish() const {
         if constexpr (QCAP > 0) {
             __syncthreads();  // every warp's entries are in the ring or its r.order
-            if constexpr (FINISH_PAIRS && !SOFT_PAIRS) {
-                work.win.flush(work.a);
-                Window<Real, true> pairs;
-                drain(true, pairs);
-                pairs.flush(work.a);
+            if constexpr (DRAIN_PAIRS > 0) {
+                Window<Real, true> w;
+                if constexpr (DRAIN_PAIRS == 2) w = pairs[threadIdx.x];
+                drain(true, w);
+                w.flush(work.a);
             } else {
                 drain(true, work.win);
             }
@@ -669,7 +682,11 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     } else {
         __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
         __shared__ RowQueues q;
-        const RowBands<In, Real, ForwardWork<Real>, QCAP> bands{&q, image, work, 0, &queue, 0u, 0};
+        // DRAIN_PAIRS 2: the threads' windows (raw storage: Window has default initialisers)
+        __shared__ __align__(16) unsigned char pair_bytes[DRAIN_PAIRS == 2 ? THREADS * sizeof(Window<Real, true>) : 16];
+        Window<Real, true>* pairs = reinterpret_cast<Window<Real, true>*>(pair_bytes);
+        if constexpr (DRAIN_PAIRS == 2) pairs[threadIdx.x] = Window<Real, true>();
+        const RowBands<In, Real, ForwardWork<Real>, QCAP> bands{&q, image, work, 0, &queue, 0u, 0, pairs};
         sweep<NDIM, TCONN, K, NDIM == 3>(tile, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
                                          ValueKey<In, K>{{image}}, bands, AllPixels(),
                                          Boundary<PERIODIC>(), bands);
