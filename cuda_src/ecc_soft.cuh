@@ -32,14 +32,6 @@ namespace band {
 
 constexpr int ROW_SLOTS = TX * PY;  // pixels of a warp's rows per plane: 32 columns x PY rows
 
-// The 3D forward's band work in pairs (Window<Real, true>), variants for
-// benchmarks/ab_trees.sh until measured: 0 none; 1 the work after the sweep (RowBands::finish);
-// 2 every drain, the window kept in shared memory between them (RowBands::pairs).
-#ifndef CUTOPO_SOFT_DRAIN_PAIRS
-#define CUTOPO_SOFT_DRAIN_PAIRS 0
-#endif
-constexpr int DRAIN_PAIRS = SOFT_PAIRS ? 0 : CUTOPO_SOFT_DRAIN_PAIRS;
-
 // Blocks per multiprocessor the sweep kernels' register budget is sized for (-D options of the
 // A/B runs). Measured on the H200 (benchmarks/RESULTS.md, seventeenth session) for float32 with
 // 32-bit keys: 6 in 2D (40 registers; 32 at 7 or 8 was 1-7 % slower at 1024^2, up to 7 % faster
@@ -207,7 +199,6 @@ struct RowBands {
     BlockQueue<QCAP == 0 ? 1 : QCAP>* block;  // QCAP > 0
     mutable unsigned head;
     mutable int own;  // entries of the warp's last plane that the ring had no room for
-    Window<Real, true>* pairs = nullptr;  // DRAIN_PAIRS 2: each thread's window (shared)
 
     __device__ __forceinline__ void operator()(int c, u64, i64 i) const {
         const int slot = calls * 32 + threadIdx.x % 32;
@@ -218,13 +209,11 @@ struct RowBands {
         else work.skipped(i);
     }
 
-    // Entries of the lanes below n (warp-uniform), each lane's (c, i), through the window
-    // ``win`` (the work's own, or finish()'s).
-    template <class Win>
-    __device__ __forceinline__ void run(int n, int c, i64 i, Win& win) const {
+    // Entries of the lanes below n (warp-uniform), each lane's (c, i).
+    __device__ __forceinline__ void run(int n, int c, i64 i) const {
         const bool mine = threadIdx.x % 32 < n;
         const Real f = mine ? convert<Real>(image[i]) : Real(0);
-        work.entries(mine, mine && !no_entry(f), f, c, i, win);
+        work.entries(mine, mine && !no_entry(f), f, c, i);
     }
 
     __device__ __forceinline__ void rows_done() const {
@@ -250,7 +239,7 @@ struct RowBands {
                     c = r.c[warp][slot];
                     i = r.index[warp][slot];
                 }
-                run(min(32, n - base), c, i, work.win);
+                run(min(32, n - base), c, i);
             }
         } else if (n > 0) {
             // Into the block's ring if it has room: lane 0 reserves [at, at + n) by
@@ -292,19 +281,15 @@ struct RowBands {
     // (the forward 26 % slower than per-warp batches). No warp puts entries between the
     // barriers around a drain() (sweep), so every thread reads the same tail and advances head
     // alike.
-    // The ring entries a drain takes (block-uniform): whole rounds of a batch of 32 per warp
-    // while sweeping, once CUTOPO_SOFT_QUEUE_DRAIN entries wait (any fewer would fall on a few
-    // warps while the others wait at the next barrier); everything after the sweep.
-    __device__ __forceinline__ unsigned taken(bool all) const {
-        const unsigned waiting = block->tail - head;
-        return all ? waiting
-                   : waiting >= (unsigned)CUTOPO_SOFT_QUEUE_DRAIN ? waiting / (32 * WARPS) * (32 * WARPS) : 0u;
-    }
-
-    template <class Win>
-    __device__ __forceinline__ void drain(bool all, Win& win) const {
+    __device__ __forceinline__ void drain(bool all) const {
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        const unsigned taken = this->taken(all);
+        const unsigned waiting = block->tail - head;
+        // whole rounds of a batch of 32 per warp while sweeping, once CUTOPO_SOFT_QUEUE_DRAIN
+        // entries wait (any fewer would fall on a few warps while the others wait at the next
+        // barrier); everything after the sweep
+        const unsigned taken = all ? waiting
+                                   : waiting >= (unsigned)CUTOPO_SOFT_QUEUE_DRAIN
+                                         ? waiting / (32 * WARPS) * (32 * WARPS) : 0u;
         const unsigned chunk = min(32u, (taken + WARPS - 1) / WARPS);
         const int own_batches = (own + 31) / 32;
         for (int b = 0;; ++b) {  // warp-uniform
@@ -327,7 +312,7 @@ struct RowBands {
                     i = KeptEntries::index(v);
                 }
             }
-            run(n, c, i, win);
+            run(n, c, i);
         }
         head += taken;
         own = 0;
@@ -336,32 +321,14 @@ struct RowBands {
     // At the start of every plane step (QCAP > 0): whole rounds of the block's ring, and the
     // warp's entries it had no room for.
     __device__ __forceinline__ void step_begin() const {
-        if constexpr (QCAP > 0 && DRAIN_PAIRS == 2) {
-            if (own > 0 || taken(false) > 0) {  // warp-uniform
-                Window<Real, true> w = pairs[threadIdx.x];
-                drain(false, w);
-                pairs[threadIdx.x] = w;
-            }
-        } else if constexpr (QCAP > 0) {
-            drain(false, work.win);
-        }
+        if constexpr (QCAP > 0) drain(false);
     }
 
-    // What is left after the sweep (every thread of the block calls). With DRAIN_PAIRS in a
-    // window of pairs: two entries a pass where both bands are at most 16 long. (SOFT_PAIRS,
-    // pairs in every kernel's register window, made the register-capped sweeps spill; after
-    // the sweep its registers are free.)
+    // What is left after the sweep (every thread of the block calls).
     __device__ __forceinline__ void finish() const {
         if constexpr (QCAP > 0) {
             __syncthreads();  // every warp's entries are in the ring or its r.order
-            if constexpr (DRAIN_PAIRS > 0) {
-                Window<Real, true> w;
-                if constexpr (DRAIN_PAIRS == 2) w = pairs[threadIdx.x];
-                drain(true, w);
-                w.flush(work.a);
-            } else {
-                drain(true, work.win);
-            }
+            drain(true);
         }
     }
 };
@@ -606,8 +573,7 @@ struct ForwardWork {
     mutable Window<Real, SOFT_PAIRS> win;
 
     __device__ __forceinline__ void skipped(i64) const {}
-    template <class Win>
-    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64 i, Win& win) const {
+    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64 i) const {
         const bool banded = forward_warp<Real>(valid, f, c, t, T, lam, w, true, a, win);
         unsigned long long* slots = forward_kept.slots;
         if (slots == nullptr) return;
@@ -618,9 +584,6 @@ struct ForwardWork {
         if (lane == 0) base = atomicAdd(forward_kept.met, (unsigned long long)__popc(b));
         base = __shfl_sync(FULL, base, 0) + __popc(b & ((1u << lane) - 1u));
         if (banded && base < (unsigned long long)forward_kept.cap) slots[base] = KeptEntries::pack(i, c);
-    }
-    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
-        entries(mine, valid, f, c, i, win);
     }
 };
 
@@ -682,11 +645,7 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     } else {
         __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
         __shared__ RowQueues q;
-        // DRAIN_PAIRS 2: the threads' windows (raw storage: Window has default initialisers)
-        __shared__ __align__(16) unsigned char pair_bytes[DRAIN_PAIRS == 2 ? THREADS * sizeof(Window<Real, true>) : 16];
-        Window<Real, true>* pairs = reinterpret_cast<Window<Real, true>*>(pair_bytes);
-        if constexpr (DRAIN_PAIRS == 2) pairs[threadIdx.x] = Window<Real, true>();
-        const RowBands<In, Real, ForwardWork<Real>, QCAP> bands{&q, image, work, 0, &queue, 0u, 0, pairs};
+        const RowBands<In, Real, ForwardWork<Real>, QCAP> bands{&q, image, work, 0, &queue, 0u, 0};
         sweep<NDIM, TCONN, K, NDIM == 3>(tile, nz, ny, nx, zchunk, base, chunk, blocks_per_image,
                                          ValueKey<In, K>{{image}}, bands, AllPixels(),
                                          Boundary<PERIODIC>(), bands);
@@ -729,14 +688,10 @@ struct BackwardWork {
     __device__ __forceinline__ void skipped(i64 i) const {
         if (d_image) d_image[i] = Real(0);
     }
-    template <class Win>
-    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i, Win& win) const {
+    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
         const double sum = backward_warp<Real>(valid, f, c, t, g, T, lam, w, need_t,
                                                d_image != nullptr, dscale, a, win);
         if (d_image && mine) d_image[i] = valid ? (Real)(-(double)lam * sum) : Real(0);
-    }
-    __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
-        entries(mine, valid, f, c, i, win);
     }
 };
 
