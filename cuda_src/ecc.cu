@@ -1033,12 +1033,6 @@ __device__ __forceinline__ void warp_row_prefix_sum(const long long* h, int T, S
     }
 }
 
-// Adds a pixel's contribution to the block's shared histogram (SHARED: the packed sweep, whose
-// bins always fit there) or straight to the global one (the scalar sweep's many bins). Zero
-// contributions (most of a flat image) and pixels above every threshold (or outside the image)
-// add nothing. A compile-time choice: a run-time test of the shared pointer kept both atomics
-// and their branches in the count (322 -> 234 instructions per thread and 2D float32 plane;
-// 3-6 % faster, benchmarks/RESULTS.md, twenty-fourth session).
 // Whether this block is the last of ``blocks`` to count itself done in *counter; every thread
 // of the block calls it, once per kernel. The barrier orders the block's additions before
 // thread 0's fence, which is cumulative: they are visible device-wide before the block counts
@@ -1057,6 +1051,12 @@ __device__ __forceinline__ bool last_block_done(unsigned* counter, unsigned bloc
     return last;
 }
 
+// Adds a pixel's contribution to the block's shared histogram (SHARED: the packed sweep, whose
+// bins always fit there) or straight to the global one (the scalar sweep's many bins). Zero
+// contributions (most of a flat image) and pixels above every threshold (or outside the image)
+// add nothing. A compile-time choice: a run-time test of the shared pointer kept both atomics
+// and their branches in the count (322 -> 234 instructions per thread and 2D float32 plane;
+// 3-6 % faster, benchmarks/RESULTS.md, twenty-fourth session).
 template <bool SHARED>
 struct HistSink {
     static constexpr bool WORDS = false, TIES = false;  // one pixel per call (packed::sweep)
