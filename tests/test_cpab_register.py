@@ -90,19 +90,22 @@ def check_result(result, fixed, moving, tess, n_steps):
 
 
 def test_recovers_a_known_theta_2d(rng):
-    """32 x 32, tessellation 3 x 3 (26 parameters), shifts up to 3 px, 100 steps: theta within
-    20 %, the map within 0.15 px on average (the true shifts average about 1.3 px). Over 60
-    seeds: theta error at most 0.14, mean map error at most 0.11 px, largest 0.81 px (with 60
-    steps 3 % of the seeds left theta above 0.15: the bounds had no margin)."""
+    """32 x 32, tessellation 3 x 3 (26 parameters), shifts up to 3 px, 200 steps: theta within
+    20 %, the map within 0.15 px on average (the true shifts average about 1.3 px). Over 61
+    seeds (1000..1059 and 5363133939328001399): theta error at most 0.11, mean map error at
+    most 0.10 px, largest 0.56 px. With 100 steps 200 seeds stayed below 0.17, 0.11 px and
+    0.95 px, but that last seed, drawn in CI, stopped at 0.27, 0.24 px and 1.42 px: a slow
+    draw (0.16, 0.14 px at 150 steps, 0.10, 0.09 px at 200), not a wrong one; with 60 steps 3 %
+    of the seeds left theta above 0.15."""
     n_steps = 20
     fixed, moving, tess, theta_true = synthetic_pair(rng, (32, 32), (3, 3), 3.0, n_steps, (1, 3))
-    result = register(fixed, moving, tess, steps=100, lr=0.02, n_steps=n_steps, progress=False)
+    result = register(fixed, moving, tess, steps=200, lr=0.02, n_steps=n_steps, progress=False)
     check_result(result, fixed, moving, tess, n_steps)
     assert result.final_loss < 0.02 * result.loss_history[0]
     assert rel_err(result.theta, theta_true) < 0.2
     mean, largest, shift = displacement_error(result, theta_true, n_steps)
     assert mean < 0.15 and largest < 1.2 and shift > 0.5
-    assert result.level_shapes == ((3, 3),) and result.level_steps == (100,)
+    assert result.level_shapes == ((3, 3),) and result.level_steps == (200,)
 
 
 def test_recovers_a_known_theta_3d(rng):
