@@ -561,6 +561,21 @@ struct KeptSink {
 };
 __shared__ KeptSink forward_kept;
 
+// Appends (i, c) of the lanes where ``keep`` to the block's image's kept list (forward_kept;
+// none: nothing), one atomic per warp; past the capacity they are counted, not written (the
+// list overflowed). Every lane calls (a warp-uniform loop).
+__device__ __forceinline__ void keep_entries(bool keep, i64 i, int c) {
+    unsigned long long* slots = forward_kept.slots;
+    if (slots == nullptr) return;
+    const unsigned b = __ballot_sync(FULL, keep);
+    if (b == 0u) return;
+    const int lane = threadIdx.x % 32;
+    unsigned long long base = 0;
+    if (lane == 0) base = atomicAdd(forward_kept.met, (unsigned long long)__popc(b));
+    base = __shfl_sync(FULL, base, 0) + __popc(b & ((1u << lane) - 1u));
+    if (keep && base < (unsigned long long)forward_kept.cap) slots[base] = KeptEntries::pack(i, c);
+}
+
 // The band work of the sweep's critical pixels; the running state (the warp's register window,
 // the lane's scale cotangent) is mutable: the sweep holds its sink by const reference.
 template <typename Real>
@@ -574,16 +589,58 @@ struct ForwardWork {
 
     __device__ __forceinline__ void skipped(i64) const {}
     __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64 i) const {
-        const bool banded = forward_warp<Real>(valid, f, c, t, T, lam, w, true, a, win);
-        unsigned long long* slots = forward_kept.slots;
-        if (slots == nullptr) return;
-        const unsigned b = __ballot_sync(FULL, banded);  // every lane calls: a warp-uniform loop
-        if (b == 0u) return;
+        keep_entries(forward_warp<Real>(valid, f, c, t, T, lam, w, true, a, win), i, c);
+    }
+};
+
+// The listing forward's work (FORWARD_LIST): every critical pixel with a finite value into the
+// kept list, band or not; no band work.
+template <typename Real>
+struct ListWork {
+    __device__ __forceinline__ void skipped(i64) const {}
+    __device__ __forceinline__ void entries(bool, bool valid, Real, int c, i64 i) const {
+        keep_entries(valid, i, c);
+    }
+};
+
+// The kept entries e[0 .. n) of one image dealt over the warps of its blocks_per_image blocks
+// (the listed backward's and the listed forward's): batches of per_warp consecutive entries,
+// the image's entries spread over all of its warps, at most 32. A warp walks its batch one
+// entry after the other, so a short batch is a short chain, and about the sweep's share keeps
+// a batch within a few of the sweep's warps, whose entries are neighbours (the register window
+// seldom moves). n < 2^31: the host keeps kept_cap below (KEPT_MAX_BYTES).
+struct ListedDeal {
+    unsigned n, warps, per_warp;
+    __device__ __forceinline__ ListedDeal(unsigned long long count, int blocks_per_image)
+        : n((unsigned)count),
+          warps((unsigned)min((i64)blocks_per_image * WARPS, (i64)1 << 24)),
+          per_warp(min(max((n + warps - 1) / warps, 1u), 32u)) {}
+    // Whether block ``chunk`` of the image has a batch.
+    __device__ __forceinline__ bool busy(int chunk) const {
+        return (unsigned long long)chunk * WARPS * per_warp < n;
+    }
+    // work.entries over the batches of this thread's warp in block ``chunk``; the entries' values
+    // read from image (flat indices).
+    template <typename Real, typename In, class Work>
+    __device__ __forceinline__ void run(const unsigned long long* e, int chunk, const In* image,
+                                        const Work& work) const {
         const int lane = threadIdx.x % 32;
-        unsigned long long base = 0;
-        if (lane == 0) base = atomicAdd(forward_kept.met, (unsigned long long)__popc(b));
-        base = __shfl_sync(FULL, base, 0) + __popc(b & ((1u << lane) - 1u));
-        if (banded && base < (unsigned long long)forward_kept.cap) slots[base] = KeptEntries::pack(i, c);
+        const unsigned long long first = ((unsigned long long)chunk * WARPS + threadIdx.x / 32) * per_warp;
+        // below 2^32: j < n < 2^31 and the step is at most 2^29 (one round unless per_warp is
+        // 32). Warp-uniform bounds: every lane of a warp takes part.
+        for (unsigned j = first < n ? (unsigned)first : n; j < n; j += warps * per_warp) {
+            const bool mine = lane < (int)per_warp && j + lane < n;
+            int c = 0;
+            i64 i = 0;
+            Real f = 0;
+            if (mine) {
+                const unsigned long long v = e[j + lane];
+                i = KeptEntries::index(v);
+                c = KeptEntries::contribution(v);
+                f = convert<Real>(image[i]);
+            }
+            work.entries(mine, mine && !no_entry(f), f, c, i);
+        }
     }
 };
 
@@ -591,7 +648,9 @@ struct ForwardWork {
 // out (rows, T) is written by the image's last block to finish. ws: a zeroed ForwardWorkspace
 // (the image's last block leaves its parts zeroed again). word: null, or the host word that
 // block 0 writes the thresholds' check into (report_thresholds) with ``token``. kept: null or
-// a KeptEntries of ``kept_cap`` slots per image, for the backward.
+// a KeptEntries of ``kept_cap`` slots per image, for the backward. listed: null, or the list
+// of the listed forward's first launch (soft_ecc_list_forward), whose images that fit are not
+// swept here (the listed 3D forward's third launch; kept is then null).
 template <typename In, typename K, typename Real, int NDIM, bool PERIODIC>
 constexpr int soft_forward_min_blocks() {
     return !packed_soft_forward<In, NDIM, PERIODIC>() ? soft_min_blocks<Real, K, NDIM, PERIODIC>()
@@ -605,9 +664,10 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
                        unsigned long long* __restrict__ word, long long token,
                        unsigned long long* __restrict__ kept, i64 kept_cap, i64 nz, i64 ny,
                        i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
-                       int shared) {
+                       int shared, const unsigned long long* __restrict__ listed) {
     extern __shared__ __align__(16) unsigned char smem[];
     const i64 img = blockIdx.x / blocks_per_image;
+    if (listed != nullptr && listed[img] <= (unsigned long long)kept_cap) return;  // (block-uniform)
     const int chunk = blockIdx.x % blocks_per_image;
     const i64 rows = gridDim.x / blocks_per_image;
     const ForwardWorkspace wsp(ws, rows, T);
@@ -669,6 +729,81 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
             const unsigned long long met = atomicExch(wsp.met + img, 0ull);
             if (kept != nullptr) kept[img] = met;
         }
+    }
+}
+
+// The listed 3D forward, for volumes whose critical voxels are few (smooth images): the fused
+// forward's sweep without its band work (first launch, this kernel), the band work of the
+// listed entries over the whole grid (second, soft_ecc_listed_forward), and the fused forward
+// for the images whose list overflowed (third, with ``listed``). The sweep of the fused forward
+// runs its warps' band work between plane steps, while the others wait at the next barrier.
+//
+// This kernel lists every critical voxel with a finite value (band or not) into ``kept``
+// (KeptEntries, kept_cap slots per image; past them only counted); the image's last block
+// writes the count (more than kept_cap: overflowed) and leaves the workspace's counters zeroed.
+// Block 0 checks the thresholds into ``word`` when not null (report_thresholds).
+template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
+__global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
+soft_ecc_list_forward(const In* __restrict__ image, const Real* __restrict__ thresholds,
+                      unsigned long long* __restrict__ ws, unsigned long long* __restrict__ word,
+                      long long token, unsigned long long* __restrict__ kept, i64 kept_cap, i64 nz,
+                      i64 ny, i64 nx, int zchunk, int blocks_per_image, int T) {
+    static_assert(!packed_soft_forward<In, NDIM, PERIODIC>(), "the scalar sweep's instances");
+    __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
+    __shared__ RowQueues q;
+    const i64 img = blockIdx.x / blocks_per_image;
+    const int chunk = blockIdx.x % blocks_per_image;
+    const i64 rows = gridDim.x / blocks_per_image;
+    const ForwardWorkspace wsp(ws, rows, T);
+    if (threadIdx.x == 0)
+        forward_kept = KeptSink{KeptEntries{kept, kept_cap}.slots(img, rows), wsp.met + img, kept_cap};
+    __syncthreads();
+    if (word != nullptr && blockIdx.x == 0) report_thresholds(thresholds, T, word, token);
+    const RowBands<In, Real, ListWork<Real>, 0> bands{&q, image, ListWork<Real>{}, 0, nullptr, 0u, 0};
+    sweep<NDIM, TCONN, K, NDIM == 3>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
+                                     blocks_per_image, ValueKey<In, K>{{image}}, bands, AllPixels(),
+                                     Boundary<PERIODIC>(), bands);
+    if (last_block_done(wsp.done + img, (unsigned)blocks_per_image) && threadIdx.x == 0) {
+        wsp.done[img] = 0u;
+        kept[img] = atomicExch(wsp.met + img, 0ull);
+    }
+}
+
+// The listed 3D forward's second launch: the band work of the listed entries of every image
+// whose list fit (the others are the third launch's), dealt over the image's blocks as the
+// listed backward deals them; the image's last block writes its row of ``out`` and leaves the
+// workspace's parts zeroed, as the fused forward's does.
+template <typename In, typename Real>
+__global__ void __launch_bounds__(THREADS)
+soft_ecc_listed_forward(const In* __restrict__ image, const Real* __restrict__ thresholds,
+                        unsigned long long* __restrict__ ws, Real* __restrict__ out,
+                        const unsigned long long* __restrict__ kept, i64 kept_cap,
+                        int blocks_per_image, int T, Real lam, double w, int shared) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const i64 img = blockIdx.x / blocks_per_image;
+    const unsigned long long count = kept[img];
+    if (count > (unsigned long long)kept_cap) return;  // (block-uniform) overflowed
+    const int chunk = blockIdx.x % blocks_per_image;
+    const i64 rows = gridDim.x / blocks_per_image;
+    const ForwardWorkspace wsp(ws, rows, T);
+    if (threadIdx.x == 0) forward_kept = KeptSink{nullptr, nullptr, 0};  // (setup's barrier)
+    const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
+    double* acc_row = wsp.acc + img * T;
+    long long* sat_row = wsp.sat + img * T;
+    const ForwardWork<Real> work{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, {}};
+    const ListedDeal deal(count, blocks_per_image);
+    deal.run<Real>(KeptEntries{const_cast<unsigned long long*>(kept), kept_cap}.slots(img, rows), chunk,
+                   image, work);
+    work.win.flush(work.a);
+    if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
+    if (last_block_done(wsp.done + img, (unsigned)blocks_per_image) && threadIdx.x < 32) {
+        write_soft_row(sat_row, acc_row, out + img * T, T);
+        __syncwarp();
+        for (int k = threadIdx.x; k < T; k += 32) {
+            acc_row[k] = 0.0;
+            sat_row[k] = 0;
+        }
+        if (threadIdx.x == 0) wsp.done[img] = 0u;
     }
 }
 
@@ -771,18 +906,9 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
         }
         return;
     }
-    bool busy = !LISTED;            // this block has work: an image to sweep, or entries below
-    unsigned n_kept = 0, per_warp = 0, warps = 0;
-    if (LISTED && listed) {
-        n_kept = (unsigned)count;
-        // Entries per warp batch: the image's entries spread over all of its warps, at most
-        // 32. A warp walks its batch one entry after the other, so a short batch is a short
-        // chain, and about the sweep's share keeps a batch within a few of the forward's warps,
-        // whose entries are neighbours (the register window seldom moves).
-        warps = (unsigned)min((i64)blocks_per_image * WARPS, (i64)1 << 24);
-        per_warp = min(max((n_kept + warps - 1) / warps, 1u), 32u);
-        busy = (unsigned long long)chunk * WARPS * per_warp < n_kept;
-    }
+    const ListedDeal deal(LISTED && listed ? count : 0ull, blocks_per_image);
+    // this block has work: an image to sweep, or entries
+    const bool busy = LISTED ? listed && deal.busy(chunk) : true;
     if (busy) {
         const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
         const RowBands<In, Real, BackwardWork<Real>, 0> bands{
@@ -792,27 +918,8 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
             0, nullptr, 0u, 0};
         if constexpr (LISTED) {
             const i64 rows = gridDim.x / blocks_per_image;
-            const unsigned long long* e = KeptEntries{const_cast<unsigned long long*>(kept),
-                                                      kept_cap}.slots(img, rows);
-            const int lane = threadIdx.x % 32;
-            const unsigned long long first =
-                ((unsigned long long)chunk * WARPS + threadIdx.x / 32) * per_warp;
-            // below 2^32: j < n_kept < 2^31 and the step is at most 2^29 (one round unless
-            // per_warp is 32). Warp-uniform bounds: every lane of a warp takes part.
-            for (unsigned j = first < n_kept ? (unsigned)first : n_kept; j < n_kept;
-                 j += warps * per_warp) {
-                const bool mine = lane < (int)per_warp && j + lane < n_kept;
-                int c = 0;
-                i64 i = 0;
-                Real f = 0;
-                if (mine) {
-                    const unsigned long long v = e[j + lane];
-                    i = KeptEntries::index(v);
-                    c = KeptEntries::contribution(v);
-                    f = convert<Real>(image[i]);
-                }
-                bands.work.entries(mine, mine && !no_entry(f), f, c, i);
-            }
+            deal.run<Real>(KeptEntries{const_cast<unsigned long long*>(kept), kept_cap}.slots(img, rows),
+                           chunk, image, bands.work);
         } else {
             sweep<NDIM, TCONN, K>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
                                   blocks_per_image, ValueKey<In, K>{{image}}, bands, AllPixels(),

@@ -62,6 +62,11 @@ KEPT_PIXELS_PER_SLOT = 8
 KEPT_MAX_BYTES = 64 << 20
 # Copies of the backward's global d_t and d_scale (band::BACKWARD_COPIES).
 BACKWARD_COPIES = 16
+# The 3D forward as three launches (listed_forward): the sweep lists the critical voxels, a
+# second kernel runs their band work over the whole grid, the fused forward sweeps the images
+# whose list overflowed. Off until measured against the fused forward (benchmarks/RESULTS.md,
+# thirty-ninth session: the band work is 22 % of the fused 3D forward at 256^3).
+LISTED_FORWARD_3D = False
 
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -75,23 +80,47 @@ def _key_ctype(in_ctype: str) -> str:
 
 
 def _sweep_sig(kind, in_dtype, real, ndim, tconn, periodic, listed=False) -> Signature:
-    """A sweep kernel's signature; ``listed``: the backward instance over kept entries."""
+    """A sweep kernel's signature: ``kind`` "forward" (the fused forward), "list" (the listed
+    forward's first launch) or "backward" (``listed``: the instance over kept entries)."""
     in_ctype = _ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]
     view = _ecc_cupy._INPUT_VIEW.get(np.dtype(in_dtype), np.dtype(in_dtype)).name
     r = np.dtype(real).name
+    kernel = {"forward": "soft_ecc_fused_forward", "list": "soft_ecc_list_forward",
+              "backward": "soft_ecc_fused_backward"}[kind]
     listed_arg = f", {_cbool(listed)}" if kind == "backward" else ""
-    name = (f"cutopo::ecc::band::soft_ecc_fused_{kind}<{in_ctype}, {_key_ctype(in_ctype)}, "
+    name = (f"cutopo::ecc::band::{kernel}<{in_ctype}, {_key_ctype(in_ctype)}, "
             f"{_REAL[np.dtype(real)]}, {ndim}, {_cbool(tconn)}, {_cbool(periodic)}{listed_arg}>")
     geometry = ("int64", "int64", "int64", "int32", "int32", "int32", r, "float64", "int32")
     kept = ("ptr:uint64", "int64")  # band::KeptEntries and its slots per image
-    if kind == "forward":  # image, thresholds, workspace, out, check word, its token, kept
-        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}", HOST_WORD, "int64") + kept
+    if kind == "forward":  # image, thresholds, workspace, out, check word, its token, kept,
+        # geometry, the listed forward's list (its third launch)
+        params = ((f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}", HOST_WORD, "int64") + kept
+                  + geometry + ("ptr:uint64",))
+    elif kind == "list":  # image, thresholds, workspace, check word, its token, kept, geometry
+        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", HOST_WORD, "int64") + kept + geometry[:6]
     else:  # image, thresholds, g, d_image, workspace, d_t (real, double), d_scale (real, double),
-        # kept
+        # kept, geometry
         params = (f"ptr:{view}", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", "ptr:float64", f"ptr:{r}",
-                  "ptr:float64", f"ptr:{r}", "ptr:float64") + kept
-    params += geometry
+                  "ptr:float64", f"ptr:{r}", "ptr:float64") + kept + geometry
     return Signature(FAMILY, name, params)
+
+
+def _listed_forward_sig(in_dtype, real) -> Signature:
+    """The listed forward's band kernel (image, thresholds, workspace, out, kept, its slots per
+    image, blocks per image, T, lambda, w, shared)."""
+    in_ctype = _ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]
+    view = _ecc_cupy._INPUT_VIEW.get(np.dtype(in_dtype), np.dtype(in_dtype)).name
+    r = np.dtype(real).name
+    name = f"cutopo::ecc::band::soft_ecc_listed_forward<{in_ctype}, {_REAL[np.dtype(real)]}>"
+    return Signature(FAMILY, name, (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}", "ptr:uint64",
+                                    "int64", "int32", "int32", r, "float64", "int32"))
+
+
+def listed_forward(in_dtype, ndim, periodic) -> bool:
+    """Whether the forward is the listed one (band::soft_ecc_list_forward, then the listed
+    entries' band work, then the fused forward for the images whose list overflowed): with
+    LISTED_FORWARD_3D, the 3D scalar sweeps."""
+    return LISTED_FORWARD_3D and ndim == 3 and not packed_forward(in_dtype, ndim, periodic)
 
 
 def _instances():
@@ -119,6 +148,11 @@ def _instances():
     for in_dtype in (np.dtype(np.int32), f64):
         for kind, listed in kinds:
             yield _sweep_sig(kind, in_dtype, f64, 3, True, True, listed).name
+    # the listed forward's (3D): the list sweep and the band kernel
+    yield _sweep_sig("list", f32, f32, 3, False, False).name
+    yield _sweep_sig("list", f64, f64, 3, True, True).name
+    for in_dtype, real in ((f32, f32), (f32, f64), (f64, f64)):
+        yield _listed_forward_sig(in_dtype, real).name
 
 
 register_instances(FAMILY, _instances)
@@ -178,11 +212,25 @@ class SoftEccPlan:
         shared, smem = _dynamic_shared(T, real, False, True, ndim, key_bytes, packed)
         tile_x = _ecc_cupy.TILE_X["unsigned short" if packed else "unsigned int"]
         (nz, ny, nx), zchunk, per_image = _ecc_cupy.sweep_geometry(fsig, nimg, spatial, ndim, smem, tile_x)
-        # (image, thresholds, workspace, out, word, token, kept, cap, ..., lam, w, shared):
-        # arrays, the check word and its token, the kept entries and the scale per call
-        self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS,
-                                       (None,) * 7 + (self.kept_cap, nz, ny, nx, zchunk, per_image,
-                                                      T, None, None, int(shared)), shared_mem=smem)
+        # (image, thresholds, workspace, out, word, token, kept, cap, ..., lam, w, shared,
+        # listed): arrays, the check word and its token, the kept entries and the scale per call
+        geometry = (nz, ny, nx, zchunk, per_image, T)
+        args = (None,) * 7 + (self.kept_cap,) + geometry + (None, None, int(shared))
+        self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS, args + (NULL,), shared_mem=smem)
+        self._list = self._listed = self._overflowed = None
+        if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic):
+            # (image, thresholds, workspace, word, token, kept): no dynamic shared memory
+            lsig = _sweep_sig("list", in_dtype, real, ndim, tconn, periodic)
+            self._list = PreparedLaunch(lsig, nimg * per_image, THREADS,
+                                        (None,) * 6 + (self.kept_cap,) + geometry)
+            # (image, thresholds, workspace, out, kept, lam, w)
+            self._listed = PreparedLaunch(_listed_forward_sig(in_dtype, real), nimg * per_image, THREADS,
+                                          (None,) * 5 + (self.kept_cap, per_image, T, None, None,
+                                                         int(shared)), shared_mem=smem)
+            # (image, thresholds, workspace, out, lam, w, list): no kept entries, no check
+            self._overflowed = PreparedLaunch(fsig, nimg * per_image, THREADS,
+                                              args[:4] + (NULL, 0, NULL) + args[7:] + (None,),
+                                              shared_mem=smem)
 
         self._bsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic)
         self._lsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic, listed=True)
@@ -216,7 +264,9 @@ class SoftEccPlan:
         """Launch the forward into ``out`` (nimg * T, the computation dtype); with ``check``,
         block 0 checks the thresholds, whose flags are read before return (a failed check
         raises). With ``keep``, returns the kept entries for :meth:`backward` (None when the
-        plan keeps none).
+        plan keeps none). The listed forward (listed_forward) is three launches: the list
+        sweep, the band work of the lists that fit, the fused forward of the images whose list
+        overflowed; its list holds every critical pixel (band or not) and is the kept entries.
 
         ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
@@ -225,17 +275,22 @@ class SoftEccPlan:
         import cupy
 
         ws = self.workspace("forward", self.words, np.uint64)
-        kept = None
-        if keep and self.kept_cap > 0:  # no fill: the kernel writes every word it reads back
+        word = check_word() if check else NULL
+        token = word.arm() if check else 0
+        if self._list is not None:  # the listed forward: its list is the kept entries
             kept = cupy.empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
-        kept_arg = NULL if kept is None else kept
-        if not check:
-            self._forward.call_checked_once(x, t, ws, out, NULL, 0, kept_arg, lam, w)
-            return kept
-        word = check_word()
-        self._forward.call_checked_once(x, t, ws, out, word, word.arm(), kept_arg, lam, w)
-        raise_failed_thresholds(word.read())
-        return kept
+            self._list.call_checked_once(x, t, ws, word, token, kept)
+            self._listed.call_checked_once(x, t, ws, out, kept, lam, w)
+            self._overflowed.call_checked_once(x, t, ws, out, lam, w, kept)
+        else:
+            kept = None
+            if keep and self.kept_cap > 0:  # no fill: the kernel writes every word it reads back
+                kept = cupy.empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
+            self._forward.call_checked_once(x, t, ws, out, word, token,
+                                            NULL if kept is None else kept, lam, w)
+        if check:
+            raise_failed_thresholds(word.read())
+        return kept if keep else None
 
     def backward_launch(self, need_image, t_dtype, s_dtype, listed=False) -> PreparedLaunch:
         """The backward launch writing d_image (if ``need_image``), d_t in ``t_dtype`` and d_scale

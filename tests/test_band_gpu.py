@@ -457,20 +457,22 @@ def _kept_lists(res, image, ndim, tconn, periodic, T, dtype):
     return counts, cap, lists
 
 
-@pytest.mark.parametrize("ndim,shape", [(2, (3, 40, 52)), (3, (3, 12, 14, 16))])
+@pytest.mark.parametrize("ndim,shape,listed", [(2, (3, 40, 52), False), (3, (3, 12, 14, 16), False),
+                                               (3, (3, 12, 14, 16), True)])
 @pytest.mark.parametrize("conn_is_ndim", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("boundary", ["box", "periodic"])
-def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, shape, conn_is_ndim,
-                               dtype, boundary):
-    """A forward made for a backward keeps the critical pixels with a non-empty band, exactly
-    those of the NumPy path (index and contribution), and the backward of an image whose list
-    fits reads it instead of sweeping; an image whose list overflows (white noise in the middle
-    of the batch) is swept. Both give the NumPy path's cotangents, and pixels off the list get
-    exactly zero."""
+def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, shape, listed,
+                               conn_is_ndim, dtype, boundary):
+    """A forward made for a backward keeps the critical pixels with a non-empty band (with
+    ``listed``, the listed 3D forward: every critical pixel, band or not), exactly those of the
+    NumPy path (index and contribution), and the backward of an image whose list fits reads it
+    instead of sweeping; an image whose list overflows (white noise in the middle of the batch)
+    is swept. Both give the NumPy path's cotangents, and pixels off the list get exactly zero."""
     from cutopo import _soft_ecc, _soft_ecc_cupy
 
     cp = _cp()
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_3D", listed)
     # a slot per 4 pixels: the random waves' lists (up to ~15 % of the pixels in 3D, 379 of 2688
     # seen) fit with room to spare, the noise's (about half) overflow; the default, a slot per
     # 8 pixels, left a few draws of waves without room
@@ -490,7 +492,7 @@ def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, sha
 
     cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, boundary)
     index, px = _soft_ecc._pixels(cfg)
-    banded = px.lo < px.hi
+    banded = np.ones(index.size, bool) if listed else px.lo < px.hi
     counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, cfg.periodic, t.size, cfg.dtype)
     per_image = int(np.prod(shape[1:]))
     for b in range(shape[0]):

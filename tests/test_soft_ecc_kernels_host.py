@@ -91,6 +91,10 @@ def _instances():
         for kind, listed in (("forward", False), ("backward", False), ("backward", True)):
             names.add(_soft_ecc_cupy._sweep_sig(kind, np.dtype(dtype), cfg.dtype, ndim, cfg.tconn,
                                                 cfg.periodic, listed).name)
+        if ndim == 3:  # the listed forward's (LISTED_FORWARD_3D)
+            names |= {_soft_ecc_cupy._sweep_sig("list", np.dtype(dtype), cfg.dtype, ndim, cfg.tconn,
+                                                cfg.periodic).name,
+                      _soft_ecc_cupy._listed_forward_sig(np.dtype(dtype), cfg.dtype).name}
     return sorted(names)
 
 
@@ -495,11 +499,12 @@ def _sum_abs_c(image, ndim, tconn, periodic):
     return np.abs(c.reshape(c.shape[:c.ndim - ndim] + (-1,))).sum(axis=-1).astype(np.float64)
 
 
-def _kept_entries(cfg):
+def _kept_entries(cfg, every=False):
     """Per image, the entries a forward keeps (flat index << 8 | c & 0xff): the critical pixels
-    with a non-empty band, as the NumPy path finds them."""
+    with a non-empty band, as the NumPy path finds them; ``every``: band or not (the listed
+    forward's list)."""
     index, px = _soft_ecc._pixels(cfg)
-    banded = px.lo < px.hi
+    banded = np.ones(index.size, bool) if every else px.lo < px.hi
     packed = (index[banded].astype(np.uint64) << np.uint64(8)) | (px.c[banded].astype(np.int64)
                                                                    & 0xFF).astype(np.uint64)
     rows = px.row[banded]
@@ -564,18 +569,26 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
             results.append(_soft_ecc_cupy.soft_ecc_backward(
                 *args, g, needs, cfg.periodic, *dtypes, plan=plan, kept=kept if with_kept else None))
             assert _workspaces_zeroed(plan), f"the backward {needs} left its workspace dirty"
-    # the launches: one per forward; per backward the sweep, and with kept entries the listed
+    # the launches: one per forward (the listed forward: its list, its band work, the fused
+    # forward of the lists that overflowed); per backward the sweep, and with kept entries the
+    # listed
     sigs = [_soft_ecc_cupy._sweep_sig(kind, cfg.image.dtype, real, ndim, cfg.tconn, cfg.periodic,
                                       listed).name
             for kind, listed in (("forward", False), ("backward", False), ("backward", True))]
-    assert [name for name, _, _ in log] == 2 * sigs[:1] + [
+    listed_forward = plan._list is not None
+    forward = sigs[:1]
+    if listed_forward:
+        forward = [_soft_ecc_cupy._sweep_sig("list", cfg.image.dtype, real, ndim, cfg.tconn,
+                                             cfg.periodic).name,
+                   _soft_ecc_cupy._listed_forward_sig(cfg.image.dtype, real).name] + forward
+    assert [name for name, _, _ in log] == 2 * forward + [
         name for _, with_kept, _, _ in BACKWARDS for name in sigs[1:2 + with_kept]]
 
     assert out.dtype == real and out.shape == want.shape
     _close(out, want, S[..., None], real, "forward")
     _close(again, want, S[..., None], real, "forward again")  # sums in another order
     assert kept is not None and kept.size == nimg * (1 + plan.kept_cap)
-    for r, entries in enumerate(_kept_entries(cfg)):
+    for r, entries in enumerate(_kept_entries(cfg, every=listed_forward)):
         assert kept[r] == entries.size, f"image {r}: {kept[r]} entries met, {entries.size} expected"
         if entries.size <= plan.kept_cap:
             slots = kept[nimg + r * plan.kept_cap:][:entries.size]
@@ -618,6 +631,23 @@ def test_emulated_soft_ecc_equals_numpy(emulator, case, rng):
     _check_soft_ecc(emulator, rng, image, t, scale, ndim, conn, boundary, resident)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == 3],
+                         ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}-conn{c[4]}-{c[5]}-T{c[6]}")
+@pytest.mark.parametrize("noise", [False, True], ids=["smooth", "noise"])
+def test_emulated_listed_forward_equals_numpy(emulator, case, noise, rng, monkeypatch):
+    """The listed 3D forward (LISTED_FORWARD_3D: the list sweep, the band work of the lists
+    that fit, the fused forward of the images whose list overflowed; noise overflows the
+    default capacity, smooth volumes fit it) as test_emulated_soft_ecc_equals_numpy checks the
+    fused one, its list (every critical pixel, band or not) the backward's kept entries."""
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_3D", True)
+    shape, dtype, t_dtype, ndim, conn, boundary, T, per_band, resident = case
+    image = _image(rng, shape, dtype, ndim, noise=noise)
+    t = _thresholds(rng, image, T, np.dtype(t_dtype))
+    real = _config(shape, dtype, t_dtype, ndim, conn, boundary).dtype
+    _check_soft_ecc(emulator, rng, image, t, _scale(real, image, t, per_band), ndim, conn, boundary,
+                    resident)
+
+
 @pytest.mark.parametrize("case", [_case("float64", 2), _case("float32", 3)], ids=["float64-2d", "float32-3d"])
 def test_emulated_soft_ecc_at_extreme_scales(emulator, case, rng):
     """A huge scale empties every band (only the exact steps: the curve is cutopo.ecc's, the
@@ -631,17 +661,21 @@ def test_emulated_soft_ecc_at_extreme_scales(emulator, case, rng):
     _check_soft_ecc(emulator, rng, image, t, 1e-3, ndim, conn, boundary, resident)
 
 
-@pytest.mark.parametrize("case", [_case("float32", 2), _case("float64", 3)], ids=["2d-packed", "3d"])
-def test_emulated_kept_entries_at_their_capacity(emulator, case, rng):
+@pytest.mark.parametrize("case, listed", [(_case("float32", 2), False), (_case("float64", 3), False),
+                                          (_case("float64", 3), True)], ids=["2d-packed", "3d", "3d-listed"])
+def test_emulated_kept_entries_at_their_capacity(emulator, case, listed, rng, monkeypatch):
     """Kept entries that exactly fill an image's slots (read by the listed backward) and one
     more than its slots (that image swept again), with a capacity set per test: the forward
     writes no slot past its image's and counts every entry, the backward takes the list or the
-    sweep by those counts."""
+    sweep by those counts. ``listed``: the listed 3D forward, whose band work takes the list
+    or (one more) the fused forward the image."""
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_3D", listed)
     shape, dtype, t_dtype, ndim, conn, boundary, T, per_band, resident = case
     image = _image(rng, shape, dtype, ndim, noise=False)  # lists that can fit
     t = _thresholds(rng, image, T, np.dtype(t_dtype))
     scale = _scale(np.dtype(t_dtype), image, t, per_band)
-    counts = [e.size for e in _kept_entries(_soft_ecc._prepare(image, t, scale, ndim, conn, boundary))]
+    counts = [e.size for e in _kept_entries(_soft_ecc._prepare(image, t, scale, ndim, conn, boundary),
+                                            every=listed)]
     assert min(counts) > 1
     for capacity in (counts[0], counts[0] - 1):
         _, met = _check_soft_ecc(emulator, rng, image, t, scale, ndim, conn, boundary, resident,
@@ -696,7 +730,8 @@ def test_cases_cover_the_launches():
         seen |= {("dtype", dtype), ("real", cfg.dtype.name), ("packed", packed),
                  ("construction", ndim, cfg.tconn, cfg.periodic), ("batch", plan.nimg > 1)}
         for kind, launch in launches.items():
-            nz, ny, nx, zchunk, per_image, _, _, _, shared = launch.args[-9:]
+            args = launch.args[:-1] if kind == "forward" else launch.args  # (the list)
+            nz, ny, nx, zchunk, per_image, _, _, _, shared = args[-9:]
             tile_x = _ecc_cupy.TILE_X["unsigned short" if kind == "forward" and packed else "unsigned int"]
             tiles = math.ceil(nz / zchunk) * math.ceil(ny / _ecc_cupy.TILE_Y) * math.ceil(nx / tile_x)
             assert launch.grid == plan.nimg * per_image
