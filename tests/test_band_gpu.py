@@ -439,6 +439,17 @@ def _waves(rng, shape, ndim, dtype):
     return out.astype(dtype)
 
 
+def _kept_mask(px, in_dtype, ndim, periodic):
+    """Which pixels of _soft_ecc._pixels a GPU forward keeps: those with a non-empty band, or
+    all of them where the forward is the listed one (_soft_ecc_cupy.listed_forward: its list
+    holds every critical pixel)."""
+    from cutopo import _soft_ecc_cupy
+
+    if _soft_ecc_cupy.listed_forward(in_dtype, ndim, periodic):
+        return np.ones(px.lo.size, bool)
+    return px.lo < px.hi
+
+
 def _kept_lists(res, image, ndim, tconn, periodic, T, dtype):
     """(counts per image, sorted (index, c) per image) of a CuPy forward's kept entries."""
     from cutopo import _soft_ecc_cupy
@@ -492,7 +503,7 @@ def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, sha
 
     cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, boundary)
     index, px = _soft_ecc._pixels(cfg)
-    banded = np.ones(index.size, bool) if listed else px.lo < px.hi
+    banded = _kept_mask(px, dtype, ndim, boundary == "periodic")
     counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, cfg.periodic, t.size, cfg.dtype)
     per_image = int(np.prod(shape[1:]))
     for b in range(shape[0]):
@@ -563,7 +574,7 @@ def test_soft_ecc_packed_forward_on_tied_keys(rng, monkeypatch, fresh_soft_ecc_p
     out_g, res = _soft_ecc._forward(x, cp.asarray(t), scale, **kw)
     cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, "box")
     index, px = _soft_ecc._pixels(cfg)
-    banded = px.lo < px.hi
+    banded = _kept_mask(px, dtype, ndim, False)
     counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
     per_image = int(np.prod(shape[1:]))
     for b in range(shape[0]):
@@ -605,7 +616,7 @@ def test_soft_ecc_packed_forward_on_byte_images(rng, monkeypatch, fresh_soft_ecc
         out_g, res = _soft_ecc._forward(x, cp.asarray(t), 4.0, ndim=ndim, connectivity=conn)
         cfg = _soft_ecc._prepare(img, t, 4.0, ndim, conn, "box")
         index, px = _soft_ecc._pixels(cfg)
-        banded = px.lo < px.hi
+        banded = _kept_mask(px, img.dtype, ndim, False)
         counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
         nimg = int(np.prod(shape[:len(shape) - ndim]))
         per_image = img.size // nimg
