@@ -114,6 +114,22 @@ struct ForwardWorkspace {
         acc = reinterpret_cast<double*>(met + rows);
         sat = reinterpret_cast<long long*>(acc + rows * T);
     }
+
+    // By one warp of the image's last block: out_row = the image's curve (write_soft_row), then
+    // the image's accumulators and block counter zeroed for the next launch on the workspace
+    // (every other block of the image has finished).
+    template <typename Real>
+    __device__ __forceinline__ void finish_row(i64 img, int T, Real* out_row) const {
+        double* acc_row = acc + img * T;
+        long long* sat_row = sat + img * T;
+        write_soft_row(sat_row, acc_row, out_row, T);
+        __syncwarp();
+        for (int k = threadIdx.x % 32; k < T; k += 32) {
+            acc_row[k] = 0.0;
+            sat_row[k] = 0;
+        }
+        if (threadIdx.x % 32 == 0) done[img] = 0u;
+    }
 };
 
 // Words of a ForwardWorkspace (the host allocates this many 8-byte words).
@@ -593,7 +609,7 @@ struct ForwardWork {
     }
 };
 
-// The listing forward's work (FORWARD_LIST): every critical pixel with a finite value into the
+// The listing forward's work (soft_ecc_list_forward): every critical pixel with a finite value into the
 // kept list, band or not; no band work.
 template <typename Real>
 struct ListWork {
@@ -714,18 +730,11 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     }
     if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
 
-    // The image's last block: out = prefix sum of sat + acc, rounded once; then it zeroes the
-    // image's accumulators and counters for the next launch on the workspace (every other
-    // block of the image has finished) and hands the count of its entries to ``kept``.
+    // The image's last block: out = prefix sum of sat + acc, rounded once, the workspace's
+    // parts zeroed, and the count of its entries handed to ``kept``.
     if (last_block_done(wsp.done + img, (unsigned)blocks_per_image) && threadIdx.x < 32) {
-        write_soft_row(sat_row, acc_row, out + img * T, T);
-        __syncwarp();
-        for (int k = threadIdx.x; k < T; k += 32) {
-            acc_row[k] = 0.0;
-            sat_row[k] = 0;
-        }
+        wsp.finish_row(img, T, out + img * T);
         if (threadIdx.x == 0) {
-            wsp.done[img] = 0u;
             const unsigned long long met = atomicExch(wsp.met + img, 0ull);
             if (kept != nullptr) kept[img] = met;
         }
@@ -796,15 +805,8 @@ soft_ecc_listed_forward(const In* __restrict__ image, const Real* __restrict__ t
                    image, work);
     work.win.flush(work.a);
     if (shared) flush(s.acc, s.sat, acc_row, sat_row, T);
-    if (last_block_done(wsp.done + img, (unsigned)blocks_per_image) && threadIdx.x < 32) {
-        write_soft_row(sat_row, acc_row, out + img * T, T);
-        __syncwarp();
-        for (int k = threadIdx.x; k < T; k += 32) {
-            acc_row[k] = 0.0;
-            sat_row[k] = 0;
-        }
-        if (threadIdx.x == 0) wsp.done[img] = 0u;
-    }
+    if (last_block_done(wsp.done + img, (unsigned)blocks_per_image) && threadIdx.x < 32)
+        wsp.finish_row(img, T, out + img * T);
 }
 
 template <typename Real>
