@@ -609,8 +609,8 @@ struct ForwardWork {
     }
 };
 
-// The listing forward's work (soft_ecc_list_forward): every critical pixel with a finite value into the
-// kept list, band or not; no band work.
+// The listing forward's work (soft_ecc_list_forward): every critical pixel with a finite
+// value into the kept list, band or not; no band work.
 template <typename Real>
 struct ListWork {
     __device__ __forceinline__ void skipped(i64) const {}
