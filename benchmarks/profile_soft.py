@@ -65,9 +65,11 @@ def forward_3d(cp):
     (large, small, a batch, float64) and white noise."""
     cases = [("256^3 float32", (256, 256, 256), np.float32, False),
              ("128^3 float32", (128, 128, 128), np.float32, False),
+             ("192^3 float32", (192, 192, 192), np.float32, False),
              ("4x96^3 float32", (4, 96, 96, 96), np.float32, False),
              ("128^3 float64", (128, 128, 128), np.float64, False),
              ("96^3 float32 noise", (96, 96, 96), np.float32, True),
+             ("256^3 float32 noise", (256, 256, 256), np.float32, True),
              ("64^3 float32", (64, 64, 64), np.float32, False),
              ("512^3 float32", (512, 512, 512), np.float32, False)]
     for name, shape, dtype, noise in cases:

@@ -340,6 +340,8 @@ struct RowBands {
         if constexpr (QCAP > 0) drain(false);
     }
 
+    __device__ __forceinline__ bool stopped() const { return false; }
+
     // What is left after the sweep (every thread of the block calls).
     __device__ __forceinline__ void finish() const {
         if constexpr (QCAP > 0) {
@@ -577,9 +579,17 @@ struct KeptSink {
 };
 __shared__ KeptSink forward_kept;
 
+// Whether a warp of the listing forward's block (soft_ecc_list_forward) found its image's list
+// full, and that at the start of the current plane step (StopWhenFull).
+struct ListState {
+    bool overflowed, full;
+};
+__shared__ ListState list_state;
+
 // Appends (i, c) of the lanes where ``keep`` to the block's image's kept list (forward_kept;
 // none: nothing), one atomic per warp; past the capacity they are counted, not written (the
-// list overflowed). Every lane calls (a warp-uniform loop).
+// list overflowed; NOTE: noted in list_state). Every lane calls (a warp-uniform loop).
+template <bool NOTE = false>
 __device__ __forceinline__ void keep_entries(bool keep, i64 i, int c) {
     unsigned long long* slots = forward_kept.slots;
     if (slots == nullptr) return;
@@ -589,7 +599,10 @@ __device__ __forceinline__ void keep_entries(bool keep, i64 i, int c) {
     unsigned long long base = 0;
     if (lane == 0) base = atomicAdd(forward_kept.met, (unsigned long long)__popc(b));
     base = __shfl_sync(FULL, base, 0) + __popc(b & ((1u << lane) - 1u));
-    if (keep && base < (unsigned long long)forward_kept.cap) slots[base] = KeptEntries::pack(i, c);
+    if (keep) {
+        if (base < (unsigned long long)forward_kept.cap) slots[base] = KeptEntries::pack(i, c);
+        else if (NOTE) list_state.overflowed = true;
+    }
 }
 
 // The band work of the sweep's critical pixels; the running state (the warp's register window,
@@ -615,8 +628,27 @@ template <typename Real>
 struct ListWork {
     __device__ __forceinline__ void skipped(i64) const {}
     __device__ __forceinline__ void entries(bool, bool valid, Real, int c, i64 i) const {
-        keep_entries(valid, i, c);
+        keep_entries<true>(valid, i, c);
     }
+};
+
+// The listing forward's sweep hook: the rows' entries into the list (RowBands), and the sweep
+// stopped once the image's list has overflowed, since the fused forward sweeps an overflowed
+// image again (white noise at 256^3 listed to the end: the listed forward 24 % slower than the
+// fused one, H100, benchmarks/RESULTS.md). A block learns of it from its own entries past the
+// capacity (keep_entries<true>): thread 0 publishes that at a step's start, read by every
+// thread after the step's barrier (block-uniform). White noise at 256^3 then took 10 % more
+// time than the fused forward, smooth volumes 1 % more than listed to the end. Reading the
+// image's count at every step instead (the address every warp's atomic takes), or at every
+// fourth, made the smooth 256^3 and 512^3 forwards 4-9 % slower (H100, fortieth session).
+template <class Bands>
+struct StopWhenFull {
+    const Bands& bands;
+    __device__ __forceinline__ void rows_done() const { bands.rows_done(); }
+    __device__ __forceinline__ void step_begin() const {
+        if (threadIdx.x == 0) list_state.full = list_state.overflowed;
+    }
+    __device__ __forceinline__ bool stopped() const { return list_state.full; }
 };
 
 // The kept entries e[0 .. n) of one image dealt over the warps of its blocks_per_image blocks
@@ -748,8 +780,10 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
 // runs its warps' band work between plane steps, while the others wait at the next barrier.
 //
 // This kernel lists every critical voxel with a finite value (band or not) into ``kept``
-// (KeptEntries, kept_cap slots per image; past them only counted); the image's last block
-// writes the count (more than kept_cap: overflowed) and leaves the workspace's counters zeroed.
+// (KeptEntries, kept_cap slots per image; past them counted until the image's blocks stop, at
+// their next plane step: StopWhenFull); the image's last block writes the count (more than
+// kept_cap: overflowed, and then below the number of critical voxels) and leaves the
+// workspace's counters zeroed.
 // Block 0 checks the thresholds into ``word`` when not null (report_thresholds).
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
 __global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
@@ -764,14 +798,16 @@ soft_ecc_list_forward(const In* __restrict__ image, const Real* __restrict__ thr
     const int chunk = blockIdx.x % blocks_per_image;
     const i64 rows = gridDim.x / blocks_per_image;
     const ForwardWorkspace wsp(ws, rows, T);
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         forward_kept = KeptSink{KeptEntries{kept, kept_cap}.slots(img, rows), wsp.met + img, kept_cap};
+        list_state = ListState{false, false};
+    }
     __syncthreads();
     if (word != nullptr && blockIdx.x == 0) report_thresholds(thresholds, T, word, token);
     const RowBands<In, Real, ListWork<Real>, 0> bands{&q, image, ListWork<Real>{}, 0, nullptr, 0u, 0};
     sweep<NDIM, TCONN, K, NDIM == 3>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
                                      blocks_per_image, ValueKey<In, K>{{image}}, bands, AllPixels(),
-                                     Boundary<PERIODIC>(), bands);
+                                     Boundary<PERIODIC>(), StopWhenFull<decltype(bands)>{bands});
     if (last_block_done(wsp.done + img, (unsigned)blocks_per_image) && threadIdx.x == 0) {
         wsp.done[img] = 0u;
         kept[img] = atomicExch(wsp.met + img, 0ull);

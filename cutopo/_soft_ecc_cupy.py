@@ -62,11 +62,14 @@ KEPT_PIXELS_PER_SLOT = 8
 KEPT_MAX_BYTES = 64 << 20
 # Copies of the backward's global d_t and d_scale (band::BACKWARD_COPIES).
 BACKWARD_COPIES = 16
-# The 3D forward as three launches (listed_forward): the sweep lists the critical voxels, a
-# second kernel runs their band work over the whole grid, the fused forward sweeps the images
-# whose list overflowed. Off until measured against the fused forward (benchmarks/RESULTS.md,
-# thirty-ninth session: the band work is 22 % of the fused 3D forward at 256^3).
-LISTED_FORWARD_3D = False
+# The 3D forward as three launches (listed_forward) on calls of at least this many voxels
+# (None: never): the sweep lists the critical voxels, a second kernel runs their band work
+# over the whole grid, the fused forward sweeps the images whose list overflowed. Against the
+# fused forward on an H100 (benchmarks/RESULTS.md, fortieth session): 8 % less time on smooth
+# 256^3 volumes, 12 % less at 512^3, 2 % more at 192^3, the same on 4 x 96^3, 17-26 % more at
+# 128^3 and 64^3 (three launches where the fused forward is one, on little work); white noise
+# (its list overflows: swept twice, the first sweep stopped early) 10 % more at 256^3.
+LISTED_FORWARD_MIN_VOXELS = 1 << 23
 
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -116,11 +119,13 @@ def _listed_forward_sig(in_dtype, real) -> Signature:
                                     "int64", "int32", "int32", r, "float64", "int32"))
 
 
-def listed_forward(in_dtype, ndim, periodic) -> bool:
-    """Whether the forward is the listed one (band::soft_ecc_list_forward, then the listed
-    entries' band work, then the fused forward for the images whose list overflowed): with
-    LISTED_FORWARD_3D, the 3D scalar sweeps."""
-    return LISTED_FORWARD_3D and ndim == 3 and not packed_forward(in_dtype, ndim, periodic)
+def listed_forward(in_dtype, ndim, periodic, voxels) -> bool:
+    """Whether the forward of ``voxels`` voxels in all is the listed one
+    (band::soft_ecc_list_forward, then the listed entries' band work, then the fused forward
+    for the images whose list overflowed): the 3D scalar sweeps of at least
+    LISTED_FORWARD_MIN_VOXELS."""
+    return (LISTED_FORWARD_MIN_VOXELS is not None and voxels >= LISTED_FORWARD_MIN_VOXELS
+            and ndim == 3 and not packed_forward(in_dtype, ndim, periodic))
 
 
 def _instances():
@@ -218,7 +223,7 @@ class SoftEccPlan:
         args = (None,) * 7 + (self.kept_cap,) + geometry + (None, None, int(shared))
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS, args + (NULL,), shared_mem=smem)
         self._list = self._listed = self._overflowed = None
-        if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic):
+        if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic, nimg * math.prod(spatial)):
             # (image, thresholds, workspace, word, token, kept): no dynamic shared memory
             lsig = _sweep_sig("list", in_dtype, real, ndim, tconn, periodic)
             self._list = PreparedLaunch(lsig, nimg * per_image, THREADS,

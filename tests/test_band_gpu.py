@@ -439,13 +439,13 @@ def _waves(rng, shape, ndim, dtype):
     return out.astype(dtype)
 
 
-def _kept_mask(px, in_dtype, ndim, periodic):
-    """Which pixels of _soft_ecc._pixels a GPU forward keeps: those with a non-empty band, or
-    all of them where the forward is the listed one (_soft_ecc_cupy.listed_forward: its list
-    holds every critical pixel)."""
+def _kept_mask(px, in_dtype, ndim, periodic, voxels):
+    """Which pixels of _soft_ecc._pixels a GPU forward of ``voxels`` pixels in all keeps: those
+    with a non-empty band, or all of them where the forward is the listed one
+    (_soft_ecc_cupy.listed_forward: its list holds every critical pixel)."""
     from cutopo import _soft_ecc_cupy
 
-    if _soft_ecc_cupy.listed_forward(in_dtype, ndim, periodic):
+    if _soft_ecc_cupy.listed_forward(in_dtype, ndim, periodic, voxels):
         return np.ones(px.lo.size, bool)
     return px.lo < px.hi
 
@@ -483,7 +483,7 @@ def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, sha
     from cutopo import _soft_ecc, _soft_ecc_cupy
 
     cp = _cp()
-    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_3D", listed)
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_MIN_VOXELS", 0 if listed else None)
     # a slot per 4 pixels: the random waves' lists (up to ~15 % of the pixels in 3D, 379 of 2688
     # seen) fit with room to spare, the noise's (about half) overflow; the default, a slot per
     # 8 pixels, left a few draws of waves without room
@@ -503,16 +503,17 @@ def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, sha
 
     cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, boundary)
     index, px = _soft_ecc._pixels(cfg)
-    banded = _kept_mask(px, dtype, ndim, boundary == "periodic")
+    banded = _kept_mask(px, dtype, ndim, boundary == "periodic", img.size)
     counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, cfg.periodic, t.size, cfg.dtype)
     per_image = int(np.prod(shape[1:]))
     for b in range(shape[0]):
         sel = banded & (index // per_image == b)
         want = sorted(zip(index[sel].tolist(), px.c[sel].astype(np.int64).tolist()))
-        assert counts[b] == len(want), f"image {b}: {counts[b]} kept, {len(want)} expected"
-        if b == 1:
-            assert counts[b] > cap, "the noise image's list should overflow"
+        if b == 1:  # the listed forward stops listing an image that overflowed
+            assert cap < counts[b] <= len(want), "the noise image's list should overflow"
+            assert listed or counts[b] == len(want), f"{counts[b]} kept, {len(want)} expected"
         else:
+            assert counts[b] == len(want), f"image {b}: {counts[b]} kept, {len(want)} expected"
             assert counts[b] <= cap, "a smooth image's list should fit"
             assert lists[b] == want, f"image {b}: kept entries differ"
 
@@ -526,6 +527,40 @@ def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, sha
     off = np.ones(img.size, dtype=bool)
     off[index[banded]] = False
     assert np.all(cp.asnumpy(d_g[0]).reshape(-1)[off] == 0)
+
+
+def test_soft_ecc_listed_forward_at_its_size(rng, fresh_soft_ecc_plans):
+    """The listed 3D forward as calls take it (LISTED_FORWARD_MIN_VOXELS voxels or more, many
+    blocks per volume): a smooth volume whose list fits, white noise whose list overflows (its
+    listing stopped early, the volume swept again), both the NumPy path's curve and
+    cotangents (the smooth one's from its list)."""
+    from cutopo import _soft_ecc, _soft_ecc_cupy
+
+    cp = _cp()
+    shape = (2, 168, 168, 168)
+    assert _soft_ecc_cupy.listed_forward(np.float32, 3, False, int(np.prod(shape)))
+    img = _waves(rng, shape, 3, np.float32)
+    img[1] = rng.random(shape[1:]) * 4 - 2
+    t = np.linspace(-2.5, 2.5, int(rng.integers(40, 60))).astype(np.float32)
+    scale = float(rng.uniform(5, 30))
+    out_c, pb_c = cutopo.vjp(cutopo.soft_ecc, img, t, scale, ndim=3)
+    poison_pool()
+    x = cp.asarray(img)
+    cfg = _soft_ecc._prepare(img, t, scale, 3, 1, "box")
+    out_g, res = _soft_ecc._forward(x, cp.asarray(t), scale, ndim=3)
+    counts, cap, lists = _kept_lists(res, x, 3, cfg.tconn, False, t.size, cfg.dtype)
+    index, px = _soft_ecc._pixels(cfg)
+    first = index < img[0].size
+    assert counts[0] == first.sum() <= cap, "the smooth volume lists every critical voxel"
+    assert lists[0] == sorted(zip(index[first].tolist(), px.c[first].astype(np.int64).tolist()))
+    assert cap < counts[1] <= (~first).sum(), "the noise's list should overflow"
+    S = _sum_abs_c(img, 3, 1)[..., None]
+    _close(out_g, out_c, S, np.float32, "forward")
+    _, pb_g = cutopo.vjp(cutopo.soft_ecc, x, cp.asarray(t), scale, ndim=3)
+    g = rng.standard_normal(out_c.shape).astype(np.float32)
+    d_c = pb_c(g)
+    poison_pool()
+    _close_cotangents(pb_g(cp.asarray(g)), d_c, g, S, scale, len(t), np.float32)
 
 
 def _near_ties(rng, shape, ndim, dtype):
@@ -574,7 +609,7 @@ def test_soft_ecc_packed_forward_on_tied_keys(rng, monkeypatch, fresh_soft_ecc_p
     out_g, res = _soft_ecc._forward(x, cp.asarray(t), scale, **kw)
     cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, "box")
     index, px = _soft_ecc._pixels(cfg)
-    banded = _kept_mask(px, dtype, ndim, False)
+    banded = _kept_mask(px, dtype, ndim, False, img.size)
     counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
     per_image = int(np.prod(shape[1:]))
     for b in range(shape[0]):
@@ -616,7 +651,7 @@ def test_soft_ecc_packed_forward_on_byte_images(rng, monkeypatch, fresh_soft_ecc
         out_g, res = _soft_ecc._forward(x, cp.asarray(t), 4.0, ndim=ndim, connectivity=conn)
         cfg = _soft_ecc._prepare(img, t, 4.0, ndim, conn, "box")
         index, px = _soft_ecc._pixels(cfg)
-        banded = _kept_mask(px, img.dtype, ndim, False)
+        banded = _kept_mask(px, img.dtype, ndim, False, img.size)
         counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
         nimg = int(np.prod(shape[:len(shape) - ndim]))
         per_image = img.size // nimg
