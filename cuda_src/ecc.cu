@@ -244,13 +244,14 @@ struct MaskedPixels {
 // after each plane's rows, and at the start of each plane step (after the barrier that ends
 // the step before, before the next barrier: no thread is in any other part of the step):
 // nothing, or the soft ECC's band work on the pixels its sink queued (ecc_soft.cuh). After
-// the step's planes are loaded (past their barrier) the scalar sweep returns where stopped()
-// holds, which must then hold in every thread of the block (the listing forward's full list).
+// the step's planes are loaded (past their barrier) the scalar sweep of a hook whose STOPS
+// holds returns where stopped() does, which must then hold in every thread of the block (the
+// listing forward's full list).
 struct NoRowsHook {
+    static constexpr bool STOPS = false;
     template <typename... Args>
     __device__ __forceinline__ void rows_done(Args...) const {}
     __device__ __forceinline__ void step_begin() const {}
-    __device__ __forceinline__ bool stopped() const { return false; }
 };
 
 // The tiles first, first + step, ... of an ntx x nty x ntz grid (x fastest) that a block
@@ -308,9 +309,9 @@ __device__ __forceinline__ void plane_slot(int i, int& ly, int& lx) {
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
 // (each thread at most PY times per plane, once per row it owns); every thread calls
 // after.step_begin() at the start of every plane step and after.rows_done() after its rows,
-// and returns where after.stopped() (NoRowsHook). NARROW: read the planes with 32-bit offsets
-// where they allow it, by 16-byte reads where the rows are aligned (KeyOf is then a Reads16
-// key with key_in; below).
+// and returns where after.stopped() (with After::STOPS; NoRowsHook). NARROW: read the planes
+// with 32-bit offsets where they allow it, by 16-byte reads where the rows are aligned (KeyOf
+// is then a Reads16 key with key_in; below).
 template <int NDIM, bool TCONN, typename K, bool NARROW = false, class KeyOf, class Sink,
           class Region = AllPixels, class Edges = Boundary<false>, class After = NoRowsHook>
 __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, int zchunk,
@@ -413,7 +414,11 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
                 planes[0] = tile[0];
             }
             __syncthreads();
-            if (after.stopped()) return;  // block-uniform
+            // a hook that can stop (STOPS): a constant-false test made ptxas allocate the
+            // soft forward's registers differently (7 more spill accesses)
+            if constexpr (After::STOPS) {
+                if (after.stopped()) return;  // block-uniform
+            }
 
             // Window of 3 rows x 3 columns per plane, slid down the thread's PY rows.
             K win[NP][3][3];

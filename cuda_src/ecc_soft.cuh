@@ -208,6 +208,7 @@ __device__ __noinline__ void report_thresholds(const Real* t, int T,
 // kept list overflowed (noise-like: their planes fill whole batches).
 template <typename In, typename Real, class Work, int QCAP>
 struct RowBands {
+    static constexpr bool STOPS = false;
     RowQueues* q;
     const In* image;
     Work work;
@@ -339,8 +340,6 @@ struct RowBands {
     __device__ __forceinline__ void step_begin() const {
         if constexpr (QCAP > 0) drain(false);
     }
-
-    __device__ __forceinline__ bool stopped() const { return false; }
 
     // What is left after the sweep (every thread of the block calls).
     __device__ __forceinline__ void finish() const {
@@ -643,6 +642,7 @@ struct ListWork {
 // fourth, made the smooth 256^3 and 512^3 forwards 4-9 % slower (H100, fortieth session).
 template <class Bands>
 struct StopWhenFull {
+    static constexpr bool STOPS = true;
     const Bands& bands;
     __device__ __forceinline__ void rows_done() const { bands.rows_done(); }
     __device__ __forceinline__ void step_begin() const {
