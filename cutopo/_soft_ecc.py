@@ -371,10 +371,11 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     pixels with a non-empty band (8 bytes each, room for one per 8 pixels of each image and
     at most 64 MiB per call); the backward evaluates that list instead of sweeping the image
     again, and sweeps only the images whose list overflowed (noise-like images, where most
-    pixels are critical). The plain call keeps nothing. 3D calls of at least 2^23 voxels list
-    every critical voxel in a first pass, run the band work from that list in a second, and
-    sweep again only the volumes whose list overflowed (faster on smooth volumes, where the
-    critical voxels are few; the list is then the residual). The
+    pixels are critical). The plain call keeps nothing. 3D calls of at least 2^23 voxels (and
+    room for a slot per 32 voxels of each volume) list every critical voxel in a first pass,
+    run the band work from that list in a second, and sweep again only the volumes whose list
+    overflowed (faster on smooth volumes, where the critical voxels are few; the list is then
+    the residual). The
     entries are the same as on the CPU; the sums are formed in a different order and the
     sigmoids by CUDA's ``exp``, so the results agree to the rounding of the computation
     dtype relative to ``sum |c|``, not bit for bit.

@@ -70,6 +70,11 @@ BACKWARD_COPIES = 16
 # 128^3 and 64^3 (three launches where the fused forward is one, on little work); white noise
 # (its list overflows: swept twice, the first sweep stopped early) 10 % more at 256^3.
 LISTED_FORWARD_MIN_VOXELS = 1 << 23
+# ... and with a slot for every this many voxels of each image at least: the list of a smooth
+# volume (bench_soft's 256^3, Gaussian sigma 2: 1.9 % of the voxels critical) then fits where
+# KEPT_MAX_BYTES leaves fewer slots than KEPT_PIXELS_PER_SLOT asks (512^3: one per 16 voxels;
+# 1024^3: one per 128, where such a list would overflow after a good part of the sweep).
+LISTED_FORWARD_VOXELS_PER_SLOT = 32
 
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -119,13 +124,14 @@ def _listed_forward_sig(in_dtype, real) -> Signature:
                                     "int64", "int32", "int32", r, "float64", "int32"))
 
 
-def listed_forward(in_dtype, ndim, periodic, voxels) -> bool:
-    """Whether the forward of ``voxels`` voxels in all is the listed one
+def listed_forward(in_dtype, ndim, periodic, nimg, voxels) -> bool:
+    """Whether the forward of ``nimg`` images of ``voxels`` voxels is the listed one
     (band::soft_ecc_list_forward, then the listed entries' band work, then the fused forward
     for the images whose list overflowed): the 3D scalar sweeps of at least
-    LISTED_FORWARD_MIN_VOXELS."""
-    return (LISTED_FORWARD_MIN_VOXELS is not None and voxels >= LISTED_FORWARD_MIN_VOXELS
-            and ndim == 3 and not packed_forward(in_dtype, ndim, periodic))
+    LISTED_FORWARD_MIN_VOXELS in all, with a kept slot per LISTED_FORWARD_VOXELS_PER_SLOT."""
+    return (LISTED_FORWARD_MIN_VOXELS is not None and nimg * voxels >= LISTED_FORWARD_MIN_VOXELS
+            and ndim == 3 and not packed_forward(in_dtype, ndim, periodic)
+            and kept_capacity(nimg, voxels) * LISTED_FORWARD_VOXELS_PER_SLOT >= voxels)
 
 
 def _instances():
@@ -223,7 +229,7 @@ class SoftEccPlan:
         args = (None,) * 7 + (self.kept_cap,) + geometry + (None, None, int(shared))
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS, args + (NULL,), shared_mem=smem)
         self._list = self._listed = self._overflowed = None
-        if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic, nimg * math.prod(spatial)):
+        if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic, nimg, math.prod(spatial)):
             # (image, thresholds, workspace, word, token, kept): no dynamic shared memory
             lsig = _sweep_sig("list", in_dtype, real, ndim, tconn, periodic)
             self._list = PreparedLaunch(lsig, nimg * per_image, THREADS,

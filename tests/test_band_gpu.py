@@ -439,13 +439,14 @@ def _waves(rng, shape, ndim, dtype):
     return out.astype(dtype)
 
 
-def _kept_mask(px, in_dtype, ndim, periodic, voxels):
-    """Which pixels of _soft_ecc._pixels a GPU forward of ``voxels`` pixels in all keeps: those
+def _kept_mask(px, in_dtype, ndim, periodic, shape):
+    """Which pixels of _soft_ecc._pixels a GPU forward of an image of ``shape`` keeps: those
     with a non-empty band, or all of them where the forward is the listed one
     (_soft_ecc_cupy.listed_forward: its list holds every critical pixel)."""
     from cutopo import _soft_ecc_cupy
 
-    if _soft_ecc_cupy.listed_forward(in_dtype, ndim, periodic, voxels):
+    nimg, voxels = int(np.prod(shape[:len(shape) - ndim])), int(np.prod(shape[len(shape) - ndim:]))
+    if _soft_ecc_cupy.listed_forward(in_dtype, ndim, periodic, nimg, voxels):
         return np.ones(px.lo.size, bool)
     return px.lo < px.hi
 
@@ -503,7 +504,7 @@ def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, sha
 
     cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, boundary)
     index, px = _soft_ecc._pixels(cfg)
-    banded = _kept_mask(px, dtype, ndim, boundary == "periodic", img.size)
+    banded = _kept_mask(px, dtype, ndim, boundary == "periodic", img.shape)
     counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, cfg.periodic, t.size, cfg.dtype)
     per_image = int(np.prod(shape[1:]))
     for b in range(shape[0]):
@@ -538,7 +539,7 @@ def test_soft_ecc_listed_forward_at_its_size(rng, fresh_soft_ecc_plans):
 
     cp = _cp()
     shape = (2, 168, 168, 168)
-    assert _soft_ecc_cupy.listed_forward(np.float32, 3, False, int(np.prod(shape)))
+    assert _soft_ecc_cupy.listed_forward(np.float32, 3, False, shape[0], int(np.prod(shape[1:])))
     img = _waves(rng, shape, 3, np.float32)
     img[1] = rng.random(shape[1:]) * 4 - 2
     t = np.linspace(-2.5, 2.5, int(rng.integers(40, 60))).astype(np.float32)
@@ -609,7 +610,7 @@ def test_soft_ecc_packed_forward_on_tied_keys(rng, monkeypatch, fresh_soft_ecc_p
     out_g, res = _soft_ecc._forward(x, cp.asarray(t), scale, **kw)
     cfg = _soft_ecc._prepare(img, t, scale, ndim, conn, "box")
     index, px = _soft_ecc._pixels(cfg)
-    banded = _kept_mask(px, dtype, ndim, False, img.size)
+    banded = _kept_mask(px, dtype, ndim, False, img.shape)
     counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
     per_image = int(np.prod(shape[1:]))
     for b in range(shape[0]):
@@ -651,7 +652,7 @@ def test_soft_ecc_packed_forward_on_byte_images(rng, monkeypatch, fresh_soft_ecc
         out_g, res = _soft_ecc._forward(x, cp.asarray(t), 4.0, ndim=ndim, connectivity=conn)
         cfg = _soft_ecc._prepare(img, t, 4.0, ndim, conn, "box")
         index, px = _soft_ecc._pixels(cfg)
-        banded = _kept_mask(px, img.dtype, ndim, False, img.size)
+        banded = _kept_mask(px, img.dtype, ndim, False, img.shape)
         counts, cap, lists = _kept_lists(res, x, ndim, cfg.tconn, False, t.size, cfg.dtype)
         nimg = int(np.prod(shape[:len(shape) - ndim]))
         per_image = img.size // nimg

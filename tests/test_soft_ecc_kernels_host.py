@@ -651,6 +651,20 @@ def test_emulated_listed_forward_equals_numpy(emulator, case, noise, rng, monkey
                     resident)
 
 
+def test_listed_forward_where_it_pays():
+    """The listed 3D forward (listed_forward): 3D calls of LISTED_FORWARD_MIN_VOXELS or more
+    whose kept slots (KEPT_MAX_BYTES a call) hold a slot per LISTED_FORWARD_VOXELS_PER_SLOT
+    voxels; never in 2D."""
+    listed = _soft_ecc_cupy.listed_forward
+    assert listed(np.float32, 3, False, 1, 256**3) and listed(np.float64, 3, True, 1, 256**3)
+    assert listed(np.uint8, 3, False, 1, 512**3)  # a slot per 16 voxels
+    assert listed(np.float32, 3, False, 64, 64**3)  # 2^24 voxels in all
+    assert not listed(np.float32, 3, False, 1, 192**3)  # below 2^23
+    assert not listed(np.float32, 3, False, 1, 1024**3)  # a slot per 128 voxels
+    assert not listed(np.float32, 3, False, 4, 512**3)  # per 64
+    assert not listed(np.float32, 2, False, 1, 8192**2) and not listed(np.int16, 2, False, 1, 8192**2)
+
+
 @pytest.mark.parametrize("case", [_case("float64", 2), _case("float32", 3)], ids=["float64-2d", "float32-3d"])
 def test_emulated_soft_ecc_at_extreme_scales(emulator, case, rng):
     """A huge scale empties every band (only the exact steps: the curve is cutopo.ecc's, the
