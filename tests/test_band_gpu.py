@@ -90,18 +90,25 @@ def test_soft_ecc_forward_and_vjp_match_numpy(rng, ndim, shape, conn_is_ndim, dt
 
 
 @pytest.mark.parametrize("in_dtype", ["bool", "uint8", "uint16", "int16", "int32", "float16"])
-def test_soft_ecc_input_dtypes(rng, in_dtype):
+@pytest.mark.parametrize("shape,listed", [((40, 33), False), ((9, 14, 64), False), ((9, 14, 64), True)],
+                         ids=["2d", "3d", "3d-listed"])
+def test_soft_ecc_input_dtypes(rng, monkeypatch, fresh_soft_ecc_plans, in_dtype, shape, listed):
+    """Every input dtype, 2D and 3D (rows of 64: the 3D sweeps' 16-byte plane reads of every
+    width), the fused forward and the listed one (_soft_ecc_cupy.listed_forward)."""
+    from cutopo import _soft_ecc_cupy
+
     cp = _cp()
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_MIN_VOXELS", 0 if listed else None)
     if in_dtype == "bool":
-        img = rng.random((40, 33)) < 0.5
+        img = rng.random(shape) < 0.5
     elif in_dtype == "float16":
-        img = rng.random((40, 33)).astype(np.float16)
+        img = rng.random(shape).astype(np.float16)
     else:
-        img = rng.integers(0, 100, size=(40, 33)).astype(in_dtype)
+        img = rng.integers(0, 100, size=shape).astype(in_dtype)
     t = 12  # a count: linear_thresholds of the image
     out_c = cutopo.soft_ecc(img, t, 3.0)
     out_g = cutopo.soft_ecc(cp.asarray(img), t, 3.0)
-    _close(out_g, out_c, _sum_abs_c(img, 2, 1)[..., None], np.float32, in_dtype)
+    _close(out_g, out_c, _sum_abs_c(img, len(shape), 1)[..., None], np.float32, in_dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
