@@ -34,6 +34,7 @@ from ._checks import check_thresholds
 from ._cuda.compile import register_instances
 from ._cuda.deferred import PinnedWord
 from ._cuda.launch import HOST_WORD, NULL, PreparedLaunch, Signature, _c_contiguous, _current_device
+from ._cuda.workspace import ZeroedWorkspaces
 
 FAMILY = "ecc"
 THREADS = 256                  # band::THREADS
@@ -251,25 +252,12 @@ class SoftEccPlan:
         self._bgeometry = (nz, ny, nx, bzchunk, bper_image, T, None, None, int(bshared))
         self._bgrid = nimg * bper_image
         self._backward = {}
-        self._local = threading.local()
+        self._workspaces = ZeroedWorkspaces(KEEP_WORKSPACE_BYTES)
 
     def workspace(self, kind: str, words: int, dtype):
-        """A zeroed workspace of ``words`` elements for ``kind`` ("forward", "backward"): this
-        thread's for the current stream, kept (the kernels leave it zeroed; kernels on one
-        stream run in order, and a stream's launches from two threads could interleave), or a
-        new one when larger than KEEP_WORKSPACE_BYTES."""
-        import cupy
-
-        if words * 8 > KEEP_WORKSPACE_BYTES:
-            return cupy.zeros(words, dtype=dtype)
-        kept = getattr(self._local, "workspaces", None)
-        if kept is None:
-            kept = self._local.workspaces = {}
-        key = (kind, cupy.cuda.get_current_stream().ptr)
-        ws = kept.get(key)
-        if ws is None:
-            ws = kept[key] = cupy.zeros(words, dtype=dtype)
-        return ws
+        """A zeroed workspace of ``words`` elements for ``kind`` ("forward", "backward"), kept
+        per thread and stream up to KEEP_WORKSPACE_BYTES (the kernels leave it zeroed)."""
+        return self._workspaces.get(kind, words, dtype)
 
     def forward(self, x, t, out, lam, w, check: bool, keep: bool = False):
         """Launch the forward into ``out`` (nimg * T, the computation dtype); with ``check``,

@@ -87,6 +87,19 @@ SEED_ENV = "CUTOPO_TEST_SEED"
 
 
 @pytest.fixture
+def force_listed_forward(monkeypatch):
+    """A function making every soft ECC 3D forward of this test the listed one (True: whatever
+    its size and its kept slots) or the fused one (False); plans made before keep their own."""
+    def force(listed):
+        from cutopo import _soft_ecc_cupy
+
+        monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_MIN_VOXELS", 0 if listed else None)
+        monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_VOXELS_PER_SLOT", 1 << 62)
+
+    return force
+
+
+@pytest.fixture
 def rng(request):
     """A NumPy Generator seeded freshly for this test (reported on failure)."""
     env = os.environ.get(SEED_ENV)

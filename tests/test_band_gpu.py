@@ -92,19 +92,20 @@ def test_soft_ecc_forward_and_vjp_match_numpy(rng, ndim, shape, conn_is_ndim, dt
 @pytest.mark.parametrize("in_dtype", ["bool", "uint8", "uint16", "int16", "int32", "float16"])
 @pytest.mark.parametrize("shape,listed", [((40, 33), False), ((9, 14, 64), False), ((9, 14, 64), True)],
                          ids=["2d", "3d", "3d-listed"])
-def test_soft_ecc_input_dtypes(rng, monkeypatch, fresh_soft_ecc_plans, in_dtype, shape, listed):
+def test_soft_ecc_input_dtypes(rng, force_listed_forward, fresh_soft_ecc_plans, in_dtype, shape, listed):
     """Every input dtype, 2D and 3D (rows of 64: the 3D sweeps' 16-byte plane reads of every
     width), the fused forward and the listed one (_soft_ecc_cupy.listed_forward)."""
     from cutopo import _soft_ecc_cupy
 
     cp = _cp()
-    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_MIN_VOXELS", 0 if listed else None)
+    force_listed_forward(listed)
     if in_dtype == "bool":
         img = rng.random(shape) < 0.5
     elif in_dtype == "float16":
         img = rng.random(shape).astype(np.float16)
     else:
         img = rng.integers(0, 100, size=shape).astype(in_dtype)
+    assert _soft_ecc_cupy.listed_forward(img.dtype, len(shape), False, 1, img.size) == listed
     t = 12  # a count: linear_thresholds of the image
     out_c = cutopo.soft_ecc(img, t, 3.0)
     out_g = cutopo.soft_ecc(cp.asarray(img), t, 3.0)
@@ -481,7 +482,7 @@ def _kept_lists(res, image, ndim, tconn, periodic, T, dtype):
 @pytest.mark.parametrize("conn_is_ndim", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("boundary", ["box", "periodic"])
-def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, shape, listed,
+def test_soft_ecc_kept_entries(rng, monkeypatch, force_listed_forward, fresh_soft_ecc_plans, ndim, shape, listed,
                                conn_is_ndim, dtype, boundary):
     """A forward made for a backward keeps the critical pixels with a non-empty band (with
     ``listed``, the listed 3D forward: every critical pixel, band or not), exactly those of the
@@ -491,7 +492,7 @@ def test_soft_ecc_kept_entries(rng, monkeypatch, fresh_soft_ecc_plans, ndim, sha
     from cutopo import _soft_ecc, _soft_ecc_cupy
 
     cp = _cp()
-    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_MIN_VOXELS", 0 if listed else None)
+    force_listed_forward(listed)
     # a slot per 4 pixels: the random waves' lists (up to ~15 % of the pixels in 3D, 379 of 2688
     # seen) fit with room to spare, the noise's (about half) overflow; the default, a slot per
     # 8 pixels, left a few draws of waves without room

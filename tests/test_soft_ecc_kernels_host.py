@@ -522,7 +522,7 @@ def _plan(cfg):
 
 
 def _workspaces_zeroed(plan):
-    return all(not ws.any() for ws in plan._local.workspaces.values())
+    return all(not ws.any() for ws in plan._workspaces.kept())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,12 +637,12 @@ def test_emulated_soft_ecc_equals_numpy(emulator, case, rng):
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] == 3],
                          ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}-conn{c[4]}-{c[5]}-T{c[6]}")
 @pytest.mark.parametrize("noise", [False, True], ids=["smooth", "noise"])
-def test_emulated_listed_forward_equals_numpy(emulator, case, noise, rng, monkeypatch):
+def test_emulated_listed_forward_equals_numpy(emulator, case, noise, rng, force_listed_forward):
     """The listed 3D forward (LISTED_FORWARD_MIN_VOXELS: the list sweep, the band work of the lists
     that fit, the fused forward of the images whose list overflowed; noise overflows the
     default capacity, smooth volumes fit it) as test_emulated_soft_ecc_equals_numpy checks the
     fused one, its list (every critical pixel, band or not) the backward's kept entries."""
-    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_MIN_VOXELS", 0)
+    force_listed_forward(True)
     shape, dtype, t_dtype, ndim, conn, boundary, T, per_band, resident = case
     image = _image(rng, shape, dtype, ndim, noise=noise)
     t = _thresholds(rng, image, T, np.dtype(t_dtype))
@@ -680,14 +680,14 @@ def test_emulated_soft_ecc_at_extreme_scales(emulator, case, rng):
 
 @pytest.mark.parametrize("case, listed", [(_case("float32", 2), False), (_case("float64", 3), False),
                                           (_case("float64", 3), True)], ids=["2d-packed", "3d", "3d-listed"])
-def test_emulated_kept_entries_at_their_capacity(emulator, case, listed, rng, monkeypatch):
+def test_emulated_kept_entries_at_their_capacity(emulator, case, listed, rng, force_listed_forward):
     """Kept entries that exactly fill an image's slots (read by the listed backward) and one
     more than its slots (that image swept again), with a capacity set per test: the forward
     writes no slot past its image's and counts every entry, the backward takes the list or the
     sweep by those counts. ``listed``: the listed 3D forward, whose band work takes the list
     or (one more) the fused forward the image, and which may stop counting an image that
     overflowed by more."""
-    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_FORWARD_MIN_VOXELS", 0 if listed else None)
+    force_listed_forward(listed)
     shape, dtype, t_dtype, ndim, conn, boundary, T, per_band, resident = case
     image = _image(rng, shape, dtype, ndim, noise=False)  # lists that can fit
     t = _thresholds(rng, image, T, np.dtype(t_dtype))

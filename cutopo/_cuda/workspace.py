@@ -1,0 +1,41 @@
+"""Device workspaces that kernels leave zeroed, kept from one call to the next.
+
+A kernel that gathers into a zeroed workspace (counters, per-row sums) and whose last block
+zeroes it again lets its plan keep the workspace: a call then launches on it without a memset
+first. Kernels on one stream run in order, so one workspace per stream serves them all; two
+threads may interleave their launches on one stream, so each thread keeps its own.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+
+class ZeroedWorkspaces:
+    """A plan's zeroed workspaces, one per (kind, thread, stream); those above ``keep_bytes``
+    are made zeroed at every call instead (a large batch's would stay allocated)."""
+
+    def __init__(self, keep_bytes: int):
+        self.keep_bytes = keep_bytes
+        self._local = threading.local()
+
+    def get(self, kind: str, words: int, dtype):
+        """A zeroed device array of ``words`` elements of ``dtype`` for ``kind``, on the
+        current device and stream; the caller's kernels must leave it zeroed."""
+        import cupy
+
+        if words * np.dtype(dtype).itemsize > self.keep_bytes:
+            return cupy.zeros(words, dtype=dtype)
+        kept = getattr(self._local, "workspaces", None)
+        if kept is None:
+            kept = self._local.workspaces = {}
+        key = (kind, cupy.cuda.get_current_stream().ptr)
+        ws = kept.get(key)
+        if ws is None:
+            ws = kept[key] = cupy.zeros(words, dtype=dtype)
+        return ws
+
+    def kept(self) -> list:
+        """This thread's kept workspaces (the tests check that the kernels left them zeroed)."""
+        return list(getattr(self._local, "workspaces", {}).values())
