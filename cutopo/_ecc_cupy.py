@@ -31,7 +31,7 @@ MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from
 BLOCK_PREFIX_MIN_PIXELS = 4
 # Whether a call's histogram rows and counters are a workspace kept per plan, thread and stream
 # (up to HIST_KEEP_WORKSPACE_BYTES), which the kernel's last block per image leaves zeroed after
-# writing the curve to an output made without a memset (ecc.cu, ecc_histogram's ``out``): no
+# writing the curve to an output made without a memset (ecc.cu, ecc_histogram_out): no
 # memset per call, but a last-block tail for the block prefix sums. Off until measured
 # (`benchmarks/ab_ecc.py --small --setting "kept=HIST_ZEROED_WORKSPACE=1"`, and bench_ecc.py's
 # call times). Read when a plan is made (its kernel: ecc_histogram_out).
