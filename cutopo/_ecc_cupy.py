@@ -362,9 +362,9 @@ class HistogramPlan:
                                         shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
         # the curves' rows and counters: a kept workspace (HIST_ZEROED_WORKSPACE, up to its
         # bytes) that ecc_histogram_out leaves zeroed, or a zeroed output per call
-        words = nimg * T + (nimg + 1) // 2
+        self._words = nimg * T + (nimg + 1) // 2  # the rows, then one uint32 counter per image
         self.zeroed_workspace = (not masked and HIST_ZEROED_WORKSPACE
-                                 and words * 8 <= HIST_KEEP_WORKSPACE_BYTES)
+                                 and self._words * 8 <= HIST_KEEP_WORKSPACE_BYTES)
         if self.zeroed_workspace:
             out_sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn, rows,
                                                            out=True), params + ("ptr:int64",))
@@ -382,15 +382,14 @@ class HistogramPlan:
         import cupy
 
         n, T = self.nimg, self.T
-        # rows, then one uint32 counter per image: the output zeroed for the launch, or
-        # (zeroed_workspace) a kept workspace that the last blocks leave zeroed
-        words = n * T + (n + 1) // 2
+        # the rows and counters: the output zeroed for the launch, or (zeroed_workspace) a kept
+        # workspace that the last blocks leave zeroed
         if self.zeroed_workspace:
-            ws = self._workspaces.get("histogram", words, np.int64)
+            ws = self._workspaces.get("histogram", self._words, np.int64)
             out = cupy.empty((n, T), dtype=np.int64)
             self._histogram_out(x, ws[:n * T], ws[n * T:].view(np.uint32), self.cumulate, out)
             return out
-        buf = cupy.zeros(words, dtype=np.int64)
+        buf = cupy.zeros(self._words, dtype=np.int64)
         out = buf[:n * T].reshape(n, T)
         self.histogram(x, out, buf[n * T:].view(np.uint32), self.cumulate)
         return out
