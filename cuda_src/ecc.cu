@@ -1109,8 +1109,7 @@ __device__ __forceinline__ void
 histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
                 long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
                 int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
-                const Region& counts, unsigned* __restrict__ done, bool block_prefix = false,
-                long long* __restrict__ out = nullptr) {
+                const Region& counts, unsigned* __restrict__ done, bool block_prefix = false) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
     const Bounds<Cmp>* tab = thresholds;
@@ -1184,16 +1183,6 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
             carry += total;
             __syncthreads();  // warp_sums is rewritten by the next round
         }
-        // out: the image's last block moves the curve there and leaves its row (and counter)
-        // of the workspace zeroed
-        if (out != nullptr && last_block_done(done + img, (unsigned)blocks_per_image) && threadIdx.x < 32) {
-            long long* out_row = out + img * T;
-            for (int k = threadIdx.x; k < T; k += 32) {
-                out_row[k] = __ldcg(row + k);
-                row[k] = 0;
-            }
-            if (threadIdx.x == 0) done[img] = 0u;
-        }
         return;
     }
     if (hist_in_smem) {
@@ -1206,19 +1195,8 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     if (done != nullptr) {
         // The image's last block to finish turns its row into the cumulative curve: no second
         // launch (ecc_cumsum, 2.5 of a 1024^2 call's 17 us; the call measured ~4 % faster).
-        // With out, the curve goes there, and the row and counter are left zeroed.
-        if (last_block_done(done + img, (unsigned)blocks_per_image) && threadIdx.x < 32) {
-            if (out != nullptr) {
-                long long* out_row = out + img * T;
-                warp_row_prefix_sum(row, T, [row, out_row](int k, long long sum) {
-                    out_row[k] = sum;
-                    row[k] = 0;
-                });
-                if (threadIdx.x == 0) done[img] = 0u;
-            } else {
-                warp_row_prefix_sum(row, T, [row](int k, long long sum) { row[k] = sum; });
-            }
-        }
+        if (last_block_done(done + img, (unsigned)blocks_per_image) && threadIdx.x < 32)
+            warp_row_prefix_sum(row, T, [row](int k, long long sum) { row[k] = sum; });
     }
 }
 
@@ -1241,22 +1219,6 @@ ecc_histogram(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thre
                                                   blocks_per_image, T, estimate, t0, inv_dt,
                                                   table_in_smem, hist_in_smem, AllPixels(),
                                                   cumulate == 1 ? done : nullptr, cumulate == 2);
-}
-
-// The same curves (cumulate 1 or 2) into ``out`` (rows, T): ws and done are a workspace that
-// starts zeroed, and the last block of each image writes its curve to out and leaves its row
-// and counter zeroed, so that the host keeps one workspace where it made a zeroed output per
-// call (_ecc_cupy.HIST_ZEROED_WORKSPACE).
-template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, int RPT = PY>
-__global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
-ecc_histogram_out(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
-                  long long* __restrict__ ws, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
-                  int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
-                  unsigned* __restrict__ done, int cumulate, long long* __restrict__ out) {
-    histogram_tiles<In, Cmp, K, NDIM, TCONN, RPT>(image, thresholds, ws, nz, ny, nx, zchunk,
-                                                  blocks_per_image, T, estimate, t0, inv_dt,
-                                                  table_in_smem, hist_in_smem, AllPixels(), done,
-                                                  cumulate == 2, out);
 }
 
 // The same histogram, adding only the pixels whose coordinates are marked in the per-axis masks

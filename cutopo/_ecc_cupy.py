@@ -9,7 +9,6 @@ import numpy as np
 from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
-from ._cuda.workspace import ZeroedWorkspaces
 
 FAMILY = "ecc"
 THREADS = 256                # ecc::THREADS
@@ -29,14 +28,6 @@ MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from
 # non-zero bins (dense prefix sums cost 1.3 us more at 1024^2, all at the end of the wave), and
 # launches with more than 1 / BLOCK_PREFIX_MIN_PIXELS bins per pixel of a block.
 BLOCK_PREFIX_MIN_PIXELS = 4
-# Whether a call's histogram rows and counters are a workspace kept per plan, thread and stream
-# (up to HIST_KEEP_WORKSPACE_BYTES), which the kernel's last block per image leaves zeroed after
-# writing the curve to an output made without a memset (ecc.cu, ecc_histogram_out): no
-# memset per call, but a last-block tail for the block prefix sums. Off until measured
-# (`benchmarks/ab_ecc.py --small --setting "kept=HIST_ZEROED_WORKSPACE=1"`, and bench_ecc.py's
-# call times). Read when a plan is made (its kernel: ecc_histogram_out).
-HIST_ZEROED_WORKSPACE = False
-HIST_KEEP_WORKSPACE_BYTES = 1 << 20
 PROFILE_OPTIONS: tuple[str, ...] = ()  # extra -D flags for profiling variants (benchmarks only)
 # The histogram kernel's launch geometry (_histogram_geometry, measured on the H200).
 HIST_WAVES_2D = 3        # 2D blocks: up to this many times the resident ones,
@@ -126,13 +117,11 @@ def histogram_bin_arguments(dtype: np.dtype, thresholds: np.ndarray):
     return cmp_ctype, _threshold_table(thresholds, cmp_dtype), _uniform_estimate(thresholds)
 
 
-def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn, rows=None, out=False) -> str:
+def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn, rows=None) -> str:
     """The histogram kernel; ``rows``: rows per thread of the packed sweep's tiles (16-bit keys)
-    where not the kernel's default (TILE_Y / 8); ``out``: ecc_histogram_out, the curves written
-    to an output, the rows and counters a workspace left zeroed (HIST_ZEROED_WORKSPACE)."""
+    where not the kernel's default (TILE_Y / 8)."""
     tail = "" if rows is None else f", {int(rows)}"
-    kernel = "ecc_histogram_out" if out else "ecc_histogram"
-    return (f"cutopo::ecc::{kernel}<{in_ctype}, {cmp_ctype}, {key_ctype}, {ndim}, "
+    return (f"cutopo::ecc::ecc_histogram<{in_ctype}, {cmp_ctype}, {key_ctype}, {ndim}, "
             f"{'true' if tconn else 'false'}{tail}>")
 
 
@@ -176,10 +165,6 @@ def _instances():
     yield histogram_instance("float", "double", "unsigned int", 3, False)
     yield histogram_instance("unsigned char", "unsigned long long", "unsigned short", 2, True)
     yield histogram_instance("unsigned short", "int", "unsigned int", 3, False)
-    # ecc_histogram_out (HIST_ZEROED_WORKSPACE): one instance per sweep
-    yield histogram_instance("float", "float", "unsigned short", 2, False, HIST_TALL_ROWS, out=True)
-    yield histogram_instance("unsigned char", "long long", "unsigned short", 3, True, out=True)
-    yield histogram_instance("float", "double", "unsigned int", 3, False, out=True)
     # The masked variant shares the sweeps above; one instance per sweep (packed 16-bit keys in
     # 2D and 3D, V and T; scalar 32-bit keys) keeps the compile check short.
     yield masked_histogram_instance("unsigned char", "long long", "unsigned short", 3, False)
@@ -339,14 +324,13 @@ class HistogramPlan:
                    "int32", "int32", "int32", "int32", "float64", "float64", "int32", "int32") + tail)
         instance = masked_histogram_instance if masked else histogram_instance
         self.sig = Signature(FAMILY, instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn), params)
-        rows = None
         tile_y = TILE_Y
         if not masked and ndim == 2 and key_ctype == "unsigned short" and HIST_TALL_ROWS:
             tall_y = HIST_TALL_ROWS * (THREADS // 32)
             tall_tiles = nimg * math.ceil(spatial[0] / tall_y) * math.ceil(spatial[1] / TILE_X[key_ctype])
             if tall_tiles >= HIST_TALL_MIN_TILES * resident_blocks(self.sig, THREADS, self.shared_mem,
                                                                   PROFILE_OPTIONS):
-                tile_y, rows = tall_y, HIST_TALL_ROWS
+                tile_y = tall_y
                 self.sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn,
                                                                 HIST_TALL_ROWS), params)
         (nz, ny, nx), zchunk, per_image = _histogram_geometry(
@@ -356,24 +340,14 @@ class HistogramPlan:
         self.cumulate = 2 if (hist_in_smem and dtype != np.bool_
                               and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels) else 1
         t0, inv_dt = estimate if estimate else (0.0, 0.0)
-        args = (None, self.table, None, nz, ny, nx, zchunk, per_image, T, int(estimate is not None), t0,
-                inv_dt, int(table_in_smem), int(hist_in_smem))
-        self.histogram = PreparedLaunch(self.sig, nimg * per_image, THREADS, args + (None,) * len(tail),
-                                        shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
-        # the curves' rows and counters: a kept workspace (HIST_ZEROED_WORKSPACE, up to its
-        # bytes) that ecc_histogram_out leaves zeroed, or a zeroed output per call
-        self._words = nimg * T + (nimg + 1) // 2  # the rows, then one uint32 counter per image
-        self.zeroed_workspace = (not masked and HIST_ZEROED_WORKSPACE
-                                 and self._words * 8 <= HIST_KEEP_WORKSPACE_BYTES)
-        if self.zeroed_workspace:
-            out_sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn, rows,
-                                                           out=True), params + ("ptr:int64",))
-            self._histogram_out = PreparedLaunch(out_sig, nimg * per_image, THREADS, args + (None,) * 3,
-                                                 shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
+        self.histogram = PreparedLaunch(
+            self.sig, nimg * per_image, THREADS,
+            (None, self.table, None, nz, ny, nx, zchunk, per_image, T, int(estimate is not None), t0,
+             inv_dt, int(table_in_smem), int(hist_in_smem)) + (None,) * len(tail),
+            shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
         # add() passes no counters (the kernel does not touch them without cumulate)
         self._no_counters = None if masked else tables.upload(np.zeros(1, dtype=np.uint32))
         tables.retire_with(self, self.table, self._no_counters)  # its kernels may outlive it
-        self._workspaces = ZeroedWorkspaces(HIST_KEEP_WORKSPACE_BYTES)
 
     def __call__(self, x):
         """The ECC curves (nimg, T) int64 of the contiguous (nimg, *spatial) input ``x``: one
@@ -382,14 +356,8 @@ class HistogramPlan:
         import cupy
 
         n, T = self.nimg, self.T
-        # the rows and counters: the output zeroed for the launch, or (zeroed_workspace) a kept
-        # workspace that the last blocks leave zeroed
-        if self.zeroed_workspace:
-            ws = self._workspaces.get("histogram", self._words, np.int64)
-            out = cupy.empty((n, T), dtype=np.int64)
-            self._histogram_out(x, ws[:n * T], ws[n * T:].view(np.uint32), self.cumulate, out)
-            return out
-        buf = cupy.zeros(self._words, dtype=np.int64)
+        # one zeroed buffer: the curves, then one uint32 counter per image
+        buf = cupy.zeros(n * T + (n + 1) // 2, dtype=np.int64)
         out = buf[:n * T].reshape(n, T)
         self.histogram(x, out, buf[n * T:].view(np.uint32), self.cumulate)
         return out

@@ -132,11 +132,10 @@ bool read(std::vector<T>& v, size_t n) {
     return fread(v.data(), sizeof(T), n, stdin) == n;
 }
 
-// The histogram kernels. a: kernel (0 ecc_histogram, 1 ecc_histogram_masked, 6
-// ecc_histogram_out), instance, nimg, nz, ny, nx, zchunk, blocks_per_image, T, estimate, table_in_smem,
-// hist_in_smem, cumulate; d: t0, inv_dt; then the table ((T + 1) x 2 comparison values), the
-// image (nimg nz ny nx pixels) and, masked, the masks (nz, ny, nx bytes). stdout: the (nimg, T)
-// int64 rows; with out, out's rows (poisoned before), then the workspace's rows and counters.
+// The histogram kernels. a: kernel (0 ecc_histogram, 1 ecc_histogram_masked), instance, nimg,
+// nz, ny, nx, zchunk, blocks_per_image, T, estimate, table_in_smem, hist_in_smem, cumulate;
+// d: t0, inv_dt; then the table ((T + 1) x 2 comparison values), the image (nimg nz ny nx
+// pixels) and, masked, the masks (nz, ny, nx bytes). stdout: the (nimg, T) int64 rows.
 template <class In, class Cmp, class K, int NDIM, bool TCONN, int RPT>
 int histogram(const int64_t* a, const double* d) {
     const int64_t nimg = a[2], nz = a[3], ny = a[4], nx = a[5], T = a[8];
@@ -148,26 +147,17 @@ int histogram(const int64_t* a, const double* d) {
     if (a[0] == 1 && !(read(oz, nz) && read(oy, ny) && read(ox, nx))) return 2;
     std::vector<long long> hist(nimg * T, 0);
     std::vector<unsigned> done(nimg, 0u);
-    const bool with_out = a[0] == 6;
-    std::vector<long long> out(with_out ? nimg * T : 0, (long long)0x5A5A5A5A5A5A5A5ALL);  // poisoned
     run_grid((unsigned)(nimg * bpi), [&] {
         if (a[0] == 1 && RPT == cutopo::ecc::PY)  // the masked kernel has the default tiles
             cutopo::ecc::ecc_histogram_masked<In, Cmp, K, NDIM, TCONN>(
                 image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9], d[0],
                 d[1], (int)a[10], (int)a[11], oz.data(), oy.data(), ox.data());
         else
-            if (with_out)
-                cutopo::ecc::ecc_histogram_out<In, Cmp, K, NDIM, TCONN, RPT>(
-                    image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9],
-                    d[0], d[1], (int)a[10], (int)a[11], done.data(), (int)a[12], out.data());
-            else
-                cutopo::ecc::ecc_histogram<In, Cmp, K, NDIM, TCONN, RPT>(
-                    image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9],
-                    d[0], d[1], (int)a[10], (int)a[11], done.data(), (int)a[12]);
+            cutopo::ecc::ecc_histogram<In, Cmp, K, NDIM, TCONN, RPT>(
+                image.data(), table.data(), hist.data(), nz, ny, nx, zchunk, bpi, (int)T, (int)a[9], d[0],
+                d[1], (int)a[10], (int)a[11], done.data(), (int)a[12]);
     });
-    if (with_out) fwrite(out.data(), 8, out.size(), stdout);
     fwrite(hist.data(), 8, hist.size(), stdout);
-    if (with_out) fwrite(done.data(), 4, done.size(), stdout);
     return 0;
 }
 
@@ -305,31 +295,20 @@ def _pixels(image):
     return image.view(np.uint16) if image.dtype == np.float16 else image
 
 
-def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumulate, masks=None, rows=4,
-                 with_out=False):
+def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumulate, masks=None, rows=4):
     """The (*batch, T) rows ecc_histogram (ecc_histogram_masked with ``masks``) leaves, with
-    the arguments _ecc_cupy.HistogramPlan gives it (the geometry chosen here); ``with_out``:
-    the rows it writes to ``out``, its workspace (rows, counters) checked zeroed after."""
+    the arguments _ecc_cupy.HistogramPlan gives it (the geometry chosen here)."""
     dtype = image.dtype
     T = t.size
     _, table, estimate = histogram_bin_arguments(dtype, t)
     instance = _instance(dtype, t.dtype, T, ndim, tconn, rows)
     assert instance in INSTANCES, f"{instance} is not compiled into the emulator"
     nimg, (nz, ny, nx) = _geometry(image, ndim)
-    kernel = 6 if with_out else int(masks is not None)
-    head = [kernel, INSTANCES.index(instance), nimg, nz, ny, nx, zchunk, blocks_per_image, T,
+    head = [masks is not None, INSTANCES.index(instance), nimg, nz, ny, nx, zchunk, blocks_per_image, T,
             estimate is not None, table.nbytes <= TABLE_SMEM_MAX, T <= PACKED_MAX_BINS, cumulate]
     out = _run(emulator, head, estimate if estimate is not None else (0.0, 0.0), table, _pixels(image),
                *(masks or ()))
-    shape = image.shape[:image.ndim - ndim] + (T,)
-    if not with_out:
-        return np.frombuffer(out, np.int64).reshape(shape)
-    assert len(out) == 16 * nimg * T + 4 * nimg
-    rows_out = np.frombuffer(out[:8 * nimg * T], np.int64)
-    workspace = np.frombuffer(out[8 * nimg * T:16 * nimg * T], np.int64)
-    counters = np.frombuffer(out[16 * nimg * T:], np.uint32)
-    assert not workspace.any() and not counters.any(), "the workspace was left dirty"
-    return rows_out.reshape(shape)
+    return np.frombuffer(out, np.int64).reshape(image.shape[:image.ndim - ndim] + (T,))
 
 
 def _kernel_contributions(emulator, image, ndim, tconn, periodic, zchunk, blocks_per_image):
@@ -360,18 +339,15 @@ def _thresholds(rng, image, thresholds):
 
 
 # cumulate 0: rows added (cumulated here), 1: the last block cumulates, 2: every block adds
-# its own prefix (the host takes 2 only with the shared histogram, T <= 4096); with out
-# (ecc_histogram_out, cumulate 1 and 2): the curve written there, the rows and counters a
-# workspace left zeroed
-RUNS = [(case, cumulate, rows, with_out) for cases, rows in ((CASES, 4), (TALL_CASES, HIST_TALL_ROWS))
-        for case in cases for cumulate in (0, 1, 2) for with_out in (False, True)
-        if not (cumulate == 2 and case[4] == 5000 and not with_out) and (cumulate or not with_out)]
+# its own prefix (the host takes 2 only with the shared histogram, T <= 4096)
+RUNS = [(case, cumulate, rows) for cases, rows in ((CASES, 4), (TALL_CASES, HIST_TALL_ROWS))
+        for case in cases for cumulate in (0, 1, 2) if not (cumulate == 2 and case[4] == 5000)]
 
 
-@pytest.mark.parametrize("case, cumulate, rows, with_out", RUNS,
-                         ids=[f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d-cumulate{m}-rows{r}{'-out' * o}"
-                              for c, m, r, o in RUNS])
-def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rows, with_out, rng):
+@pytest.mark.parametrize("case, cumulate, rows", RUNS,
+                         ids=[f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d-cumulate{m}-rows{r}"
+                              for c, m, r in RUNS])
+def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rows, rng):
     """ecc_histogram's curve equals cutopo.ecc's on the NumPy path."""
     shape, dtype, ndim, tconn, thresholds, zchunk, bpi = case
     dtype = np.dtype(dtype)
@@ -379,7 +355,7 @@ def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rows, 
     t = _thresholds(rng, image, thresholds)
     want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
     tc, _ = check_thresholds(t, image)  # as cutopo.ecc compares them
-    got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, bpi, cumulate, rows=rows, with_out=with_out)
+    got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, bpi, cumulate, rows=rows)
     np.testing.assert_array_equal(got if cumulate else np.cumsum(got, axis=-1), want)
 
 
