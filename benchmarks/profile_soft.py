@@ -1,13 +1,14 @@
 """Stage costs of the soft ECC on the GPU: each kernel of the forward and the VJP timed alone.
 
     python benchmarks/profile_soft.py
-    python benchmarks/profile_soft.py --forward-3d
+    python benchmarks/profile_soft.py --forward-3d [--only TEXT]
 
 For the bench_soft.py image cases, prints the CUDA-graph time (ms) of: the fused forward sweep, the whole forward and the whole VJP (their kernels called
 directly), and the fused forward against its blocks per image. Guides kernel work; the headline
 numbers are bench_soft.py's. ``--forward-3d``: only the 3D forward, on volumes of several sizes
 and dtypes, with a few values of each output, so that two trees' outputs compare line by line
 (``benchmarks/ab_trees.sh ab/old . 2 -- python3 benchmarks/profile_soft.py --forward-3d``).
+``--only TEXT``: the 3D cases whose name holds TEXT; "1024^3" (4 GiB, left out otherwise) only so.
 """
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ def stages(cp, image, ndim):
     }
 
 
-def forward_3d(cp):
+def forward_3d(cp, only=None):
     """The 3D forward (unchecked) alone, with and without kept entries, on smooth volumes
-    (large, small, a batch, float64) and white noise."""
+    (large, small, a batch, float64) and white noise; with `only`, the cases named so."""
     cases = [("256^3 float32", (256, 256, 256), np.float32, False),
              ("128^3 float32", (128, 128, 128), np.float32, False),
              ("192^3 float32", (192, 192, 192), np.float32, False),
@@ -71,8 +72,11 @@ def forward_3d(cp):
              ("96^3 float32 noise", (96, 96, 96), np.float32, True),
              ("256^3 float32 noise", (256, 256, 256), np.float32, True),
              ("64^3 float32", (64, 64, 64), np.float32, False),
-             ("512^3 float32", (512, 512, 512), np.float32, False)]
+             ("512^3 float32", (512, 512, 512), np.float32, False),
+             ("1024^3 float32", (1024, 1024, 1024), np.float32, False)]
     for name, shape, dtype, noise in cases:
+        if (only is None and "1024^3" in name) or (only is not None and only not in name):
+            continue
         if noise:
             image = cp.asarray(np.random.default_rng(5).random(shape, dtype=np.float32))
         else:
@@ -167,8 +171,9 @@ def main():
         return 0
     import cupy as cp
 
-    if "--forward-3d" in sys.argv[1:]:
-        forward_3d(cp)
+    argv = sys.argv[1:]
+    if "--forward-3d" in argv:
+        forward_3d(cp, argv[argv.index("--only") + 1] if "--only" in argv else None)
         return 0
     print("## soft_ect 2d 512^2 D=256 forward")
     ect_stages(cp)

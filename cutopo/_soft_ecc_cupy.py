@@ -58,9 +58,13 @@ PACKED_QUEUE_BYTES = WARPS * PACKED_SLOTS * 2 + THREADS * 32 + 256
 KEEP_WORKSPACE_BYTES = 1 << 20
 # The forward's kept entries (band::KeptEntries): slots per image = its pixels / this (smooth
 # images have 2-5 % critical pixels, white noise about half: its backward sweeps), and at most
-# this many bytes per call (a larger batch or image keeps fewer slots per image).
+# this many bytes per call (a larger batch or image keeps fewer slots per image: 1024^3 one per
+# 16 voxels, enough for a smooth volume's list; 2048^3 one per 128, and its forward is fused).
+# The buffer is made without a fill: its size costs memory, not time. At 64 MiB a smooth
+# 1024^3 volume's list overflowed: its forward was fused, its backward swept the volume again
+# (benchmarks/RESULTS.md, forty-first session).
 KEPT_PIXELS_PER_SLOT = 8
-KEPT_MAX_BYTES = 64 << 20
+KEPT_MAX_BYTES = 512 << 20
 # Copies of the backward's global d_t and d_scale (band::BACKWARD_COPIES).
 BACKWARD_COPIES = 16
 # The 3D forward as three launches (listed_forward) on calls of at least this many voxels
@@ -72,9 +76,10 @@ BACKWARD_COPIES = 16
 # (its list overflows: swept twice, the first sweep stopped early) 10 % more at 256^3.
 LISTED_FORWARD_MIN_VOXELS = 1 << 23
 # ... and with a slot for every this many voxels of each image at least: the list of a smooth
-# volume (bench_soft's 256^3, Gaussian sigma 2: 1.9 % of the voxels critical) then fits where
-# KEPT_MAX_BYTES leaves fewer slots than KEPT_PIXELS_PER_SLOT asks (512^3: one per 16 voxels;
-# 1024^3: one per 128, where such a list would overflow after a good part of the sweep).
+# volume (bench_soft's 256^3, Gaussian sigma 2: 1.9 % of the voxels critical; 1024^3: 1.8 %)
+# then fits where KEPT_MAX_BYTES leaves fewer slots than KEPT_PIXELS_PER_SLOT asks (1024^3:
+# one per 16 voxels; 2048^3: one per 128, where such a list would overflow after a good part
+# of the sweep, which then runs again).
 LISTED_FORWARD_VOXELS_PER_SLOT = 32
 
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}

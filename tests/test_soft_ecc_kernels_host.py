@@ -660,8 +660,10 @@ def test_listed_forward_where_it_pays():
     assert listed(np.uint8, 3, False, 1, 512**3)  # a slot per 16 voxels
     assert listed(np.float32, 3, False, 64, 64**3)  # 2^24 voxels in all
     assert not listed(np.float32, 3, False, 1, 192**3)  # below 2^23
-    assert not listed(np.float32, 3, False, 1, 1024**3)  # a slot per 128 voxels
-    assert not listed(np.float32, 3, False, 4, 512**3)  # per 64
+    assert listed(np.float32, 3, False, 1, 1024**3) and listed(np.float32, 3, False, 16, 256**3)  # per 16
+    assert listed(np.float32, 3, False, 2, 1000**3) and not listed(np.float32, 3, False, 2, 1024**3)  # a slot per 32 voxels, less the counts
+    assert not listed(np.float32, 3, False, 1, 2048**3)  # a slot per 128 voxels
+    assert not listed(np.float32, 3, False, 32, 512**3)  # per 64
     assert not listed(np.float32, 2, False, 1, 8192**2) and not listed(np.int16, 2, False, 1, 8192**2)
 
 
