@@ -82,6 +82,21 @@ LISTED_FORWARD_MIN_VOXELS = 1 << 23
 # of the sweep, which then runs again).
 LISTED_FORWARD_VOXELS_PER_SLOT = 32
 
+# The kernels over kept entries (the listed forward's band work, the listed backward) run on
+# a grid of their own: per image, LISTED_WAVES waves of their resident blocks over the call,
+# but at least a block per LISTED_PIXELS_PER_BLOCK pixels (a large image's many entries) and
+# LISTED_MIN_BLOCKS_PER_IMAGE blocks, and at most the sweep's blocks (None: the sweep's). Each
+# warp takes up to 32 entries a round, and every block ends by adding its T accumulators to its
+# image's row in global memory (atomics on the same T addresses). On an H100 (forty-first
+# session, benchmarks/RESULTS.md; one wave against the sweep's blocks): 256^3 2048 -> 792 and
+# 660 blocks, the two kernels 139 -> 118 us; 4 x 128^3 83 -> 72 us; the 2D 1024^2 backward's
+# 27.7 -> 24.8 us. Fewer blocks lost where entries are many per block (512^3, +2.4 % at one
+# wave: the pixel floor keeps its 4096) or the batch's rows spread the atomics already (64 x
+# 256^2, +26 % at 13 blocks an image: the floor of 64 keeps its 25).
+LISTED_WAVES: float | None = 1.0
+LISTED_PIXELS_PER_BLOCK = 1 << 15
+LISTED_MIN_BLOCKS_PER_IMAGE = 64
+
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
@@ -200,6 +215,16 @@ def packed_forward(in_dtype, ndim, periodic) -> bool:
             and (np.dtype(in_dtype).kind == "f" or np.dtype(in_dtype).itemsize == 1))
 
 
+def listed_blocks_per_image(sig, nimg, pixels, per_image, shared_mem) -> int:
+    """Blocks per image of a kernel over kept entries (LISTED_WAVES), at most the sweep's
+    ``per_image``, for ``nimg`` images of ``pixels`` pixels."""
+    if LISTED_WAVES is None:
+        return per_image
+    waves = math.ceil(LISTED_WAVES * _ecc_cupy.resident_blocks(sig, THREADS, shared_mem) / nimg)
+    floor = max(LISTED_MIN_BLOCKS_PER_IMAGE, -(-pixels // LISTED_PIXELS_PER_BLOCK))
+    return max(1, min(per_image, max(waves, floor)))
+
+
 def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes, packed=False):
     """(accumulators in shared memory, dynamic shared bytes) for one sweep kernel."""
     planes = 3 if ndim == 3 else 1
@@ -221,6 +246,7 @@ class SoftEccPlan:
         real = np.dtype(real)
         key_bytes = 8 if _key_ctype(_ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]).endswith("long") else 4
         self.nimg, self.T, self.real = nimg, T, real
+        self._pixels = math.prod(spatial)
         self.words = forward_workspace_words(nimg, T)
         self.kept_cap = kept_capacity(nimg, math.prod(spatial))
 
@@ -241,9 +267,11 @@ class SoftEccPlan:
             self._list = PreparedLaunch(lsig, nimg * per_image, THREADS,
                                         (None,) * 6 + (self.kept_cap,) + geometry)
             # (image, thresholds, workspace, out, kept, lam, w)
-            self._listed = PreparedLaunch(_listed_forward_sig(in_dtype, real), nimg * per_image, THREADS,
-                                          (None,) * 5 + (self.kept_cap, per_image, T, None, None,
-                                                         int(shared)), shared_mem=smem)
+            listed_sig = _listed_forward_sig(in_dtype, real)
+            lper = listed_blocks_per_image(listed_sig, nimg, math.prod(spatial), per_image, smem)
+            self._listed = PreparedLaunch(listed_sig, nimg * lper, THREADS,
+                                          (None,) * 5 + (self.kept_cap, lper, T, None, None, int(shared)),
+                                          shared_mem=smem)
             # (image, thresholds, workspace, out, lam, w, list): no kept entries, no check
             self._overflowed = PreparedLaunch(fsig, nimg * per_image, THREADS,
                                               args[:4] + (NULL, 0, NULL) + args[7:] + (None,),
@@ -308,10 +336,15 @@ class SoftEccPlan:
                 if dtype is None:
                     return (NULL, NULL)
                 return (None, NULL) if dtype == self.real else (NULL, None)
+            geometry, grid = self._bgeometry, self._bgrid
+            if listed:  # its own blocks per image (LISTED_WAVES)
+                per_image = listed_blocks_per_image(self._lsig, self.nimg, self._pixels, geometry[4],
+                                                     self._bsmem)
+                geometry, grid = geometry[:4] + (per_image,) + geometry[5:], self.nimg * per_image
             args = ((None, None, None, None if need_image else NULL, None) + outputs(t_dtype)
-                    + outputs(s_dtype) + (None, self.kept_cap) + self._bgeometry)
-            launch_ = PreparedLaunch(self._lsig if listed else self._bsig, self._bgrid, THREADS,
-                                     args, shared_mem=self._bsmem)
+                    + outputs(s_dtype) + (None, self.kept_cap) + geometry)
+            launch_ = PreparedLaunch(self._lsig if listed else self._bsig, grid, THREADS, args,
+                                     shared_mem=self._bsmem)
             self._backward[key] = launch_
         return launch_
 

@@ -651,6 +651,32 @@ def test_emulated_listed_forward_equals_numpy(emulator, case, noise, rng, force_
                     resident)
 
 
+@pytest.mark.parametrize("case, listed", [(CASES[2], False), (CASES[6], True), (CASES[6], False)],
+                         ids=["2d", "3d-listed", "3d"])
+def test_emulated_kernels_over_entries_with_one_block_per_image(emulator, case, listed, rng, monkeypatch,
+                                                                 force_listed_forward):
+    """The kernels over kept entries (the listed backward; the listed forward's band work) on
+    their own grid (LISTED_WAVES), here one block per image: its warps take their entries in
+    several rounds of 32. Checked as test_emulated_soft_ecc_equals_numpy checks the default."""
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_WAVES", 1e-9)
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_MIN_BLOCKS_PER_IMAGE", 1)
+    monkeypatch.setattr(_soft_ecc_cupy, "LISTED_PIXELS_PER_BLOCK", 1 << 40)
+    force_listed_forward(listed)
+    shape, dtype, t_dtype, ndim, conn, boundary, T, per_band, resident = case
+    image = _image(rng, shape, dtype, ndim)
+    t = _thresholds(rng, image, T, np.dtype(t_dtype))
+    cfg = _config(shape, dtype, t_dtype, ndim, conn, boundary)
+    with _emulated_device(None, resident):
+        plan = _plan(cfg)
+        grids = [plan.backward_launch(True, cfg.dtype, None, True).grid, plan.backward_launch(True, cfg.dtype, None).grid]
+        if listed:
+            grids += [plan._listed.grid, plan._list.grid]
+    assert grids[0::2] == [plan.nimg] * len(grids[0::2]) and min(grids[1::2]) > plan.nimg
+    _, kept = _check_soft_ecc(emulator, rng, image, t, _scale(cfg.dtype, image, t, per_band), ndim, conn,
+                              boundary, resident)
+    assert np.max(kept) > 8 * 32 * 2  # a third round for some warp of the image
+
+
 def test_listed_forward_where_it_pays():
     """The listed 3D forward (listed_forward): 3D calls of LISTED_FORWARD_MIN_VOXELS or more
     whose kept slots (KEPT_MAX_BYTES a call) hold a slot per LISTED_FORWARD_VOXELS_PER_SLOT
