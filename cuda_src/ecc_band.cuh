@@ -305,24 +305,12 @@ __device__ __forceinline__ void for_each_band(bool banded, Real f, int c, int lo
     }
 }
 
-// Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
-// Returns whether the lane's entry has a non-empty band (the entries a backward evaluates).
+// The passes of forward_warp over the warp's banded entries (one entry, or a pair, a pass).
 template <typename Real, bool PAIRS>
-__device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Real* t, int T,
-                                             Real lam, double w, bool soft, const Accum& a,
-                                             Window<Real, PAIRS>& win) {
+__device__ __forceinline__ void forward_passes(bool banded, Real f, int c, int lo, int hi, const Real* t,
+                                               int T, Real lam, const Accum& a, Window<Real, PAIRS>& win) {
     const int lane = threadIdx.x % 32;
-    int lo = T, hi = T;
-    if (valid) {
-        if (soft) {
-            band_edges(f, w, t, T, lo, hi);
-        } else {  // exact: the entry counts from the first t_k >= f on (f <= t_k)
-            hi = count_lt(t, T, convert<double>(f));
-            lo = hi;
-        }
-        if (hi < T) a.add_sat(hi, c);
-    }
-    for_each_band<PAIRS>(valid && lo < hi, f, c, lo, hi, win, [&](int, int pb, Real fi, int ci, int loi, int hii) {
+    for_each_band<PAIRS>(banded, f, c, lo, hi, win, [&](int, int pb, Real fi, int ci, int loi, int hii) {
         if (hii - loi <= 32) {
             win.cover(loi, hii, t, T, a);  // (a pair is covered: no move)
             bool upper;
@@ -333,22 +321,37 @@ __device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Re
                 a.add(k, (double)sigmoid<Real>((t[k] - fi) * lam) * (double)ci);
         }
     });
+}
+
+// Forward of one warp's entries. Each lane holds one entry (valid: contributes something).
+// Returns whether the lane's entry has a non-empty band (the entries a backward evaluates).
+template <typename Real, bool PAIRS>
+__device__ __forceinline__ bool forward_warp(bool valid, Real f, int c, const Real* t, int T,
+                                             Real lam, double w, bool soft, const Accum& a,
+                                             Window<Real, PAIRS>& win) {
+    int lo = T, hi = T;
+    if (valid) {
+        if (soft) {
+            band_edges(f, w, t, T, lo, hi);
+        } else {  // exact: the entry counts from the first t_k >= f on (f <= t_k)
+            hi = count_lt(t, T, convert<double>(f));
+            lo = hi;
+        }
+        if (hi < T) a.add_sat(hi, c);
+    }
+    forward_passes<Real, PAIRS>(valid && lo < hi, f, c, lo, hi, t, T, lam, a, win);
     return lo < hi;
 }
 
-// Backward of one warp's entries: threshold cotangents (when need_t) through the window into
-// a, the scale cotangent into dscale (per lane), and, when need_sum, the sum over k of
-// g_k c sigma'_k of the lane's own entry returned (0 for an invalid entry).
+// The passes of backward_warp over the warp's banded entries: returns the lane's own sum.
 template <typename Real, bool PAIRS>
-__device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const Real* t,
-                                                const Real* g, int T, Real lam, double w,
-                                                bool need_t, bool need_sum, double& dscale,
-                                                const Accum& a, GradWindow<Real, PAIRS>& win) {
+__device__ __forceinline__ double backward_passes(bool banded, Real f, int c, int lo, int hi,
+                                                  const Real* t, const Real* g, int T, Real lam,
+                                                  bool need_t, bool need_sum, double& dscale,
+                                                  const Accum& a, GradWindow<Real, PAIRS>& win) {
     const int lane = threadIdx.x % 32;
-    int lo = T, hi = T;
-    if (valid) band_edges(f, w, t, T, lo, hi);
     double mine = 0.0;
-    for_each_band<PAIRS>(valid && lo < hi, f, c, lo, hi, win, [&](int pa, int pb, Real fi, int ci, int loi, int hii) {
+    for_each_band<PAIRS>(banded, f, c, lo, hi, win, [&](int pa, int pb, Real fi, int ci, int loi, int hii) {
         double sum = 0.0;
         if (hii - loi <= 32) {
             win.cover(loi, hii, t, g, T, a);  // (a pair is covered: no move)
@@ -385,6 +388,132 @@ __device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const
         }
     });
     return mine;
+}
+
+// Backward of one warp's entries: threshold cotangents (when need_t) through the window into
+// a, the scale cotangent into dscale (per lane), and, when need_sum, the sum over k of
+// g_k c sigma'_k of the lane's own entry returned (0 for an invalid entry).
+template <typename Real, bool PAIRS>
+__device__ __forceinline__ double backward_warp(bool valid, Real f, int c, const Real* t,
+                                                const Real* g, int T, Real lam, double w,
+                                                bool need_t, bool need_sum, double& dscale,
+                                                const Accum& a, GradWindow<Real, PAIRS>& win) {
+    int lo = T, hi = T;
+    if (valid) band_edges(f, w, t, T, lo, hi);
+    return backward_passes<Real, PAIRS>(valid && lo < hi, f, c, lo, hi, t, g, T, lam, need_t, need_sum,
+                                        dscale, a, win);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transposed passes: the kernels over kept entries (float32)
+//
+// A pass per entry (for_each_band: ballots, shuffles of the entry, the window's checks, one
+// sigmoid per lane of ~8.5 in a band) is most of the instructions of the kernels over kept
+// entries. Transposed, each lane evaluates the terms of its own entry's band (of at most
+// TRANSPOSED_BAND thresholds) into the warp's buffer (a row of TRANSPOSED_BAND words per
+// lane); then, for each group of entries whose bands lie in one window, each lane adds up the
+// terms at its own threshold of the window (k0 + lane) over the group. The terms and their
+// products with c (and g) are the passes' values, computed in the same order; only the order
+// of the sums differs. Longer bands take the passes.
+constexpr int TRANSPOSED_BAND = 15;  // odd: a warp's stores to its rows fall in 32 banks
+
+// Words of a warp's transposed rows (1 for double: its bands are longer, and it takes the
+// passes).
+template <typename Real>
+__host__ __device__ constexpr int transposed_warp_words() {
+    return sizeof(Real) == 4 ? 32 * TRANSPOSED_BAND : 1;
+}
+
+// For each group of the lanes in ``pending`` whose bands lie in one window (the lowest band
+// left and every band within 32 thresholds of its start: a greedy cover, as for_each_band's),
+// the window moved over it (cover(base, top)), then in every lane add(term, c_e) for each
+// lane e of the group whose band holds the lane's threshold k0 + lane, the term lane e's
+// row[k0 + lane - lo_e] of ``buf`` (one shuffle and one conflict-free load per entry).
+template <typename Real, typename Cover, typename Add>
+__device__ __forceinline__ void transposed_groups(unsigned pending, int lo, int hi, int c, const Real* buf,
+                                                  const int& k0, Cover cover, Add add) {
+    const int lane = threadIdx.x % 32;
+    while (pending) {  // warp-uniform
+        const bool mine = (pending >> lane) & 1u;
+        const int base = __reduce_min_sync(FULL, mine ? lo : 0x7fffffff);
+        unsigned group = __ballot_sync(FULL, mine && hi <= base + 32);
+        pending &= ~group;
+        cover(base, __reduce_max_sync(FULL, (group >> lane) & 1u ? hi : 0));  // k0 <= base, top <= k0 + 32
+        const int packed = (lo - k0) | ((hi - lo) << 6) | (int)((unsigned)c << 11);
+        do {
+            const int e = __ffs(group) - 1;
+            group &= group - 1;
+            const int x = __shfl_sync(FULL, packed, e);
+            const int j = lane - (x & 63);
+            if ((unsigned)j < (unsigned)((x >> 6) & 31)) add(buf[e * TRANSPOSED_BAND + j], x >> 11);
+        } while (group);
+    }
+}
+
+// forward_warp (soft) for the kernels over kept entries, transposed where it can be; ``buf``
+// the warp's rows (null: never transposed). Returns nothing: those kernels keep no entries.
+template <typename Real>
+__device__ __forceinline__ void forward_listed_warp(bool valid, Real f, int c, const Real* t, int T,
+                                                    Real lam, double w, const Accum& a,
+                                                    Window<Real, false>& win, Real* buf) {
+    int lo = T, hi = T;
+    if (valid) {
+        band_edges(f, w, t, T, lo, hi);
+        if (hi < T) a.add_sat(hi, c);
+    }
+    const bool banded = valid && lo < hi;
+    const bool row_fits = buf != nullptr && hi - lo <= TRANSPOSED_BAND;
+    if (__any_sync(FULL, banded && !row_fits))  // bands longer than a row: the passes
+        forward_passes<Real, false>(banded && !row_fits, f, c, lo, hi, t, T, lam, a, win);
+    const unsigned pending = __ballot_sync(FULL, banded && row_fits);
+    if (pending == 0u) return;
+    if (banded && row_fits) {
+        Real* row = buf + (threadIdx.x % 32) * TRANSPOSED_BAND;
+        for (int k = lo; k < hi; ++k) row[k - lo] = sigmoid<Real>((t[k] - f) * lam);
+    }
+    __syncwarp();
+    transposed_groups(pending, lo, hi, c, buf, win.k0, [&](int base, int top) { win.cover(base, top, t, T, a); },
+                      [&](Real s, int ce) { win.add(false, (double)s * (double)ce); });
+    __syncwarp();  // the next round rewrites the rows
+}
+
+// backward_warp for the kernels over kept entries, transposed where it can be (see
+// forward_listed_warp).
+template <typename Real>
+__device__ __forceinline__ double backward_listed_warp(bool valid, Real f, int c, const Real* t,
+                                                       const Real* g, int T, Real lam, double w,
+                                                       bool need_t, bool need_sum, double& dscale,
+                                                       const Accum& a, GradWindow<Real, false>& win,
+                                                       Real* buf) {
+    int lo = T, hi = T;
+    if (valid) band_edges(f, w, t, T, lo, hi);
+    const bool banded = valid && lo < hi;
+    const bool row_fits = buf != nullptr && hi - lo <= TRANSPOSED_BAND;
+    double mine = 0.0;
+    if (__any_sync(FULL, banded && !row_fits))  // bands longer than a row: the passes
+        mine = backward_passes<Real, false>(banded && !row_fits, f, c, lo, hi, t, g, T, lam, need_t, need_sum,
+                                            dscale, a, win);
+    const unsigned pending = __ballot_sync(FULL, banded && row_fits);
+    if (pending == 0u) return mine;
+    if (banded && row_fits) {
+        Real* row = buf + (threadIdx.x % 32) * TRANSPOSED_BAND;
+        for (int k = lo; k < hi; ++k) {
+            const Real diff = t[k] - f;
+            const Real d = dsigmoid<Real>(diff * lam);
+            const double v = (double)d * (double)c * (double)g[k];
+            mine += v;
+            dscale += v * (double)diff;
+            if (need_t) row[k - lo] = d;
+        }
+    }
+    if (need_t) {
+        __syncwarp();
+        transposed_groups(pending, lo, hi, c, buf, win.k0,
+                          [&](int base, int top) { win.cover(base, top, t, g, T, a); },
+                          [&](Real d, int ce) { win.add(false, (double)d * (double)ce * (double)win.g_at(false)); });
+        __syncwarp();  // the next round rewrites the rows
+    }
+    return need_sum ? mine : 0.0;
 }
 
 // ---------------------------------------------------------------------------------------------

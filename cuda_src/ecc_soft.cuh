@@ -59,6 +59,18 @@ constexpr int soft_min_blocks() {
                                                  : CUTOPO_SOFT_MIN_BLOCKS_2D;
 }
 
+// ... and of the listed backward's float32 instances (their transposed passes, below): at the
+// sweep's 40 registers (2D) the 2D instance spilled 180 bytes.
+#ifndef CUTOPO_SOFT_LISTED_MIN_BLOCKS
+#define CUTOPO_SOFT_LISTED_MIN_BLOCKS 4
+#endif
+template <typename Real, typename K, int NDIM, bool PERIODIC, bool LISTED>
+constexpr int soft_backward_min_blocks() {
+    return LISTED && sizeof(Real) == 4 && CUTOPO_SOFT_LISTED_MIN_BLOCKS < soft_min_blocks<Real, K, NDIM, PERIODIC>()
+               ? CUTOPO_SOFT_LISTED_MIN_BLOCKS
+               : soft_min_blocks<Real, K, NDIM, PERIODIC>();
+}
+
 // Blocks per multiprocessor of the packed forward (packed_soft_forward instances): 4 (64
 // registers, the band code inlined) measured 8 % faster than 6 at 1024^2 and 6 % at 64 x 256^2
 // (float32; RESULTS.md, twentieth session); it still spills 80-184 bytes, 5 and 6 more.
@@ -621,6 +633,24 @@ struct ForwardWork {
     }
 };
 
+// The band work of the listed forward's kept entries (soft_ecc_listed_forward): ForwardWork's,
+// transposed where a warp's entries allow (forward_listed_warp; buf: the warp's rows, null for
+// double), nothing kept.
+template <typename Real>
+struct ListedForwardWork {
+    const Real* t;
+    int T;
+    Real lam;
+    double w;
+    Accum a;
+    Real* buf;
+    mutable Window<Real, false> win;
+
+    __device__ __forceinline__ void entries(bool, bool valid, Real f, int c, i64) const {
+        forward_listed_warp<Real>(valid, f, c, t, T, lam, w, a, win, buf);
+    }
+};
+
 // The listing forward's work (soft_ecc_list_forward): every critical pixel with a finite
 // value into the kept list, band or not; no band work.
 template <typename Real>
@@ -831,11 +861,15 @@ soft_ecc_listed_forward(const In* __restrict__ image, const Real* __restrict__ t
     const int chunk = blockIdx.x % blocks_per_image;
     const i64 rows = gridDim.x / blocks_per_image;
     const ForwardWorkspace wsp(ws, rows, T);
-    if (threadIdx.x == 0) forward_kept = KeptSink{nullptr, nullptr, 0};  // (setup's barrier)
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
     double* acc_row = wsp.acc + img * T;
     long long* sat_row = wsp.sat + img * T;
-    const ForwardWork<Real> work{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, {}};
+    Real* buf = nullptr;  // the warp's transposed rows (float32 alone)
+    if constexpr (sizeof(Real) == 4) {
+        __shared__ float transposed[WARPS][transposed_warp_words<Real>()];
+        buf = reinterpret_cast<Real*>(transposed[threadIdx.x / 32]);
+    }
+    const ListedForwardWork<Real> work{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, buf, {}};
     const ListedDeal deal(count, blocks_per_image);
     deal.run<Real>(KeptEntries{const_cast<unsigned long long*>(kept), kept_cap}.slots(img, rows), chunk,
                    image, work);
@@ -845,7 +879,9 @@ soft_ecc_listed_forward(const In* __restrict__ image, const Real* __restrict__ t
         wsp.finish_row(img, T, out + img * T);
 }
 
-template <typename Real>
+// TRANSPOSED: the listed backward's, transposed where a warp's entries allow
+// (backward_listed_warp; buf: the warp's rows, null for double).
+template <typename Real, bool TRANSPOSED = false>
 struct BackwardWork {
     const Real* t;
     const Real* g;
@@ -857,13 +893,19 @@ struct BackwardWork {
     bool need_t;
     mutable GradWindow<Real, SOFT_PAIRS> win;
     mutable double dscale;
+    Real* buf = nullptr;
 
     __device__ __forceinline__ void skipped(i64 i) const {
         if (d_image) d_image[i] = Real(0);
     }
     __device__ __forceinline__ void entries(bool mine, bool valid, Real f, int c, i64 i) const {
-        const double sum = backward_warp<Real>(valid, f, c, t, g, T, lam, w, need_t,
-                                               d_image != nullptr, dscale, a, win);
+        double sum;
+        if constexpr (TRANSPOSED)
+            sum = backward_listed_warp<Real>(valid, f, c, t, g, T, lam, w, need_t, d_image != nullptr, dscale,
+                                             a, win, buf);
+        else
+            sum = backward_warp<Real>(valid, f, c, t, g, T, lam, w, need_t, d_image != nullptr, dscale, a,
+                                      win);
         if (d_image && mine) d_image[i] = valid ? (Real)(-(double)lam * sum) : Real(0);
     }
 };
@@ -910,7 +952,7 @@ __device__ __forceinline__ void zero_range(Real* a, i64 begin, i64 end) {
 // makes the final write. Two instances, not one kernel with both paths: together they made the 2D
 // float32 backward spill ~150 bytes at its 40-register budget, and the sweep 17 % slower.
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC, bool LISTED>
-__global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
+__global__ void __launch_bounds__(THREADS, (soft_backward_min_blocks<Real, K, NDIM, PERIODIC, LISTED>()))
 soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ thresholds,
                         const Real* __restrict__ g, Real* __restrict__ d_image,
                         double* __restrict__ ws, Real* __restrict__ d_t_real,
@@ -949,10 +991,15 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     const bool busy = LISTED ? listed && deal.busy(chunk) : true;
     if (busy) {
         const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-        const RowBands<In, Real, BackwardWork<Real>, 0> bands{
+        Real* buf = nullptr;  // the warp's transposed rows (float32 LISTED alone)
+        if constexpr (LISTED && sizeof(Real) == 4) {
+            __shared__ float transposed[WARPS][transposed_warp_words<Real>()];
+            buf = reinterpret_cast<Real*>(transposed[threadIdx.x / 32]);
+        }
+        const RowBands<In, Real, BackwardWork<Real, LISTED>, 0> bands{
             &q, image,
-            BackwardWork<Real>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
-                               need_t, {}, 0.0},
+            BackwardWork<Real, LISTED>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,
+                                       need_t, {}, 0.0, buf},
             0, nullptr, 0u, 0};
         if constexpr (LISTED) {
             const i64 rows = gridDim.x / blocks_per_image;

@@ -48,6 +48,9 @@ ROW_SLOTS = 32 * 4             # band::ROW_SLOTS
 # the accumulators go to global memory.
 QUEUE_BYTES = WARPS * ROW_SLOTS * 10 + 128
 BLOCK_QUEUE_CAP = {4: 1024, 8: 256}  # band::block_queue_cap by key bytes
+# The float32 kernels over kept entries' transposed rows (band::transposed_warp_words, per warp).
+TRANSPOSED_BAND = 15           # band::TRANSPOSED_BAND
+TRANSPOSED_BYTES = WARPS * 32 * TRANSPOSED_BAND * 4
 # The packed forward's (band::PackedQueues, its one-word-per-pixel-pair tile of packed::PLANEW
 # words per plane, the block's band parameters and a register window per thread).
 PACKED_SLOTS = 2 * 32 * 4      # band::PACKED_SLOTS
@@ -225,10 +228,15 @@ def listed_blocks_per_image(sig, nimg, pixels, per_image, shared_mem) -> int:
     return max(1, min(per_image, max(waves, floor)))
 
 
-def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes, packed=False):
-    """(accumulators in shared memory, dynamic shared bytes) for one sweep kernel."""
+def _dynamic_shared(T, real, with_g, with_sat, ndim, key_bytes, packed=False, listed=False):
+    """(accumulators in shared memory, dynamic shared bytes) for one sweep kernel; ``listed``:
+    the listed backward (its one plane and, in float32, its transposed rows)."""
     planes = 3 if ndim == 3 else 1
-    if packed:
+    if listed:
+        static = PLANE * key_bytes + QUEUE_BYTES
+        if np.dtype(real) == np.float32:
+            static += TRANSPOSED_BYTES
+    elif packed:
         static = planes * PACKED_PLANE_WORDS * 4 + PACKED_QUEUE_BYTES
     else:
         static = planes * PLANE * key_bytes + QUEUE_BYTES
@@ -284,6 +292,7 @@ class SoftEccPlan:
                                                           _ecc_cupy.TILE_X["unsigned int"])
         self._bgeometry = (nz, ny, nx, bzchunk, bper_image, T, None, None, int(bshared))
         self._bgrid = nimg * bper_image
+        self._lshared = _dynamic_shared(T, real, True, False, ndim, key_bytes, listed=True)
         self._backward = {}
         self._workspaces = ZeroedWorkspaces(KEEP_WORKSPACE_BYTES)
 
@@ -336,15 +345,16 @@ class SoftEccPlan:
                 if dtype is None:
                     return (NULL, NULL)
                 return (None, NULL) if dtype == self.real else (NULL, None)
-            geometry, grid = self._bgeometry, self._bgrid
-            if listed:  # its own blocks per image (LISTED_WAVES)
-                per_image = listed_blocks_per_image(self._lsig, self.nimg, self._pixels, geometry[4],
-                                                     self._bsmem)
-                geometry, grid = geometry[:4] + (per_image,) + geometry[5:], self.nimg * per_image
+            geometry, grid, smem = self._bgeometry, self._bgrid, self._bsmem
+            if listed:  # its own blocks per image (LISTED_WAVES) and shared memory
+                shared, smem = self._lshared
+                per_image = listed_blocks_per_image(self._lsig, self.nimg, self._pixels, geometry[4], smem)
+                geometry = geometry[:4] + (per_image,) + geometry[5:8] + (int(shared),)
+                grid = self.nimg * per_image
             args = ((None, None, None, None if need_image else NULL, None) + outputs(t_dtype)
                     + outputs(s_dtype) + (None, self.kept_cap) + geometry)
             launch_ = PreparedLaunch(self._lsig if listed else self._bsig, grid, THREADS, args,
-                                     shared_mem=self._bsmem)
+                                     shared_mem=smem)
             self._backward[key] = launch_
         return launch_
 

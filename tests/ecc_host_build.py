@@ -300,6 +300,12 @@ inline int __reduce_min_sync(unsigned mask, int v) {
         return i == 0 || (int)x < (int)r ? x : r;
     });
 }
+inline int __reduce_max_sync(unsigned mask, int v) {
+    emu::full_mask(mask);
+    return (int)emu::combine((unsigned)v, [](unsigned r, unsigned x, int i) {
+        return i == 0 || (int)x > (int)r ? x : r;
+    });
+}
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     emu::full_mask(mask);
     emu::warp_sync();

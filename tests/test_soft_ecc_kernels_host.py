@@ -247,7 +247,8 @@ int sizes() {
         (int64_t)sizeof(KeptSink), forward_workspace_words(5, 37), forward_workspace_words(6, 1000),
         backward_workspace_words(37),
         (int64_t)sizeof(BlockQueue<block_queue_cap<unsigned>()>),
-        (int64_t)sizeof(BlockQueue<block_queue_cap<unsigned long long>()>)};
+        (int64_t)sizeof(BlockQueue<block_queue_cap<unsigned long long>()>), TRANSPOSED_BAND,
+        transposed_warp_words<float>(), transposed_warp_words<double>()};
     fwrite(v, 8, sizeof v / 8, stdout);
     return 0;
 }
@@ -538,6 +539,19 @@ BACKWARDS = [((True, True, True), True, "real", "real"),
              ((False, False, True), True, None, "real")]
 
 
+def _scale_terms(cfg, g):
+    """sum |g_k c sigma'(lambda (t_k - f)) (t_k - f)| over every entry's band: the size of
+    d_scale's sum (its terms' rounding is relative to each), in float64."""
+    _, px = _soft_ecc._pixels(cfg)
+    n = px.hi - px.lo
+    e = np.repeat(np.arange(n.size), n)
+    k = px.lo[e] + (np.arange(e.size) - np.repeat(np.cumsum(n) - n, n))
+    diff = cfg.t[k].astype(np.float64) - px.f[e].astype(np.float64)
+    u = float(cfg.scale) * diff
+    s = 1.0 / (1.0 + np.exp(-np.abs(u)))
+    return float(np.sum(np.abs(g.reshape(-1, cfg.t.size)[px.row[e], k] * px.c[e] * s * (1.0 - s) * diff)))
+
+
 def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary, resident,
                     capacity=None):
     """Runs soft_ecc_forward (checking the thresholds, keeping the entries), a plain forward
@@ -551,8 +565,7 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
     want, wanted = _numpy_soft_ecc(image, t, scale, g, ndim, connectivity, boundary)
     S = _sum_abs_c(image, ndim, cfg.tconn, cfg.periodic)
     lam_g = float(cfg.scale) * np.abs(g).sum()
-    # d_scale's terms g c (t - f) sigma' have |t - f| < w: large for an image of large values
-    bounds = (lam_g, lam_g * S.sum() / T, np.abs(g).sum() * S.sum() * (1.0 + cfg.w))
+    bounds = (lam_g, lam_g * S.sum() / T, _scale_terms(cfg, g))
 
     with _emulated_device(emulator, resident, capacity) as (log, word):
         plan = _plan(cfg)
@@ -807,7 +820,8 @@ def test_module_sizes_match_the_kernels(emulator):
     assert run.returncode == 0, run.stderr
     (threads, warps, row_slots, packed_slots, plane, planew, tx, ty, txp, copies, row_queues,
      packed_queues, window32, window64, work32, work64, kept_sink, fws_5_37, fws_6_1000,
-     bws_37, ring32, ring64) = (int(v) for v in np.frombuffer(run.stdout, np.int64))
+     bws_37, ring32, ring64, transposed_band, transposed32, transposed64) = (
+        int(v) for v in np.frombuffer(run.stdout, np.int64))
     m = _soft_ecc_cupy
     assert (threads, warps, row_slots, packed_slots, plane, planew, copies) == (
         m.THREADS, m.WARPS, m.ROW_SLOTS, m.PACKED_SLOTS, m.PLANE, m.PACKED_PLANE_WORDS, m.BACKWARD_COPIES)
@@ -820,6 +834,9 @@ def test_module_sizes_match_the_kernels(emulator):
     # is_last, forward_kept and report_thresholds' flags; the backward's scratch doubles
     assert row_queues + 4 + kept_sink + 4 * warps <= m.QUEUE_BYTES
     assert row_queues + 8 * warps + 4 <= m.QUEUE_BYTES
+    # the float32 kernels over kept entries' transposed rows (a warp's), counted apart
+    assert transposed_band == m.TRANSPOSED_BAND and transposed64 == 1
+    assert transposed32 * 4 * warps == m.TRANSPOSED_BYTES
     # the 3D forward's ring of entries, counted apart
     assert (ring32, ring64) == (m.BLOCK_QUEUE_CAP[4] * 8 + 8, m.BLOCK_QUEUE_CAP[8] * 8 + 8)
     # the packed forward's queues, ForwardWork and windows (raw bytes, 16-aligned), the same words
