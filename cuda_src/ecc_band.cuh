@@ -12,7 +12,9 @@
 // band (in the soft ECT's kernels two at a time where both bands are at most 16 long, a half
 // warp each: Window, ECT_PAIRS). Lanes thus add to distinct accumulators: shared-memory float
 // atomics are CAS loops on sm_80/sm_90, and lanes of one warp hitting one address (neighbouring
-// pixels of a smooth image have nearly equal values) would serialise them.
+// pixels of a smooth image have nearly equal values) would serialise them. The float32 kernels
+// over kept entries go transposed instead (transposed_groups, below): a lane per entry for the
+// terms, a lane per threshold for the sums.
 //
 // Entry sources: the critical pixels of an image as ecc.cu's sweep finds them (soft ECC,
 // ecc_soft.cuh), or the critical pixels of a mask with their heights <x_p, v_d> in direction d

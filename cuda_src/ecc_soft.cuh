@@ -634,8 +634,8 @@ struct ForwardWork {
 };
 
 // The band work of the listed forward's kept entries (soft_ecc_listed_forward): ForwardWork's,
-// transposed where a warp's entries allow (forward_listed_warp; buf: the warp's rows, null for
-// double), nothing kept.
+// transposed for the bands that fit a row (forward_listed_warp; buf: the warp's rows, null for
+// double: the passes), nothing kept.
 template <typename Real>
 struct ListedForwardWork {
     const Real* t;
@@ -879,8 +879,8 @@ soft_ecc_listed_forward(const In* __restrict__ image, const Real* __restrict__ t
         wsp.finish_row(img, T, out + img * T);
 }
 
-// TRANSPOSED: the listed backward's, transposed where a warp's entries allow
-// (backward_listed_warp; buf: the warp's rows, null for double).
+// TRANSPOSED: the listed backward's, transposed for the bands that fit a row
+// (backward_listed_warp; buf: the warp's rows, null for double: the passes).
 template <typename Real, bool TRANSPOSED = false>
 struct BackwardWork {
     const Real* t;
