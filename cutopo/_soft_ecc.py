@@ -369,13 +369,14 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     the backward's last block the cotangents of the thresholds and the scale. A forward made
     by :func:`cutopo.vjp` (or a framework adapter) also keeps, as a residual, the critical
     pixels with a non-empty band (8 bytes each, room for one per 8 pixels of each image and
-    at most 64 MiB per call); the backward evaluates that list instead of sweeping the image
+    at most 512 MiB per call); the backward evaluates that list instead of sweeping the image
     again, and sweeps only the images whose list overflowed (noise-like images, where most
     pixels are critical). The plain call keeps nothing. 3D calls of at least 2^23 voxels (and
-    room for a slot per 32 voxels of each volume) list every critical voxel in a first pass,
-    run the band work from that list in a second, and sweep again only the volumes whose list
-    overflowed (faster on smooth volumes, where the critical voxels are few; the list is then
-    the residual). The
+    room for a slot per 32 voxels of each volume: up to 1024^3) list every critical voxel in
+    a first pass, run the band work from that list in a second, and sweep again only the
+    volumes whose list overflowed (faster on smooth volumes, where the critical voxels are
+    few; the list is then the residual). Work from a list runs transposed in float32: a
+    lane per entry evaluates its band, a lane per threshold sums a window of them. The
     entries are the same as on the CPU; the sums are formed in a different order and the
     sigmoids by CUDA's ``exp``, so the results agree to the rounding of the computation
     dtype relative to ``sum |c|``, not bit for bit.
