@@ -95,7 +95,8 @@ LISTED_FORWARD_VOXELS_PER_SLOT = 32
 # 660 blocks, the two kernels 139 -> 118 us; 4 x 128^3 83 -> 72 us; the 2D 1024^2 backward's
 # 27.7 -> 24.8 us. Fewer blocks lost where entries are many per block (512^3, +2.4 % at one
 # wave: the pixel floor keeps its 4096) or the batch's rows spread the atomics already (64 x
-# 256^2, +26 % at 13 blocks an image: the floor of 64 keeps its 25).
+# 256^2, +26 % at 13 blocks an image: the floor of 64 keeps its 25). With the transposed band
+# work (ecc_band.cuh) one wave stayed best (0.5 and 2 waves, H200, the same session).
 LISTED_WAVES: float | None = 1.0
 LISTED_PIXELS_PER_BLOCK = 1 << 15
 LISTED_MIN_BLOCKS_PER_IMAGE = 64
@@ -274,7 +275,9 @@ class SoftEccPlan:
             lsig = _sweep_sig("list", in_dtype, real, ndim, tconn, periodic)
             self._list = PreparedLaunch(lsig, nimg * per_image, THREADS,
                                         (None,) * 6 + (self.kept_cap,) + geometry)
-            # (image, thresholds, workspace, out, kept, lam, w)
+            # (image, thresholds, workspace, out, kept, lam, w); its static shared memory (the
+            # float32 transposed rows, TRANSPOSED_BYTES) is below the fused forward's 3D static
+            # part, which sized ``smem``
             listed_sig = _listed_forward_sig(in_dtype, real)
             lper = listed_blocks_per_image(listed_sig, nimg, math.prod(spatial), per_image, smem)
             self._listed = PreparedLaunch(listed_sig, nimg * lper, THREADS,
