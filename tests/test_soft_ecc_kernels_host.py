@@ -837,6 +837,9 @@ def test_module_sizes_match_the_kernels(emulator):
     # the float32 kernels over kept entries' transposed rows (a warp's), counted apart
     assert transposed_band == m.TRANSPOSED_BAND and transposed64 == 1
     assert transposed32 * 4 * warps == m.TRANSPOSED_BYTES
+    # the listed forward's rows (its only static part) under the 3D fused forward's static
+    # part, which sizes the dynamic part they share
+    assert m.TRANSPOSED_BYTES + 64 <= 3 * plane * 4 + m.QUEUE_BYTES + ring32
     # the 3D forward's ring of entries, counted apart
     assert (ring32, ring64) == (m.BLOCK_QUEUE_CAP[4] * 8 + 8, m.BLOCK_QUEUE_CAP[8] * 8 + 8)
     # the packed forward's queues, ForwardWork and windows (raw bytes, 16-aligned), the same words
