@@ -50,11 +50,13 @@ def _close(gpu, cpu, scale, dtype, what):
 
 def _close_cotangents(d_g, d_c, g, S, scale, T, dtype, what=""):
     """soft_ecc's three cotangents (image, thresholds, scale) against the NumPy path's, each to
-    the size of its own sums: scale * sum |g|, that times sum |c| / T, and sum |g| sum |c|."""
+    the size of its own sums: scale * sum |g|, that times sum |c| / T, and sum |g| sum |c| / (4
+    scale) (d_scale's terms g c sigma'(u) u / scale, |sigma'(u) u| < 0.224: sum |g| sum |c|
+    alone is scale / 0.224 times looser)."""
     lam_g = scale * np.abs(g).sum()
     _close(d_g[0], d_c[0], lam_g, dtype, f"d_image{what}")
     _close(d_g[1], d_c[1], lam_g * S.sum() / T, dtype, f"d_thresholds{what}")
-    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum(), dtype, f"d_scale{what}")
+    _close(d_g[2], d_c[2], np.abs(g).sum() * S.sum() / (4.0 * scale), dtype, f"d_scale{what}")
 
 
 # ---------------------------------------------------------------------------------------------
