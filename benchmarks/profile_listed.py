@@ -86,8 +86,8 @@ def run(cp, name, shape, ndim, waves):
     sums = (float(out.astype(cp.float64).sum()), float(d_image.astype(cp.float64).sum()),
             float(cp.abs(d_image).astype(cp.float64).sum()), float(d_t.astype(cp.float64).sum()), float(d_s))
     grids = (plan._listed.grid if listed else None, plan.backward_launch(True, f32, f32, True).grid)
-    print(f"{name} waves={waves} grids (listed forward, listed backward) {grids}, {int(kept[0].get())} entries "
-          "in image 0: " + ", ".join(f"{n} {m:.1f}" for n, m in zip(names, med))
+    print(f"{name} waves={waves} grids (listed forward, listed backward) {grids}, "
+          f"{int(kept[0].get())} entries in image 0: " + ", ".join(f"{n} {m:.1f}" for n, m in zip(names, med))
           + f"; total {med.sum():.1f} us; sums {sums}", flush=True)
 
 

@@ -474,7 +474,8 @@ __device__ __forceinline__ void forward_listed_warp(bool valid, Real f, int c, c
         for (int k = lo; k < hi; ++k) row[k - lo] = sigmoid<Real>((t[k] - f) * lam);
     }
     __syncwarp();
-    transposed_groups(pending, lo, hi, c, buf, win.k0, [&](int base, int top) { win.cover(base, top, t, T, a); },
+    transposed_groups(pending, lo, hi, c, buf, win.k0,
+                      [&](int base, int top) { win.cover(base, top, t, T, a); },
                       [&](Real s, int ce) { win.add(false, (double)s * (double)ce); });
     __syncwarp();  // the next round rewrites the rows
 }
@@ -512,7 +513,9 @@ __device__ __forceinline__ double backward_listed_warp(bool valid, Real f, int c
         __syncwarp();
         transposed_groups(pending, lo, hi, c, buf, win.k0,
                           [&](int base, int top) { win.cover(base, top, t, g, T, a); },
-                          [&](Real d, int ce) { win.add(false, (double)d * (double)ce * (double)win.g_at(false)); });
+                          [&](Real d, int ce) {
+                              win.add(false, (double)d * (double)ce * (double)win.g_at(false));
+                          });
         __syncwarp();  // the next round rewrites the rows
     }
     return need_sum ? mine : 0.0;

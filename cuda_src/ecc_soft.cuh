@@ -66,9 +66,9 @@ constexpr int soft_min_blocks() {
 #endif
 template <typename Real, typename K, int NDIM, bool PERIODIC, bool LISTED>
 constexpr int soft_backward_min_blocks() {
-    return LISTED && sizeof(Real) == 4 && CUTOPO_SOFT_LISTED_MIN_BLOCKS < soft_min_blocks<Real, K, NDIM, PERIODIC>()
-               ? CUTOPO_SOFT_LISTED_MIN_BLOCKS
-               : soft_min_blocks<Real, K, NDIM, PERIODIC>();
+    constexpr int sweep = soft_min_blocks<Real, K, NDIM, PERIODIC>();
+    return LISTED && sizeof(Real) == 4 && CUTOPO_SOFT_LISTED_MIN_BLOCKS < sweep ? CUTOPO_SOFT_LISTED_MIN_BLOCKS
+                                                                               : sweep;
 }
 
 // Blocks per multiprocessor of the packed forward (packed_soft_forward instances): 4 (64

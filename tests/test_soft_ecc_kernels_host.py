@@ -681,7 +681,8 @@ def test_emulated_kernels_over_entries_with_one_block_per_image(emulator, case, 
     cfg = _config(shape, dtype, t_dtype, ndim, conn, boundary)
     with _emulated_device(None, resident):
         plan = _plan(cfg)
-        grids = [plan.backward_launch(True, cfg.dtype, None, True).grid, plan.backward_launch(True, cfg.dtype, None).grid]
+        grids = [plan.backward_launch(True, cfg.dtype, None, True).grid,
+                 plan.backward_launch(True, cfg.dtype, None).grid]
         if listed:
             grids += [plan._listed.grid, plan._list.grid]
     assert grids[0::2] == [plan.nimg] * len(grids[0::2]) and min(grids[1::2]) > plan.nimg
@@ -700,7 +701,8 @@ def test_listed_forward_where_it_pays():
     assert listed(np.float32, 3, False, 64, 64**3)  # 2^24 voxels in all
     assert not listed(np.float32, 3, False, 1, 192**3)  # below 2^23
     assert listed(np.float32, 3, False, 1, 1024**3) and listed(np.float32, 3, False, 16, 256**3)  # per 16
-    assert listed(np.float32, 3, False, 2, 1000**3) and not listed(np.float32, 3, False, 2, 1024**3)  # a slot per 32 voxels, less the counts
+    # a slot per 32 voxels, less the counts' words
+    assert listed(np.float32, 3, False, 2, 1000**3) and not listed(np.float32, 3, False, 2, 1024**3)
     assert not listed(np.float32, 3, False, 1, 2048**3)  # a slot per 128 voxels
     assert not listed(np.float32, 3, False, 32, 512**3)  # per 64
     assert not listed(np.float32, 2, False, 1, 8192**2) and not listed(np.int16, 2, False, 1, 8192**2)
