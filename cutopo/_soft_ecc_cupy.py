@@ -257,7 +257,7 @@ class SoftEccPlan:
         self.nimg, self.T, self.real = nimg, T, real
         self._pixels = math.prod(spatial)
         self.words = forward_workspace_words(nimg, T)
-        self.kept_cap = kept_capacity(nimg, math.prod(spatial))
+        self.kept_cap = kept_capacity(nimg, self._pixels)
 
         fsig = _sweep_sig("forward", in_dtype, real, ndim, tconn, periodic)
         packed = packed_forward(in_dtype, ndim, periodic)
@@ -270,7 +270,7 @@ class SoftEccPlan:
         args = (None,) * 7 + (self.kept_cap,) + geometry + (None, None, int(shared))
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS, args + (NULL,), shared_mem=smem)
         self._list = self._listed = self._overflowed = None
-        if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic, nimg, math.prod(spatial)):
+        if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic, nimg, self._pixels):
             # (image, thresholds, workspace, word, token, kept): no dynamic shared memory
             lsig = _sweep_sig("list", in_dtype, real, ndim, tconn, periodic)
             self._list = PreparedLaunch(lsig, nimg * per_image, THREADS,
@@ -279,7 +279,7 @@ class SoftEccPlan:
             # float32 transposed rows, TRANSPOSED_BYTES) is below the fused forward's 3D static
             # part, which sized ``smem``
             listed_sig = _listed_forward_sig(in_dtype, real)
-            lper = listed_blocks_per_image(listed_sig, nimg, math.prod(spatial), per_image, smem)
+            lper = listed_blocks_per_image(listed_sig, nimg, self._pixels, per_image, smem)
             self._listed = PreparedLaunch(listed_sig, nimg * lper, THREADS,
                                           (None,) * 5 + (self.kept_cap, lper, T, None, None, int(shared)),
                                           shared_mem=smem)
