@@ -6,7 +6,8 @@ listed backward), for values of _soft_ecc_cupy.LISTED_WAVES.
 For each case (smooth float32 images, T = 256, bench_soft's scale) and waves value, runs the
 plan's launches directly (list sweep, listed band work, fused forward of the overflowed
 images; or the 2D fused forward keeping entries; then the backward's sweep launch, which
-zeroes d_image for the listed images, and the listed backward) with a CUDA event between each
+zeroes d_image for the listed images unless the list sweep did (SoftEccPlan.zeroes_d_image,
+as in cutopo.vjp's forward), and the listed backward) with a CUDA event between each
 two, the stream first held busy so that the events time the GPU alone; prints the median of
 22 calls per launch (us), the grids of the kernels over entries and sums of the outputs
 (identical between trees and waves where only the work's layout differs).
@@ -64,7 +65,7 @@ def run(cp, name, shape, ndim, waves):
         ev = [cp.cuda.Event() for _ in range(len(names) + 1)]
         ev[0].record()
         if listed:
-            plan._list(image, t, ws, NULL, 0, kept)
+            plan._list(image, t, ws, NULL, 0, kept, d_image if plan.zeroes_d_image else NULL)
             ev[1].record()
             plan._listed(image, t, ws, out, kept, lam, w)
             ev[2].record()
@@ -75,7 +76,7 @@ def run(cp, name, shape, ndim, waves):
             ev[1].record()
         k = len(names) - 1
         arrays = [image, t, g, d_image, bws, d_t, d_s, kept]
-        plan.backward_launch(True, f32, f32)(*arrays, lam, w)
+        plan.backward_launch(True, f32, f32, zeroed=plan.zeroes_d_image)(*arrays, lam, w)
         ev[k].record()
         plan.backward_launch(True, f32, f32, True)(*arrays, lam, w)
         ev[k + 1].record()

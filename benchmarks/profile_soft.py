@@ -86,9 +86,9 @@ def forward_3d(cp, only=None):
         w = band_halfwidth(np.dtype(dtype), lam)
         plain = lambda: _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, 3, False)  # noqa: E731
         kept = lambda: _soft_ecc_cupy.soft_ecc_forward(image, t, lam, w, 3, False, keep=True)  # noqa: E731
-        out, entries = kept()
+        out, residual = kept()
         o = out.astype(np.float64).reshape(-1, T)
-        n = int(entries[0].get()) if entries is not None else -1
+        n = int(residual.kept[0].get()) if residual is not None else -1
         print(f"## soft_ecc 3d {name}: output sum {float(o.sum()):.10e}, [-1, 100] {float(o[-1, 100]):.10e}, "
               f"[0, 128] {float(o[0, 128]):.10e}; {n} entries kept of the first image")
         print(f"  forward {time_graph(cp, plain, 30):.4f} ms, with kept entries {time_graph(cp, kept, 30):.4f} ms")

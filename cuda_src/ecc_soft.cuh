@@ -803,6 +803,28 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
     }
 }
 
+// a[begin, end) = 0 by the block: 16-byte stores between the first and last 16-byte boundary
+// (``a`` itself 16-byte aligned: a CuPy allocation), single elements at the ends. Element by
+// element, the 3D backward's zeroing of a listed 256^3 float32 image wrote 2.1 TB/s on the H100
+// (32 us, 0.36 instructions per cycle: the loop's 64-bit arithmetic per 4 bytes).
+template <typename Real>
+__device__ __forceinline__ void zero_range(Real* a, i64 begin, i64 end) {
+    constexpr i64 V = 16 / sizeof(Real);
+    const i64 head = min(end, (begin + V - 1) / V * V);  // begin rounded up to a boundary
+    const i64 body = max(head, end / V * V);             // end rounded down, not below head
+    for (i64 p = begin + threadIdx.x; p < head; p += THREADS) a[p] = Real(0);
+    uint4* v = reinterpret_cast<uint4*>(a);
+    for (i64 q = head / V + threadIdx.x; q < body / V; q += THREADS) v[q] = uint4{0u, 0u, 0u, 0u};
+    for (i64 p = body + threadIdx.x; p < end; p += THREADS) a[p] = Real(0);
+}
+
+// The share of block ``chunk`` (of blocks_per_image) in zeroing image ``img``'s n elements of a.
+template <typename Real>
+__device__ __forceinline__ void zero_share(Real* a, i64 img, int chunk, i64 n, int blocks_per_image) {
+    const i64 per_block = (n + blocks_per_image - 1) / blocks_per_image;
+    zero_range(a, img * n + min(n, chunk * per_block), img * n + min(n, (chunk + 1) * per_block));
+}
+
 // The listed 3D forward, for volumes whose critical voxels are few (smooth images): the fused
 // forward's sweep without its band work (first launch, this kernel), the band work of the
 // listed entries over the whole grid (second, soft_ecc_listed_forward), and the fused forward
@@ -815,12 +837,20 @@ soft_ecc_fused_forward(const In* __restrict__ image, const Real* __restrict__ th
 // kept_cap: overflowed, and then below the number of critical voxels) and leaves the
 // workspace's counters zeroed.
 // Block 0 checks the thresholds into ``word`` when not null (report_thresholds).
+// d_image: null, or the backward's d_image (rows, N), zeroed here (the block's share of its
+// image, before the sweep, so that a block stopped early has zeroed it too): the forward of
+// cutopo.vjp, whose backward then writes the listed voxels alone. On bench_soft's 256^3
+// float32 volume (H100, forty-second session) this sweep took 14 us longer, the backward's
+// zeroing launch 19 us less and its listed launch 9 us less: 306 -> 293 us in all. Zeroing
+// each voxel as the sweep passes it, and evict-first stores either way, cost the sweep the
+// same 14 us.
 template <typename In, typename K, typename Real, int NDIM, bool TCONN, bool PERIODIC>
 __global__ void __launch_bounds__(THREADS, (soft_min_blocks<Real, K, NDIM, PERIODIC>()))
 soft_ecc_list_forward(const In* __restrict__ image, const Real* __restrict__ thresholds,
                       unsigned long long* __restrict__ ws, unsigned long long* __restrict__ word,
                       long long token, unsigned long long* __restrict__ kept, i64 kept_cap, i64 nz,
-                      i64 ny, i64 nx, int zchunk, int blocks_per_image, int T) {
+                      i64 ny, i64 nx, int zchunk, int blocks_per_image, int T,
+                      Real* __restrict__ d_image) {
     static_assert(!packed_soft_forward<In, NDIM, PERIODIC>(), "the scalar sweep's instances");
     __shared__ K tile[NDIM == 3 ? 3 : 1][PLANE];
     __shared__ RowQueues q;
@@ -833,6 +863,7 @@ soft_ecc_list_forward(const In* __restrict__ image, const Real* __restrict__ thr
         list_state = ListState{false, false};
     }
     __syncthreads();
+    if (d_image != nullptr) zero_share(d_image, img, chunk, nz * ny * nx, blocks_per_image);
     if (word != nullptr && blockIdx.x == 0) report_thresholds(thresholds, T, word, token);
     const RowBands<In, Real, ListWork<Real>, 0> bands{&q, image, ListWork<Real>{}, 0, nullptr, 0u, 0};
     sweep<NDIM, TCONN, K, NDIM == 3>(tile, nz, ny, nx, zchunk, img * nz * ny * nx, chunk,
@@ -922,21 +953,6 @@ __host__ __device__ inline i64 backward_workspace_words(int T) {
     return (i64)BACKWARD_COPIES * (T + 1) + 1;
 }
 
-// a[begin, end) = 0 by the block: 16-byte stores between the first and last 16-byte boundary
-// (``a`` itself 16-byte aligned: a CuPy allocation), single elements at the ends. Element by
-// element, the 3D backward's zeroing of a listed 256^3 float32 image wrote 2.1 TB/s on the H100
-// (32 us, 0.36 instructions per cycle: the loop's 64-bit arithmetic per 4 bytes).
-template <typename Real>
-__device__ __forceinline__ void zero_range(Real* a, i64 begin, i64 end) {
-    constexpr i64 V = 16 / sizeof(Real);
-    const i64 head = min(end, (begin + V - 1) / V * V);  // begin rounded up to a boundary
-    const i64 body = max(head, end / V * V);             // end rounded down, not below head
-    for (i64 p = begin + threadIdx.x; p < head; p += THREADS) a[p] = Real(0);
-    uint4* v = reinterpret_cast<uint4*>(a);
-    for (i64 q = head / V + threadIdx.x; q < body / V; q += THREADS) v[q] = uint4{0u, 0u, 0u, 0u};
-    for (i64 p = body + threadIdx.x; p < end; p += THREADS) a[p] = Real(0);
-}
-
 // The backward: d_image (rows, N) gets -lambda sum_k g_k c sigma'_k at every pixel (0 where
 // c = 0 or f is not finite); ws (backward_workspace_words doubles, zeroed) gathers the
 // thresholds' cotangent without lambda and the scale's, in BACKWARD_COPIES copies, and (as an
@@ -947,7 +963,8 @@ __device__ __forceinline__ void zero_range(Real* a, i64 begin, i64 end) {
 // kept: null (the sweep of every image), or the forward's KeptEntries (``kept_cap`` slots per
 // image), which take two launches on ws, in this order: the sweep instance (LISTED false)
 // sweeps only the images whose list overflowed and leaves the cotangents in ws (no final
-// write, its blocks not counted) and zeroes the other images' d_image, then the LISTED
+// write, its blocks not counted) and zeroes the other images' d_image (unless ``zeroed``: the
+// listed forward zeroed all of d_image, soft_ecc_list_forward), then the LISTED
 // instance evaluates the listed images' entries (d_image written at those pixels alone) and
 // makes the final write. Two instances, not one kernel with both paths: together they made the 2D
 // float32 backward spill ~150 bytes at its 40-register budget, and the sweep 17 % slower.
@@ -960,7 +977,7 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
                         double* __restrict__ d_scale_double,
                         const unsigned long long* __restrict__ kept, i64 kept_cap, i64 nz, i64 ny,
                         i64 nx, int zchunk, int blocks_per_image, int T, Real lam, double w,
-                        int shared) {
+                        int shared, int zeroed) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ K tile[LISTED ? 1 : (NDIM == 3 ? 3 : 1)][PLANE];  // (unused when LISTED)
     __shared__ RowQueues q;
@@ -977,13 +994,9 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     // below 2^31 (cutopo/_soft_ecc_cupy.py, KEPT_MAX_BYTES), so 32-bit counters do
     const unsigned long long count = kept != nullptr ? kept[img] : 0ull;
     const bool listed = kept != nullptr && count <= (unsigned long long)kept_cap && kept_cap < (1LL << 31);
-    if (!LISTED && listed) {  // the LISTED launch's image: its d_image zeroed here, in order
-        if (d_image != nullptr) {  // before that launch writes the listed pixels
-            const i64 n = nz * ny * nx;
-            const i64 per_block = (n + blocks_per_image - 1) / blocks_per_image;
-            zero_range(d_image, img * n + min(n, chunk * per_block),
-                       img * n + min(n, (chunk + 1) * per_block));
-        }
+    if (!LISTED && listed) {  // the LISTED launch's image: its d_image zeroed here (unless the
+        // forward zeroed it), in order before that launch writes the listed pixels
+        if (d_image != nullptr && !zeroed) zero_share(d_image, img, chunk, nz * ny * nx, blocks_per_image);
         return;
     }
     const ListedDeal deal(LISTED && listed ? count : 0ull, blocks_per_image);

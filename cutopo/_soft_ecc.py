@@ -40,7 +40,7 @@ class _Config(NamedTuple):
     scale_dtype: np.dtype | None = None  # the scale argument's (None: a Python number)
     w: float = 0.0      # the band half-width B / scale (band_halfwidth)
     plan: object = None  # the CuPy path's SoftEccPlan, when _device_call made this
-    kept: object = None  # the CuPy forward's kept entries (residual for the backward), or None
+    kept: object = None  # the CuPy forward's residual for the backward (_soft_ecc_cupy.Residual), or None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +375,9 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     room for a slot per 32 voxels of each volume: up to 1024^3) list every critical voxel in
     a first pass, run the band work from that list in a second, and sweep again only the
     volumes whose list overflowed (faster on smooth volumes, where the critical voxels are
-    few; the list is then the residual). Work from a list runs transposed in float32: a
+    few; the list is then the residual). Made by :func:`cutopo.vjp`, that first pass also
+    zeroes the image's cotangent, which the residual holds for the backward (up to 512 MiB
+    of it: as large as the image in the computation dtype). Work from a list runs transposed in float32: a
     lane per entry evaluates its band, a lane per threshold sums a window of them. The
     entries are the same as on the CPU; the sums are formed in a different order and the
     sigmoids by CUDA's ``exp``, so the results agree to the rounding of the computation

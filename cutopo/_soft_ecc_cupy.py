@@ -101,7 +101,36 @@ LISTED_WAVES: float | None = 1.0
 LISTED_PIXELS_PER_BLOCK = 1 << 15
 LISTED_MIN_BLOCKS_PER_IMAGE = 64
 
+# The listed forward of cutopo.vjp zeroes the backward's d_image while it sweeps (band::
+# soft_ecc_list_forward), for calls whose d_image takes at most this many bytes: its backward
+# then skips a launch's worth of zeroing at the copy bandwidth (bench_soft's 256^3 float32
+# volume on an H100: the five launches 306 -> 293 us, benchmarks/RESULTS.md, forty-second
+# session), and the residual holds d_image from the forward to the backward (as large as the
+# image: up to 512 MiB, a 512^3 float32 volume).
+ZEROED_D_IMAGE_MAX_BYTES = 512 << 20
+
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+class Residual:
+    """What a forward made for a backward keeps (soft_ecc_forward with ``keep``): the kept
+    entries (``kept``: band::KeptEntries, None when the plan keeps none) and, from the listed
+    forward (SoftEccPlan.zeroes_d_image), d_image already zeroed, for the first backward that
+    writes d_image (:meth:`take_zeroed`; the pullback may run again and must not write into
+    the array an earlier call returned)."""
+
+    __slots__ = ("kept", "_zeroed")
+
+    def __init__(self, kept, zeroed=None):
+        self.kept = kept
+        self._zeroed = [] if zeroed is None else [zeroed]
+
+    def take_zeroed(self):
+        """The zeroed d_image, once (None after, or when there is none)."""
+        try:
+            return self._zeroed.pop()  # one pop wins when threads race
+        except IndexError:
+            return None
 
 
 def _cbool(x) -> str:
@@ -129,12 +158,14 @@ def _sweep_sig(kind, in_dtype, real, ndim, tconn, periodic, listed=False) -> Sig
         # geometry, the listed forward's list (its third launch)
         params = ((f"ptr:{view}", f"ptr:{r}", "ptr:uint64", f"ptr:{r}", HOST_WORD, "int64") + kept
                   + geometry + ("ptr:uint64",))
-    elif kind == "list":  # image, thresholds, workspace, check word, its token, kept, geometry
-        params = (f"ptr:{view}", f"ptr:{r}", "ptr:uint64", HOST_WORD, "int64") + kept + geometry[:6]
+    elif kind == "list":  # image, thresholds, workspace, check word, its token, kept, geometry,
+        # the d_image to zero
+        params = ((f"ptr:{view}", f"ptr:{r}", "ptr:uint64", HOST_WORD, "int64") + kept + geometry[:6]
+                  + (f"ptr:{r}",))
     else:  # image, thresholds, g, d_image, workspace, d_t (real, double), d_scale (real, double),
-        # kept, geometry
+        # kept, geometry, whether the forward zeroed d_image
         params = (f"ptr:{view}", f"ptr:{r}", f"ptr:{r}", f"ptr:{r}", "ptr:float64", f"ptr:{r}",
-                  "ptr:float64", f"ptr:{r}", "ptr:float64") + kept + geometry
+                  "ptr:float64", f"ptr:{r}", "ptr:float64") + kept + geometry + ("int32",)
     return Signature(FAMILY, name, params)
 
 
@@ -254,7 +285,7 @@ class SoftEccPlan:
         ndim = len(spatial)
         real = np.dtype(real)
         key_bytes = 8 if _key_ctype(_ecc_cupy._INPUT_CTYPE[np.dtype(in_dtype)]).endswith("long") else 4
-        self.nimg, self.T, self.real = nimg, T, real
+        self.nimg, self.ndim, self.T, self.real = nimg, ndim, T, real
         self._pixels = math.prod(spatial)
         self.words = forward_workspace_words(nimg, T)
         self.kept_cap = kept_capacity(nimg, self._pixels)
@@ -271,10 +302,11 @@ class SoftEccPlan:
         self._forward = PreparedLaunch(fsig, nimg * per_image, THREADS, args + (NULL,), shared_mem=smem)
         self._list = self._listed = self._overflowed = None
         if self.kept_cap > 0 and listed_forward(in_dtype, ndim, periodic, nimg, self._pixels):
-            # (image, thresholds, workspace, word, token, kept): no dynamic shared memory
+            # (image, thresholds, workspace, word, token, kept, d_image to zero or NULL): no
+            # dynamic shared memory
             lsig = _sweep_sig("list", in_dtype, real, ndim, tconn, periodic)
             self._list = PreparedLaunch(lsig, nimg * per_image, THREADS,
-                                        (None,) * 6 + (self.kept_cap,) + geometry)
+                                        (None,) * 6 + (self.kept_cap,) + geometry + (None,))
             # (image, thresholds, workspace, out, kept, lam, w); its static shared memory (the
             # float32 transposed rows, TRANSPOSED_BYTES) is below the fused forward's 3D static
             # part, which sized ``smem``
@@ -287,6 +319,8 @@ class SoftEccPlan:
             self._overflowed = PreparedLaunch(fsig, nimg * per_image, THREADS,
                                               args[:4] + (NULL, 0, NULL) + args[7:] + (None,),
                                               shared_mem=smem)
+        self.zeroes_d_image = (self._list is not None
+                               and nimg * self._pixels * real.itemsize <= ZEROED_D_IMAGE_MAX_BYTES)
 
         self._bsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic)
         self._lsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic, listed=True)
@@ -304,13 +338,15 @@ class SoftEccPlan:
         per thread and stream up to KEEP_WORKSPACE_BYTES (the kernels leave it zeroed)."""
         return self._workspaces.get(kind, words, dtype)
 
-    def forward(self, x, t, out, lam, w, check: bool, keep: bool = False):
-        """Launch the forward into ``out`` (nimg * T, the computation dtype); with ``check``,
-        block 0 checks the thresholds, whose flags are read before return (a failed check
-        raises). With ``keep``, returns the kept entries for :meth:`backward` (None when the
-        plan keeps none). The listed forward (listed_forward) is three launches: the list
-        sweep, the band work of the lists that fit, the fused forward of the images whose list
-        overflowed; its list holds every critical pixel (band or not) and is the kept entries.
+    def forward(self, x, t, shape, lam, w, check: bool, keep: bool = False):
+        """Launch the forward of images of ``shape`` (batch and spatial axes) and return (the
+        curve (*batch, T) in the computation dtype, a :class:`Residual` for :meth:`backward`
+        with ``keep``, else None; None too when the plan keeps nothing). With ``check``, block
+        0 checks the thresholds, whose flags are read before return (a failed check raises).
+        The listed forward (listed_forward) is three launches: the list sweep, the band work of
+        the lists that fit, the fused forward of the images whose list overflowed; its list
+        holds every critical pixel (band or not) and is the kept entries, and with ``keep`` its
+        sweep zeroes d_image for the backward (zeroes_d_image).
 
         ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
@@ -321,27 +357,36 @@ class SoftEccPlan:
         ws = self.workspace("forward", self.words, np.uint64)
         word = check_word() if check else NULL
         token = word.arm() if check else 0
+        out_shape = shape[:len(shape) - self.ndim] + (self.T,)
+        zeroed = None
         if self._list is not None:  # the listed forward: its list is the kept entries
             kept = cupy.empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
-            self._list.call_checked_once(x, t, ws, word, token, kept)
+            if keep and self.zeroes_d_image:
+                zeroed = cupy.empty(shape, dtype=self.real)
+            self._list.call_checked_once(x, t, ws, word, token, kept, NULL if zeroed is None else zeroed)
+            # made after the first launch: its host time (~4 us) then no longer delays the sweep
+            out = cupy.empty(out_shape, dtype=self.real)
             self._listed.call_checked_once(x, t, ws, out, kept, lam, w)
             self._overflowed.call_checked_once(x, t, ws, out, lam, w, kept)
         else:
             kept = None
             if keep and self.kept_cap > 0:  # no fill: the kernel writes every word it reads back
                 kept = cupy.empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
+            out = cupy.empty(out_shape, dtype=self.real)
             self._forward.call_checked_once(x, t, ws, out, word, token,
                                             NULL if kept is None else kept, lam, w)
         if check:
             raise_failed_thresholds(word.read())
-        return kept if keep else None
+        return out, (Residual(kept, zeroed) if keep and kept is not None else None)
 
-    def backward_launch(self, need_image, t_dtype, s_dtype, listed=False) -> PreparedLaunch:
+    def backward_launch(self, need_image, t_dtype, s_dtype, listed=False, zeroed=False) -> PreparedLaunch:
         """The backward launch writing d_image (if ``need_image``), d_t in ``t_dtype`` and d_scale
         in ``s_dtype`` (each the computation dtype, float64, or None: not wanted); ``listed``:
-        the instance over kept entries. Called with (image, thresholds, g, [d_image], ws, [d_t],
-        [d_scale], kept or NULL, lam, w)."""
-        key = (need_image, t_dtype, s_dtype, listed)
+        the instance over kept entries; ``zeroed``: d_image comes zeroed (the sweep instance
+        leaves the listed images' alone). Called with (image, thresholds, g, [d_image], ws,
+        [d_t], [d_scale], kept or NULL, lam, w)."""
+        zeroed = bool(zeroed and need_image and not listed)
+        key = (need_image, t_dtype, s_dtype, listed, zeroed)
         launch_ = self._backward.get(key)
         if launch_ is None:
             def outputs(dtype):  # (real slot, double slot): None = passed at call time
@@ -355,18 +400,19 @@ class SoftEccPlan:
                 geometry = geometry[:4] + (per_image,) + geometry[5:8] + (int(shared),)
                 grid = self.nimg * per_image
             args = ((None, None, None, None if need_image else NULL, None) + outputs(t_dtype)
-                    + outputs(s_dtype) + (None, self.kept_cap) + geometry)
+                    + outputs(s_dtype) + (None, self.kept_cap) + geometry + (int(zeroed),))
             launch_ = PreparedLaunch(self._lsig if listed else self._bsig, grid, THREADS, args,
                                      shared_mem=smem)
             self._backward[key] = launch_
         return launch_
 
-    def backward(self, need_image, t_dtype, s_dtype, arrays, lam, w) -> None:
+    def backward(self, need_image, t_dtype, s_dtype, arrays, lam, w, zeroed=False) -> None:
         """Launch the backward (see backward_launch) on ``arrays``, which soft_ecc_backward
         makes as forward's are made: checked at the launch's first call only. With kept
         entries (the last array), the sweep of the images whose list overflowed, then the
-        listed images' entries and the final write (band::soft_ecc_fused_backward)."""
-        self.backward_launch(need_image, t_dtype, s_dtype).call_checked_once(*arrays, lam, w)
+        listed images' entries and the final write (band::soft_ecc_fused_backward).
+        ``zeroed``: d_image was zeroed by the forward."""
+        self.backward_launch(need_image, t_dtype, s_dtype, zeroed=zeroed).call_checked_once(*arrays, lam, w)
         if arrays[-1] is not NULL:
             self.backward_launch(need_image, t_dtype, s_dtype, True).call_checked_once(*arrays, lam, w)
 
@@ -422,22 +468,21 @@ def _plan_and_view(image, ndim, tconn, periodic, T, real, plan=None):
 
 def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False, plan=None,
                      keep=False):
-    """((*batch, T) curve in the dtype of ``t``, the kept entries for soft_ecc_backward or
-    None). ``t``: host thresholds (checked) or device ones (C-contiguous, on the image's
+    """((*batch, T) curve in the dtype of ``t``, the :class:`Residual` for soft_ecc_backward
+    or None). ``t``: host thresholds (checked) or device ones (C-contiguous, on the image's
     device; checked on the device with ``check``); ``lam`` the scale in that dtype, ``w`` the
-    band half-width; ``plan`` the image's, if looked up; ``keep``: keep the entries."""
+    band half-width; ``plan`` the image's, if looked up; ``keep``: keep the entries (and, from
+    the listed forward, a zeroed d_image)."""
     import cupy
 
     real, T = t.dtype, t.size
-    kept = None
     with _on_device_of(image):
         plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
-        out = cupy.empty(image.shape[:image.ndim - ndim] + (T,), dtype=real)
         if plan is not None:
-            kept = plan.forward(x, _thresholds_on_device(t), out, lam, w, check, keep)
-        elif check:  # an empty batch: no kernel, so the host checks the thresholds
+            return plan.forward(x, _thresholds_on_device(t), image.shape, lam, w, check, keep)
+        if check:  # an empty batch: no kernel, so the host checks the thresholds
             check_thresholds(t, image)
-    return out, kept
+        return cupy.empty(image.shape[:image.ndim - ndim] + (T,), dtype=real), None
 
 
 def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
@@ -445,7 +490,7 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
     """(d_image in the dtype of t or None, d_t (T,) in ``t_dtype`` or None, d_scale 0-d in
     ``s_dtype`` or None) for the cotangent ``g`` (*batch, T); ``t_dtype`` and ``s_dtype`` are
     the dtype of t or float64; ``plan`` the image's, if looked up; ``kept`` the forward's
-    entries (soft_ecc_forward with ``keep``) or None."""
+    :class:`Residual` (soft_ecc_forward with ``keep``) or None."""
     import cupy
 
     need_image, need_t, need_scale = needs
@@ -456,7 +501,10 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
         if g.dtype != real or not _c_contiguous(g):
             g = cupy.ascontiguousarray(g.astype(real, copy=False))
-        d_image = cupy.empty(image.shape, dtype=real) if need_image else None
+        zeroed = kept.take_zeroed() if need_image and kept is not None else None
+        d_image = None
+        if need_image:
+            d_image = zeroed if zeroed is not None else cupy.empty(image.shape, dtype=real)
         d_t = cupy.empty(T, dtype=t_dtype) if need_t else None
         d_scale = cupy.empty((), dtype=s_dtype) if need_scale else None
         if plan is None:  # an empty batch
@@ -467,6 +515,6 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         ws = plan.workspace("backward", backward_workspace_words(T), np.float64)
         arrays = [x, _thresholds_on_device(t), g] + ([d_image] if need_image else []) + [ws]
         arrays += [d for d in (d_t, d_scale) if d is not None]
-        arrays.append(NULL if kept is None else kept)
-        plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w)
+        arrays.append(NULL if kept is None else kept.kept)
+        plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w, zeroed is not None)
     return d_image, d_t, d_scale

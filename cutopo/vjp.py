@@ -213,11 +213,13 @@ def vjp(op, *args, wrt=None, **kwargs):
         raise TypeError(f"{spec.name} takes {len(spec.arg_names)} positional arguments "
                         f"({', '.join(spec.arg_names)}), got {len(args)}")
     chosen = _normalise_wrt(spec, wrt)
+    out, residuals = spec.forward(*args, **kwargs)
+    # which cotangents the pullback computes, decided once the forward's kernels are queued
+    # (microseconds of host time that would delay its first launch otherwise)
     differentiable = spec.differentiable
     needs = tuple([(chosen is None or i in chosen) and name in differentiable
                    and _is_float_argument(a)
                    for i, (name, a) in enumerate(zip(spec.arg_names, args))])
-    out, residuals = spec.forward(*args, **kwargs)
     # The pullback keeps what it needs of the output, not the output: a caller that drops it
     # gets its memory back (a 2.2e9-trajectory integrate's is 17.7 GB).
     xp = array_module(out)

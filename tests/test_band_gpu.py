@@ -467,7 +467,7 @@ def _kept_lists(res, image, ndim, tconn, periodic, T, dtype):
 
     plan = _soft_ecc_cupy.device_plan(image, ndim, tconn, periodic, T, dtype)
     nimg, cap = plan.nimg, plan.kept_cap
-    kept = _cp().asnumpy(res.kept)
+    kept = _cp().asnumpy(res.kept.kept)  # (the config's _soft_ecc_cupy.Residual)
     assert kept.shape == (nimg * (1 + cap),)
     counts = kept[:nimg].astype(np.int64)
     slots = kept[nimg:].reshape(nimg, cap)
@@ -544,7 +544,9 @@ def test_soft_ecc_listed_forward_at_its_size(rng, fresh_soft_ecc_plans):
     """The listed 3D forward as calls take it (LISTED_FORWARD_MIN_VOXELS voxels or more, many
     blocks per volume): a smooth volume whose list fits, white noise whose list overflows (its
     listing stopped early, the volume swept again), both the NumPy path's curve and
-    cotangents (the smooth one's from its list)."""
+    cotangents (the smooth one's from its list). The list sweep of cutopo.vjp's forward zeroed
+    d_image (from a poisoned pool), which its first pullback fills; a second pullback zeroes
+    its own and leaves the first one's result alone."""
     from cutopo import _soft_ecc, _soft_ecc_cupy
 
     cp = _cp()
@@ -567,11 +569,19 @@ def test_soft_ecc_listed_forward_at_its_size(rng, fresh_soft_ecc_plans):
     assert cap < counts[1] <= (~first).sum(), "the noise's list should overflow"
     S = _sum_abs_c(img, 3, 1)[..., None]
     _close(out_g, out_c, S, np.float32, "forward")
+    poison_pool()
     _, pb_g = cutopo.vjp(cutopo.soft_ecc, x, cp.asarray(t), scale, ndim=3)
+    assert _soft_ecc_cupy.device_plan(x, 3, False, False, t.size, np.float32).zeroes_d_image
     g = rng.standard_normal(out_c.shape).astype(np.float32)
     d_c = pb_c(g)
     poison_pool()
-    _close_cotangents(pb_g(cp.asarray(g)), d_c, g, S, scale, len(t), np.float32)
+    first = pb_g(cp.asarray(g))
+    kept_first = cp.asnumpy(first[0])
+    _close_cotangents(first, d_c, g, S, scale, len(t), np.float32)
+    poison_pool()
+    g2 = rng.standard_normal(out_c.shape).astype(np.float32)
+    _close_cotangents(pb_g(cp.asarray(g2)), pb_c(g2), g2, S, scale, len(t), np.float32)
+    np.testing.assert_array_equal(cp.asnumpy(first[0]), kept_first)
 
 
 def _near_ties(rng, shape, ndim, dtype):

@@ -536,7 +536,10 @@ BACKWARDS = [((True, True, True), True, "real", "real"),
              ((True, True, True), False, "float64", "float64"),
              ((False, True, False), True, "float64", None),
              ((True, False, False), False, None, None),
-             ((False, False, True), True, None, "real")]
+             ((False, False, True), True, None, "real"),
+             # again with d_image and the kept entries: the listed forward's zeroed d_image went
+             # to the first such backward, this one zeroes its own
+             ((True, False, True), True, None, "real")]
 
 
 def _scale_terms(cfg, g):
@@ -570,18 +573,28 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
     with _emulated_device(emulator, resident, capacity) as (log, word):
         plan = _plan(cfg)
         args = (cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim, cfg.tconn)
-        out, kept = _soft_ecc_cupy.soft_ecc_forward(*args, cfg.periodic, check=True, plan=plan,
-                                                    keep=True)
+        out, residual = _soft_ecc_cupy.soft_ecc_forward(*args, cfg.periodic, check=True, plan=plan,
+                                                        keep=True)
         assert word.read() == 0, "the thresholds' check failed"
         assert _workspaces_zeroed(plan), "the forward left its workspace dirty"
+        # the listed forward's zeroed d_image (a poisoned allocation: the list sweep zeroes it)
+        zeroed = residual._zeroed[0] if residual._zeroed else None
+        assert (zeroed is not None) == plan.zeroes_d_image == (plan._list is not None)
         again, none = _soft_ecc_cupy.soft_ecc_forward(*args, cfg.periodic, plan=plan)
         assert none is None and _workspaces_zeroed(plan)
         results = []
         for needs, with_kept, t_out, s_out in BACKWARDS:
             dtypes = [real if d == "real" else np.dtype(d or "float64") for d in (t_out, s_out)]
             results.append(_soft_ecc_cupy.soft_ecc_backward(
-                *args, g, needs, cfg.periodic, *dtypes, plan=plan, kept=kept if with_kept else None))
+                *args, g, needs, cfg.periodic, *dtypes, plan=plan, kept=residual if with_kept else None))
             assert _workspaces_zeroed(plan), f"the backward {needs} left its workspace dirty"
+            if len(results) == 1:
+                first_d_image = results[0][0].copy()
+        # the first backward with d_image and the entries wrote into the forward's zeroed
+        # d_image, and no later one into the array it returned
+        assert zeroed is None or results[0][0] is zeroed
+        np.testing.assert_array_equal(results[0][0], first_d_image)
+        kept = residual.kept
     # the launches: one per forward (the listed forward: its list, its band work, the fused
     # forward of the lists that overflowed); per backward the sweep, and with kept entries the
     # listed
@@ -796,7 +809,7 @@ def test_cases_cover_the_launches():
         seen |= {("dtype", dtype), ("real", cfg.dtype.name), ("packed", packed),
                  ("construction", ndim, cfg.tconn, cfg.periodic), ("batch", plan.nimg > 1)}
         for kind, launch in launches.items():
-            args = launch.args[:-1] if kind == "forward" else launch.args  # (the list)
+            args = launch.args[:-1]  # (the forward's list, the backward's zeroed)
             nz, ny, nx, zchunk, per_image, _, _, _, shared = args[-9:]
             tile_x = _ecc_cupy.TILE_X["unsigned short" if kind == "forward" and packed else "unsigned int"]
             tiles = math.ceil(nz / zchunk) * math.ceil(ny / _ecc_cupy.TILE_Y) * math.ceil(nx / tile_x)
