@@ -20,7 +20,8 @@ from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.deferred import thread_status
 from ._cuda.launch import (CALL_INT64, HOST_WORD, NULL, PreparedLaunch, Signature, as_c_contiguous,
-                           launch, resident_blocks)
+                           device_empty, launch, resident_blocks)
+from ._cuda.workspace import MemsetWorkspaces
 
 FAMILY = "ecc"
 THREADS = 256                   # band::THREADS
@@ -465,6 +466,10 @@ def ect_backward(mask_b, dirs64, coords, t, tconn, lam, w, g, needs, kept=None):
 # take ect_forward (one 8-byte read, exact sizes), where the reads cost relatively little.
 DEVICE_SLOTS = 1 << 21
 DEVICE_TILES = 4096
+# A SoftEctPlan keeps its forward's and backward's workspaces (zeroed by a memset at every
+# call: MemsetWorkspaces) up to this size each, per thread and stream; larger ones are made
+# per call. bench_soft's 512^2 image with 256 directions and 128 thresholds takes 0.5 MiB.
+KEEP_WORKSPACE_BYTES = 2 << 20
 
 
 class DeviceEntries(NamedTuple):
@@ -570,11 +575,25 @@ class SoftEctPlan:
         self._backward = {}
         self._finish = {}
         self.dir_dtype = dir_dtype
+        self._workspaces = MemsetWorkspaces(KEEP_WORKSPACE_BYTES)
+
+    def _forward_views(self, workspace):
+        """(the tiles' counts, saturated counts, sums, the rows' finished-block counters) of a
+        forward workspace."""
+        M, k = self.B * self.D * self.T, self.rows * self.tiles
+        return (workspace[:k].view(np.int64), workspace[k:k + M].view(np.int64),
+                workspace[k + M:k + 2 * M].view(np.float64), workspace[k + 2 * M:].view(np.uint32))
+
+    def _backward_views(self, workspace):
+        """(the workspace, the directions', thresholds' and scale's cotangents in it)."""
+        k = self.D * self.ndim
+        return workspace, workspace[:k].reshape(self.D, self.ndim), workspace[k:k + self.T], workspace[k + self.T:]
 
     def arguments(self, t, directions):
-        """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward`, the
-        directions in float64, their orthant codes, and the pending flags of the checks (read
-        them with ``cutopo._cuda.deferred.reading``)."""
+        """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward` (the
+        views of this plan's workspace that its launches take), the directions in float64,
+        their orthant codes, and the pending flags of the checks (read them with
+        ``cutopo._cuda.deferred.reading``)."""
         status = thread_status("ecc.check_ect_arguments")
         workspace, dirs64, codes = self.checked_arguments(t, directions, status, status.arm())
         return workspace, dirs64, codes, _ArgumentFlags(status)
@@ -583,39 +602,32 @@ class SoftEctPlan:
         """:meth:`arguments`' launches, the flags stored in ``host`` (a ``PinnedStatus`` armed
         with ``token``) or, with NULL, nowhere: reading them is what keeps a call out of a
         CUDA graph, so benchmarks time the kernels this way."""
-        import cupy
-
         M = self.B * self.D * self.T
         # the tiles' counts, saturated counts, sums, the rows' finished-block counters (uint32,
         # two a word): one memset
-        workspace = cupy.zeros(self.rows * self.tiles + 2 * M + -(-self.B * self.D // 2),
-                               dtype=np.uint64)
-        dirs64 = cupy.empty((self.D, self.ndim), dtype=np.float64)
-        codes = cupy.empty(self.D, dtype=np.int32)
+        workspace = self._workspaces.get("forward", self.rows * self.tiles + 2 * M + -(-self.B * self.D // 2),
+                                         np.uint64, self._forward_views)
+        dirs64 = device_empty((self.D, self.ndim), np.float64)
+        codes = device_empty(self.D, np.int32)
         counters = thread_status("ecc.check_ect_arguments").counters
         self._check.call_checked_once(t, directions, dirs64, codes, counters, host, token)
         return workspace, dirs64, codes
 
-    def forward(self, mask_b, workspace, dirs64, codes, t, lam, w):
-        """((B * D, T) soft ECT in the dtype of t, the DeviceEntries for the backward)."""
-        import cupy
-
-        M = self.B * self.D * self.T
-        k = self.rows * self.tiles
-        counts = workspace[:k].view(np.int64)
-        sat = workspace[k:k + M].view(np.int64)
-        acc = workspace[k + M:k + 2 * M].view(np.float64)
-        done = workspace[k + 2 * M:].view(np.uint32)
-        maps = cupy.empty((self.rows, self.N), dtype=np.int8)
+    def forward(self, mask_b, workspace, dirs64, codes, t, lam, w, t_dtype=None, s_dtype=None):
+        """((B * D, T) soft ECT in the dtype of t, the DeviceEntries for the backward, whose
+        cotangents of the thresholds and the scale come in ``t_dtype`` and ``s_dtype``).
+        ``workspace``: :meth:`arguments`' views."""
+        counts, sat, acc, done = workspace
+        maps = device_empty((self.rows, self.N), np.int8)
         self._orthants.call_checked_once(mask_b, self._orthant_codes, maps, counts)
-        seg = cupy.empty(self.rows + 1, dtype=np.int64)
-        lin = cupy.empty(self.rows * self.N, dtype=np.int64)
-        c = cupy.empty(self.rows * self.N, dtype=np.int8)
+        seg = device_empty(self.rows + 1, np.int64)
+        lin = device_empty(self.rows * self.N, np.int64)
+        c = device_empty(self.rows * self.N, np.int8)
         self._write.call_checked_once(maps, counts, lin, c, seg)
         del maps
-        out = cupy.empty((self.B * self.D, self.T), dtype=self.real)
+        out = device_empty((self.B * self.D, self.T), self.real)
         self._forward.call_checked_once(lin, c, seg, codes, dirs64, t, acc, sat, out, done, lam, w)
-        return out, DeviceEntries(self, lin, c, seg, codes, dirs64)
+        return out, DeviceEntries(self, lin, c, seg, codes, dirs64, t_dtype, s_dtype)
 
     def _finish_launch(self, t_dtype, s_dtype) -> PreparedLaunch:
         launch_ = self._finish.get((t_dtype, s_dtype))
@@ -632,8 +644,6 @@ class SoftEctPlan:
         ``t_dtype``, d_scale 0-d in ``s_dtype``), summed in one zeroed float64 workspace and
         converted by one kernel (ect_finish_cotangents). ``needs``: (directions, thresholds,
         scale); ``t_dtype``, ``s_dtype``: float64 or the dtype of t."""
-        import cupy
-
         needs = tuple(bool(n) for n in needs)
         launch_ = self._backward.get(needs)
         if launch_ is None:
@@ -641,17 +651,14 @@ class SoftEctPlan:
             launch_ = PreparedLaunch(sig, grid, THREADS, args + tuple(_cbool(n) for n in needs),
                                      shared_mem=smem)
             self._backward[needs] = launch_
-        k = self.D * self.ndim
-        workspace = cupy.zeros(k + self.T + 1, dtype=np.float64)
-        d_dirs = workspace[:k].reshape(self.D, self.ndim)
-        dt = workspace[k:k + self.T]
-        dscale = workspace[k + self.T:]
+        workspace, d_dirs, dt, dscale = self._workspaces.get(
+            "backward", self.D * self.ndim + self.T + 1, np.float64, self._backward_views)
         g = as_c_contiguous(g.reshape(self.B * self.D, self.T).astype(self.real, copy=False))
         launch_.call_checked_once(kept.lin, kept.c, kept.seg, kept.codes, kept.dirs64, t, g,
                                   d_dirs, dt, dscale, lam, w)
-        out_dirs = cupy.empty((self.D, self.ndim), dtype=self.dir_dtype)
-        out_t = cupy.empty(self.T, dtype=t_dtype)
-        out_scale = cupy.empty((), dtype=s_dtype)
+        out_dirs = device_empty((self.D, self.ndim), self.dir_dtype)
+        out_t = device_empty(self.T, t_dtype)
+        out_scale = device_empty((), s_dtype)
         self._finish_launch(t_dtype, s_dtype).call_checked_once(workspace, float(lam), out_dirs,
                                                                 out_t, out_scale)
         return out_dirs, out_t, out_scale

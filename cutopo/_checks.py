@@ -7,6 +7,7 @@ see cutopo._soft_ecc_cupy and cutopo._band_cupy.SoftEctPlan).
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -252,6 +253,18 @@ def same_array_type(anchor, others, *, anchor_name="image", op=None) -> None:
         if is_cupy_array(value):
             raise TypeError(f"{prefix}{name} is a CuPy array but {anchor_name} is not: move both "
                             "to one device")
+
+
+@functools.lru_cache(maxsize=256)
+def scale_lambda(dtype: np.dtype, value: float):
+    """Lambda, a positive finite scale value (check_scale's) in the computation dtype, where
+    it may still overflow or underflow (memoized: the rounding check costs microseconds, and a
+    loop usually has one scale)."""
+    with np.errstate(over="ignore", under="ignore"):
+        lam = dtype.type(value)
+    if not (np.isfinite(lam) and lam > 0):
+        raise ValueError(f"scale={value!r} is not a positive finite {dtype.name}")
+    return lam
 
 
 def check_scale(scale):

@@ -24,14 +24,14 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _band_cupy, _band_numpy, _stream
-from ._array import as_array, is_cupy_array, to_numpy
+from ._array import _cupy, as_array, is_cupy_array, to_numpy
 from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_count, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, evenly_spaced,
-                      is_count, same_array_type)
+                      is_count, same_array_type, scale_lambda)
 from ._cuda.deferred import reading
-from ._cuda.launch import as_c_contiguous
+from ._cuda.launch import _c_contiguous, _current_device, as_c_contiguous, on_device_of
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -582,9 +582,13 @@ class _Residuals(NamedTuple):
 
 
 def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
+    key = _device_key(mask, directions, thresholds, scale, connectivity)
+    planned = _DEVICE_CALLS.get(key) if key is not None else None
+    if planned is not None:
+        return _soft_forward_device(mask, directions, thresholds, scale, planned)
     same_array_type(mask, [("scale", scale)], anchor_name="mask", op="soft_ect")
     if _device_arguments(mask, directions, thresholds, connectivity):
-        return _soft_forward_device(mask, directions, thresholds, scale)
+        return _soft_forward_device(mask, directions, thresholds, scale, key=key)
     directions, dirs64, mask_b, batch, spatial, coords, tconn, t64, count = _prepare(
         "soft_ect", mask, directions, thresholds, connectivity)
     scale_value, scale64 = check_scale(scale)
@@ -592,10 +596,7 @@ def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
     if count is None:
         strong64 = strong64 or as_array(thresholds, "thresholds").dtype == np.float64
     dtype = np.dtype(np.float64 if strong64 else np.float32)
-    with np.errstate(over="ignore"):
-        lam = dtype.type(scale_value)
-    if not (np.isfinite(lam) and lam > 0):
-        raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
+    lam = scale_lambda(dtype, scale_value)
     t = t64.astype(dtype)
     B, D, T = mask_b.shape[0], dirs64.shape[0], t.size
     res = _Residuals(mask_b, dirs64, coords, tconn, t, count, lam, batch, dtype)
@@ -645,45 +646,99 @@ def _device_arguments(mask, directions, thresholds, connectivity) -> bool:
     return _band_cupy.fits_device_plan(B, spatial)
 
 
-def _soft_forward_device(mask, directions, thresholds, scale):
+# The plan of a repeated soft ECT call on device arguments (_soft_forward_device), by
+# everything its checks read but the scale's value (checked at every call): a training loop's
+# call then skips ~25 us of checks and planning on the H100 machines' hosts (forty-second
+# session), as cutopo._soft_ecc's _DEVICE_CALLS do. Only calls whose checks depend on nothing
+# else are kept: a bool CuPy mask with CuPy directions and thresholds, all C-contiguous on
+# the current device, a float scale (Python or NumPy float32/float64) and an int connectivity;
+# the kernels check the values of directions and thresholds at every call.
+_DEVICE_CALLS: dict = {}
+_DEVICE_CALLS_MAX = 256
+_FLOAT_SCALES = (float, np.float32, np.float64)
+
+
+class _DevicePlan(NamedTuple):
+    """What _soft_forward_device plans from its arguments' shapes and types."""
+    plan: object        # _band_cupy.SoftEctPlan
+    dtype: np.dtype     # computation dtype
+    batch: tuple
+    spatial: tuple
+    coords: object      # _axis_coordinates(spatial)
+    t_dtype: np.dtype   # the dtypes of the thresholds' and the scale's cotangents
+    s_dtype: np.dtype
+
+
+def _device_key(mask, directions, thresholds, scale, connectivity):
+    """The key of a call that _DEVICE_CALLS may serve, or None."""
+    cupy = _cupy()
+    if (cupy is None or type(mask) is not cupy.ndarray or type(directions) is not cupy.ndarray
+            or type(thresholds) is not cupy.ndarray or type(scale) not in _FLOAT_SCALES
+            or type(connectivity) is not int or mask.dtype != np.bool_):
+        return None
+    device = mask.data.device_id
+    if (device != _current_device() or directions.data.device_id != device
+            or thresholds.data.device_id != device
+            or not (_c_contiguous(mask) and _c_contiguous(directions) and _c_contiguous(thresholds))):
+        return None
+    return (mask.shape, directions.shape, directions.dtype, thresholds.shape, thresholds.dtype,
+            device, type(scale), connectivity)
+
+
+def _device_plan(mask, directions, t_in, scale64, scale_dtype) -> _DevicePlan:
+    """The plan of _soft_forward_device, from the shapes and dtypes of its checked arguments
+    (``mask`` bool, on the current device; ``t_in`` the thresholds)."""
+    D, ndim = directions.shape
+    strong64 = scale64 or directions.dtype == np.float64 or t_in.dtype == np.float64
+    dtype = np.dtype(np.float64 if strong64 else np.float32)
+    spatial = tuple(mask.shape[mask.ndim - ndim:])
+    batch = mask.shape[:mask.ndim - ndim]
+    plan = _band_cupy.soft_ect_plan(mask.device.id, math.prod(batch), spatial, D, t_in.size, dtype,
+                                    directions.dtype)
+    # The backward returns each cotangent in its argument's dtype where that is the computation
+    # dtype (cutopo.vjp then casts nothing), else in float64 (rounded once, by cutopo.vjp); a
+    # Python float scale's cotangent is the output's.
+    t_dtype = dtype if t_in.dtype == dtype else np.dtype(np.float64)
+    s_dtype = dtype if (scale_dtype is None or scale_dtype == dtype) else np.dtype(np.float64)
+    return _DevicePlan(plan, dtype, batch, spatial, _axis_coordinates(spatial), t_dtype, s_dtype)
+
+
+def _soft_forward_device(mask, directions, thresholds, scale, planned=None, key=None):
     """soft_ect's forward through _band_cupy.SoftEctPlan (see _device_arguments): the checks of
     the argument values (directions finite and non-zero, heights finite, thresholds finite and
     sorted) run in a kernel whose flags are read once the op's kernels are queued; a failed
-    one raises the host path's error before the call returns."""
-    import cupy
-
-    D, ndim = directions.shape
-    mask = _check_mask(mask, ndim)
-    t_in = check_threshold_array(thresholds)
-    scale_value, scale64 = check_scale(scale)
-    strong64 = scale64 or directions.dtype == np.float64 or t_in.dtype == np.float64
-    dtype = np.dtype(np.float64 if strong64 else np.float32)
-    with np.errstate(over="ignore"):
-        lam = dtype.type(scale_value)
-    if not (np.isfinite(lam) and lam > 0):
-        raise ValueError(f"scale={scale_value!r} is not a positive finite {dtype.name}")
-    spatial = tuple(mask.shape[mask.ndim - ndim:])
-    batch = mask.shape[:mask.ndim - ndim]
-    coords = _axis_coordinates(spatial)
-    B, T = math.prod(batch), t_in.size
+    one raises the host path's error before the call returns. ``planned``: the call's plan
+    from _DEVICE_CALLS (its arguments then are as _device_key requires); else it is made, and
+    kept under ``key`` if not None."""
+    if planned is None:  # the checks that need no values, in _prepare's order
+        with mask.device:
+            mask = _check_mask(mask, directions.shape[1])
+            t_in = check_threshold_array(thresholds)
+            scale_value, scale64 = check_scale(scale)
+            planned = _device_plan(mask, directions, t_in, scale64, getattr(scale, "dtype", None))
+        if key is not None and mask.dtype == np.bool_:
+            if len(_DEVICE_CALLS) >= _DEVICE_CALLS_MAX:
+                _DEVICE_CALLS.clear()
+            _DEVICE_CALLS[key] = planned
+    else:
+        scale_value = float(scale)
+        if not 0.0 < scale_value < math.inf:
+            check_scale(scale)  # raises its error (NaN too)
+    plan, dtype, batch = planned.plan, planned.dtype, planned.batch
+    lam = scale_lambda(dtype, scale_value)
     w = band_halfwidth(dtype, lam)
-    with mask.device:
+    with on_device_of(mask):
         # (as_c_contiguous: CuPy's ascontiguousarray costs host time on a contiguous array too)
-        mask_b = as_c_contiguous(mask.reshape((B,) + spatial))
-        t = as_c_contiguous(t_in.astype(dtype, copy=False))  # exact: a wider float
+        mask_b = mask if mask.ndim == len(planned.spatial) + 1 else mask.reshape((plan.B,) + planned.spatial)
+        mask_b = as_c_contiguous(mask_b)
+        t = as_c_contiguous(thresholds.astype(dtype, copy=False))  # exact: a wider float
         dirs = as_c_contiguous(directions)
-        plan = _band_cupy.soft_ect_plan(mask.device.id, B, spatial, D, T, dtype, dirs.dtype)
         workspace, dirs64, codes, flags = plan.arguments(t, dirs)
-        with reading(flags, functools.partial(_raise_failed_arguments, dirs, coords)):
-            out, kept = plan.forward(mask_b, workspace, dirs64, codes, t, lam, w)
-    # The backward returns each cotangent in its argument's dtype where that is the computation
-    # dtype (cutopo.vjp then casts nothing), else in float64 (rounded once, by cutopo.vjp).
-    t_dtype = dtype if t_in.dtype == dtype else np.dtype(np.float64)
-    scale_dtype = getattr(scale, "dtype", dtype)  # a Python float's cotangent: the output's
-    s_dtype = dtype if scale_dtype == dtype else np.dtype(np.float64)
-    kept = kept._replace(t_dtype=t_dtype, s_dtype=s_dtype)
-    res = _Residuals(mask_b, dirs64, coords, False, t, None, lam, batch, dtype, kept)
-    return out.reshape(batch + (D, T)), res
+        with reading(flags, functools.partial(_raise_failed_arguments, dirs, planned.coords)):
+            out, kept = plan.forward(mask_b, workspace, dirs64, codes, t, lam, w, planned.t_dtype,
+                                     planned.s_dtype)
+    res = _Residuals(mask_b, dirs64, planned.coords, False, t, None, lam, batch, dtype, kept)
+    return out.reshape(batch + (plan.D, plan.T)), res
 
 
 def _raise_failed_arguments(directions, coords, values):
@@ -752,7 +807,7 @@ def _soft_backward_cupy(res: _Residuals, g, needs, chain):
     lam = res.scale
     w = band_halfwidth(res.dtype, lam)
     if isinstance(res.entries, _band_cupy.DeviceEntries):  # d_t includes the factor lam
-        with res.mask_b.device:
+        with on_device_of(res.mask_b):
             kept = res.entries
             d_v, d_t, d_scale = kept.plan.backward(kept, res.t, g, lam, w,
                                                    (need_v, need_t, need_scale), kept.t_dtype,

@@ -8,7 +8,6 @@ thresholds (ecc.md 5.8). NumPy path: cutopo._band_numpy; CuPy arrays go to the k
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -19,7 +18,7 @@ from ._array import _cupy, array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, is_count,
-                      same_array_type)
+                      same_array_type, scale_lambda)
 from ._cuda.launch import _c_contiguous, _current_device
 from .vjp import register
 
@@ -66,7 +65,7 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
             t_host, _ = check_thresholds(thresholds, image)
         t64 = thresholds.dtype == np.float64
     dtype = np.dtype(np.float64 if (image.dtype == np.float64 or t64 or scale64) else np.float32)
-    lam = _scale_lambda(dtype, scale_value)
+    lam = scale_lambda(dtype, scale_value)
     w = band_halfwidth(dtype, lam)
     if on_device:
         t = thresholds
@@ -79,17 +78,6 @@ def _prepare(image, thresholds, scale, ndim, connectivity, boundary="box") -> _C
         else np.dtype(scale.dtype)
     return _Config(image, t, lam, ndim, tconn, dtype, _BAND[dtype], periodic, count, on_device,
                    None if count else np.dtype(thresholds.dtype), scale_dtype, w)
-
-
-@functools.lru_cache(maxsize=256)
-def _scale_lambda(dtype: np.dtype, value: float):
-    """Lambda, a positive finite scale value in the computation dtype (memoized: the rounding
-    check costs microseconds, and a loop usually has one scale)."""
-    with np.errstate(over="ignore", under="ignore"):
-        lam = dtype.type(value)
-    if not (np.isfinite(lam) and lam > 0):
-        raise ValueError(f"scale={value!r} is not a positive finite {dtype.name}")
-    return lam
 
 
 def _checked_on_device(image, thresholds) -> bool:
@@ -156,7 +144,7 @@ def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
                     _DEVICE_CALLS[key] = cfg._replace(image=None, t=None)  # no array kept alive
             return cfg
         return None
-    lam = _scale_lambda(kept.dtype, value)
+    lam = scale_lambda(kept.dtype, value)
     return _Config(image, thresholds, lam, *kept[3:12], band_halfwidth(kept.dtype, lam), kept.plan)
 
 

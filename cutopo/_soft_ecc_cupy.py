@@ -21,7 +21,6 @@ them instead of sweeping the image again, and sweeps the others.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -33,7 +32,9 @@ from ._band_cupy import _shared_plan, _thresholds_on_device, raise_failed_thresh
 from ._checks import check_thresholds
 from ._cuda.compile import register_instances
 from ._cuda.deferred import PinnedWord
-from ._cuda.launch import HOST_WORD, NULL, PreparedLaunch, Signature, _c_contiguous, _current_device
+from ._cuda.launch import (HOST_WORD, NULL, PreparedLaunch, Signature, _c_contiguous, _current_device,
+                           device_empty)
+from ._cuda.launch import on_device_of as _on_device_of
 from ._cuda.workspace import ZeroedWorkspaces
 
 FAMILY = "ecc"
@@ -352,27 +353,25 @@ class SoftEccPlan:
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
         the workspace is this plan's. So after the first call, whose launch checks every
         argument, the launch skips the checks (PreparedLaunch.call_checked_once)."""
-        import cupy
-
         ws = self.workspace("forward", self.words, np.uint64)
         word = check_word() if check else NULL
         token = word.arm() if check else 0
         out_shape = shape[:len(shape) - self.ndim] + (self.T,)
         zeroed = None
         if self._list is not None:  # the listed forward: its list is the kept entries
-            kept = cupy.empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
+            kept = device_empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
             if keep and self.zeroes_d_image:
-                zeroed = cupy.empty(shape, dtype=self.real)
+                zeroed = device_empty(shape, dtype=self.real)
             self._list.call_checked_once(x, t, ws, word, token, kept, NULL if zeroed is None else zeroed)
             # made after the first launch: its host time (~4 us) then no longer delays the sweep
-            out = cupy.empty(out_shape, dtype=self.real)
+            out = device_empty(out_shape, dtype=self.real)
             self._listed.call_checked_once(x, t, ws, out, kept, lam, w)
             self._overflowed.call_checked_once(x, t, ws, out, lam, w, kept)
         else:
             kept = None
             if keep and self.kept_cap > 0:  # no fill: the kernel writes every word it reads back
-                kept = cupy.empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
-            out = cupy.empty(out_shape, dtype=self.real)
+                kept = device_empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
+            out = device_empty(out_shape, dtype=self.real)
             self._forward.call_checked_once(x, t, ws, out, word, token,
                                             NULL if kept is None else kept, lam, w)
         if check:
@@ -434,14 +433,6 @@ def soft_ecc_plan(device_id, in_dtype, nimg, spatial, tconn, periodic, T, real) 
     return SoftEccPlan(in_dtype, nimg, spatial, tconn, periodic, T, real)
 
 
-def _on_device_of(array):
-    """A context on ``array``'s device: none at all when that is the current one (a Device
-    context costs microseconds per call)."""
-    if array.data.device_id == _current_device():
-        return contextlib.nullcontext()
-    return array.device
-
-
 def device_plan(image, ndim, tconn, periodic, T, real):
     """The plan of a CuPy image on the current device (None for an empty batch)."""
     nimg = math.prod(image.shape[:image.ndim - ndim])
@@ -473,8 +464,6 @@ def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False,
     device; checked on the device with ``check``); ``lam`` the scale in that dtype, ``w`` the
     band half-width; ``plan`` the image's, if looked up; ``keep``: keep the entries (and, from
     the listed forward, a zeroed d_image)."""
-    import cupy
-
     real, T = t.dtype, t.size
     with _on_device_of(image):
         plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
@@ -482,7 +471,7 @@ def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False,
             return plan.forward(x, _thresholds_on_device(t), image.shape, lam, w, check, keep)
         if check:  # an empty batch: no kernel, so the host checks the thresholds
             check_thresholds(t, image)
-        return cupy.empty(image.shape[:image.ndim - ndim] + (T,), dtype=real), None
+        return device_empty(image.shape[:image.ndim - ndim] + (T,), dtype=real), None
 
 
 def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
@@ -504,9 +493,9 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         zeroed = kept.take_zeroed() if need_image and kept is not None else None
         d_image = None
         if need_image:
-            d_image = zeroed if zeroed is not None else cupy.empty(image.shape, dtype=real)
-        d_t = cupy.empty(T, dtype=t_dtype) if need_t else None
-        d_scale = cupy.empty((), dtype=s_dtype) if need_scale else None
+            d_image = zeroed if zeroed is not None else device_empty(image.shape, dtype=real)
+        d_t = device_empty(T, dtype=t_dtype) if need_t else None
+        d_scale = device_empty((), dtype=s_dtype) if need_scale else None
         if plan is None:  # an empty batch
             for d in (d_image, d_t, d_scale):
                 if d is not None:

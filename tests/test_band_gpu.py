@@ -930,6 +930,50 @@ def test_soft_ect_device_arguments_repeated_calls_and_dense_masks(rng, monkeypat
     assert calls == [6, 6, 6]
 
 
+def test_soft_ect_repeated_calls_keep_every_check(rng, monkeypatch):
+    """Repeated calls of one geometry skip the checks and planning that need no values
+    (cutopo._ect._DEVICE_CALLS) but not those that depend on the call: the scale's value, the
+    directions' and thresholds' values (the device's check), arguments of other layouts or
+    types; and the plan kept holds no array of a call."""
+    from cutopo import _ect
+
+    cp = _cp()
+    calls = _count_device_plan_calls(monkeypatch)
+    _ect._DEVICE_CALLS.clear()
+    mask = _mask(rng, (2, 21, 18))
+    dirs = rng.standard_normal((5, 2)).astype(np.float32)
+    t = np.sort(rng.uniform(-1.5, 1.5, 19)).astype(np.float32)
+    m, d, tt = cp.asarray(mask), cp.asarray(dirs), cp.asarray(t)
+    S = float(mask[0].size) * 4
+    for scale in (9.0, 21.5, np.float32(4.0), np.float64(7.0), 9.0):
+        got = cutopo.soft_ect(m, d, tt, scale)
+        want = cutopo.soft_ect(mask, dirs, t, scale)
+        assert got.dtype == want.dtype
+        _close(got, want, S, want.dtype, f"scale {scale!r}")
+    assert calls == [5] * 5
+    assert len(_ect._DEVICE_CALLS) == 3  # a key per type of scale
+    for planned in _ect._DEVICE_CALLS.values():
+        assert not any(isinstance(v, cp.ndarray) for v in planned)
+    for scale in (np.nan, -1.0, 0.0, np.inf, 1e39, np.float32(0.0)):
+        with pytest.raises(ValueError, match="scale"):
+            cutopo.soft_ect(m, d, tt, scale)
+    bad_t, bad_d = t.copy(), dirs.copy()
+    bad_t[[2, 9]] = bad_t[[9, 2]]
+    bad_d[3] = 0.0
+    with pytest.raises(ValueError, match="sorted"):
+        cutopo.soft_ect(m, d, cp.asarray(bad_t), 9.0)
+    with pytest.raises(ValueError, match="row 3 is zero"):
+        cutopo.soft_ect(m, cp.asarray(bad_d), tt, 9.0)
+    with pytest.raises(ValueError, match="connectivity"):
+        cutopo.soft_ect(m, d, tt, 9.0, connectivity=5)
+    # a strided mask, integer masks and Fortran-order directions take the checked path
+    want = cutopo.soft_ect(mask, dirs, t, 9.0)
+    for m2, d2 in ((cp.asarray(np.repeat(mask, 2, axis=2))[:, :, ::2], d), (m.astype(cp.uint8), d),
+                   (m, cp.asfortranarray(d))):
+        _close(cutopo.soft_ect(m2, d2, tt, 9.0), want, S, np.float32, "another layout")
+    _close(cutopo.soft_ect(m, d, tt, 9.0), want, S, np.float32, "after them")
+
+
 @pytest.mark.parametrize("bad,message", [
     ("nan_direction", "directions must be finite"),
     ("inf_direction", "directions must be finite"),

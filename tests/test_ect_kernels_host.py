@@ -19,7 +19,18 @@ import cutopo
 from cutopo import _array, _band_cupy, _band_numpy, _ecc_cupy
 from cutopo._band_numpy import band_halfwidth
 from ecc_host_build import build
-from test_soft_ecc_kernels_host import _close, _driver, _fake_cupy, _launch_class
+from test_soft_ecc_kernels_host import _close, _driver, _fake_cupy, _launch_class, _poisoned
+
+from cutopo._cuda.workspace import MemsetWorkspaces
+
+
+class _HostMemsetWorkspaces(MemsetWorkspaces):
+    """MemsetWorkspaces on NumPy arrays: the memset a fill (the workspaces are kept and zeroed
+    again at each call, as on the device)."""
+
+    @staticmethod
+    def zero(ws) -> None:
+        ws.fill(0)
 
 REALS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -84,6 +95,8 @@ def _emulated_device(emulator, resident):
         m.setattr(_band_cupy, "resident_blocks", fixed)
         m.setattr(_band_cupy, "PreparedLaunch", _launch_class(emulator, log, INSTANCES))
         m.setattr(_band_cupy, "device_table", lambda host: np.ascontiguousarray(host))
+        m.setattr(_band_cupy, "device_empty", _poisoned)
+        m.setattr(_band_cupy, "MemsetWorkspaces", _HostMemsetWorkspaces)
         status = _Status()
         m.setattr(_band_cupy, "thread_status", lambda kind: status)
         yield log
@@ -145,13 +158,18 @@ def test_emulated_soft_ect_equals_numpy(emulator, case, resident, rng):
 
     with _emulated_device(emulator, resident) as log:
         plan = _band_cupy.SoftEctPlan(B, spatial, D, T, real, dirs.dtype)
-        workspace, dirs64, codes, flags = plan.arguments(t, dirs)
-        assert int(flags.read()[0]) == 0, "the argument check failed"
-        out, kept = plan.forward(np.ascontiguousarray(mask), workspace, dirs64, codes, t, lam, w)
-        d_dirs, d_t, d_s = plan.backward(kept, t, g, lam, w, (True, True, True), real, real)
+        results = []
+        for _ in range(2):  # the second call on the workspaces the first left dirty
+            workspace, dirs64, codes, flags = plan.arguments(t, dirs)
+            assert int(flags.read()[0]) == 0, "the argument check failed"
+            out, kept = plan.forward(np.ascontiguousarray(mask), workspace, dirs64, codes, t, lam, w)
+            results.append((out,) + plan.backward(kept, t, g, lam, w, (True, True, True), real, real))
     names = [name for name, _, _ in log]
-    assert names.count(_band_cupy._ect_sig("forward", real, ndim).name) == 1
-    assert names.count(_band_cupy._ect_sig("backward", real, ndim).name) == 1
+    assert names.count(_band_cupy._ect_sig("forward", real, ndim).name) == 2
+    assert names.count(_band_cupy._ect_sig("backward", real, ndim).name) == 2
+    for first, again in zip(*results):  # the same sums, in the same order
+        np.testing.assert_array_equal(again, first)
+    out, d_dirs, d_t, d_s = results[1]
 
     # bounds: each output a sum over the critical pixels of a direction (|c| <= ndim + 1 each)
     n_crit = float(np.abs(cutopo.euler_contributions(mask.astype(np.uint8), ndim=ndim)).sum()) * (1 << ndim)

@@ -398,6 +398,7 @@ def _emulated_device(emulator, resident, capacity=None):
         m.setitem(sys.modules, "cupy", _fake_cupy())
         m.setattr(_ecc_cupy, "resident_blocks", lambda sig, block, shared_mem=0, options=(): resident)
         m.setattr(_soft_ecc_cupy, "PreparedLaunch", _launch_class(emulator, log))
+        m.setattr(_soft_ecc_cupy, "device_empty", _poisoned)
         m.setattr(_soft_ecc_cupy, "_on_device_of", lambda array: contextlib.nullcontext())
         m.setattr(_soft_ecc_cupy, "check_word", lambda: word)
         if capacity is not None:

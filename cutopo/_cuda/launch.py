@@ -20,6 +20,7 @@ that kind only check and write the arrays.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -152,8 +153,26 @@ def _check_array(value, dtype, index: int, sig: Signature, device=None):
     return value
 
 
+def device_empty(shape, dtype):
+    """``cupy.empty(shape, dtype)``: an unwritten C-order array on the current device, made by
+    ``cupy.ndarray`` itself. cupy.empty passes ``order`` on as a keyword, which cost ~2 us of
+    host time a call on the H100 machines (3.8 against 1.6 us; forty-second session), where an
+    op's call makes several arrays before its first launch."""
+    import cupy
+
+    return cupy.ndarray(shape, dtype)
+
+
 def _current_device() -> int:
     return _cupy().cuda.runtime.getDevice()
+
+
+def on_device_of(array):
+    """A context on a CuPy ``array``'s device: none at all when that is the current one (a
+    Device context costs microseconds per call)."""
+    if array.data.device_id == _current_device():
+        return contextlib.nullcontext()
+    return array.device
 
 
 @functools.lru_cache(maxsize=None)
