@@ -587,7 +587,8 @@ class SoftEctPlan:
     def _backward_views(self, workspace):
         """(the workspace, the directions', thresholds' and scale's cotangents in it)."""
         k = self.D * self.ndim
-        return workspace, workspace[:k].reshape(self.D, self.ndim), workspace[k:k + self.T], workspace[k + self.T:]
+        return (workspace, workspace[:k].reshape(self.D, self.ndim), workspace[k:k + self.T],
+                workspace[k + self.T:])
 
     def arguments(self, t, directions):
         """(workspace, dirs64, codes, flags): the zeroed accumulators of :meth:`forward` (the
@@ -605,8 +606,8 @@ class SoftEctPlan:
         M = self.B * self.D * self.T
         # the tiles' counts, saturated counts, sums, the rows' finished-block counters (uint32,
         # two a word): one memset
-        workspace = self._workspaces.get("forward", self.rows * self.tiles + 2 * M + -(-self.B * self.D // 2),
-                                         np.uint64, self._forward_views)
+        words = self.rows * self.tiles + 2 * M + -(-self.B * self.D // 2)
+        workspace = self._workspaces.get("forward", words, np.uint64, self._forward_views)
         dirs64 = device_empty((self.D, self.ndim), np.float64)
         codes = device_empty(self.D, np.int32)
         counters = thread_status("ecc.check_ect_arguments").counters

@@ -721,6 +721,7 @@ def _soft_forward_device(mask, directions, thresholds, scale, planned=None, key=
                 _DEVICE_CALLS.clear()
             _DEVICE_CALLS[key] = planned
     else:
+        t_in = thresholds
         scale_value = float(scale)
         if not 0.0 < scale_value < math.inf:
             check_scale(scale)  # raises its error (NaN too)
@@ -729,9 +730,9 @@ def _soft_forward_device(mask, directions, thresholds, scale, planned=None, key=
     w = band_halfwidth(dtype, lam)
     with on_device_of(mask):
         # (as_c_contiguous: CuPy's ascontiguousarray costs host time on a contiguous array too)
-        mask_b = mask if mask.ndim == len(planned.spatial) + 1 else mask.reshape((plan.B,) + planned.spatial)
-        mask_b = as_c_contiguous(mask_b)
-        t = as_c_contiguous(thresholds.astype(dtype, copy=False))  # exact: a wider float
+        flat = (plan.B,) + planned.spatial
+        mask_b = as_c_contiguous(mask if mask.shape == flat else mask.reshape(flat))
+        t = as_c_contiguous(t_in.astype(dtype, copy=False))  # exact: a wider float
         dirs = as_c_contiguous(directions)
         workspace, dirs64, codes, flags = plan.arguments(t, dirs)
         with reading(flags, functools.partial(_raise_failed_arguments, dirs, planned.coords)):

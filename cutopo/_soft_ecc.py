@@ -365,11 +365,11 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     volumes whose list overflowed (faster on smooth volumes, where the critical voxels are
     few; the list is then the residual). Made by :func:`cutopo.vjp`, that first pass also
     zeroes the image's cotangent, which the residual holds for the backward (up to 512 MiB
-    of it: as large as the image in the computation dtype). Work from a list runs transposed in float32: a
-    lane per entry evaluates its band, a lane per threshold sums a window of them. The
-    entries are the same as on the CPU; the sums are formed in a different order and the
-    sigmoids by CUDA's ``exp``, so the results agree to the rounding of the computation
-    dtype relative to ``sum |c|``, not bit for bit.
+    of it: as large as the image in the computation dtype). Work from a list runs
+    transposed in float32: a lane per entry evaluates its band, a lane per threshold sums a
+    window of them. The entries are the same as on the CPU; the sums are formed in a
+    different order and the sigmoids by CUDA's ``exp``, so the results agree to the
+    rounding of the computation dtype relative to ``sum |c|``, not bit for bit.
 
     The vector-Jacobian product is the exact derivative of this band-limited curve, over the
     band entries only (sigma' = s (1 - s) inside the band, 0 outside): for a cotangent g,

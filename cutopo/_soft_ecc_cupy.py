@@ -17,7 +17,9 @@ recomputing exactly the contribution of every pixel tied with a neighbour in 15 
 A forward made for a backward also keeps its entries (the critical pixels with a non-empty
 band: index and contribution, 8 bytes each) in a buffer of one slot per KEPT_PIXELS_PER_SLOT
 pixels (at most KEPT_MAX_BYTES per call); the backward of an image whose entries fit reads
-them instead of sweeping the image again, and sweeps the others.
+them instead of sweeping the image again, and sweeps the others. The listed 3D forward made for
+a backward also zeroes the backward's d_image in its first launch (ZEROED_D_IMAGE_MAX_BYTES), and
+the backward writes the listed voxels alone (:class:`Residual`).
 """
 from __future__ import annotations
 
@@ -363,7 +365,7 @@ class SoftEccPlan:
             if keep and self.zeroes_d_image:
                 zeroed = device_empty(shape, dtype=self.real)
             self._list.call_checked_once(x, t, ws, word, token, kept, NULL if zeroed is None else zeroed)
-            # made after the first launch: its host time (~4 us) then no longer delays the sweep
+            # made after the first launch, whose start its host time then no longer delays
             out = device_empty(out_shape, dtype=self.real)
             self._listed.call_checked_once(x, t, ws, out, kept, lam, w)
             self._overflowed.call_checked_once(x, t, ws, out, lam, w, kept)
