@@ -14,13 +14,26 @@ import threading
 import numpy as np
 
 
-class ZeroedWorkspaces:
-    """A plan's zeroed workspaces, one per (kind, thread, stream); those above ``keep_bytes``
-    are made zeroed at every call instead (a large batch's would stay allocated)."""
+class _KeptPerStream:
+    """Workspaces kept per (kind, thread, stream) up to ``keep_bytes`` each."""
 
     def __init__(self, keep_bytes: int):
         self.keep_bytes = keep_bytes
         self._local = threading.local()
+
+    def _slot(self, kind: str):
+        """(this thread's kept workspaces, the key of ``kind`` on the current stream)."""
+        import cupy
+
+        kept = getattr(self._local, "workspaces", None)
+        if kept is None:
+            kept = self._local.workspaces = {}
+        return kept, (kind, cupy.cuda.get_current_stream().ptr)
+
+
+class ZeroedWorkspaces(_KeptPerStream):
+    """A plan's zeroed workspaces, one per (kind, thread, stream); those above ``keep_bytes``
+    are made zeroed at every call instead (a large batch's would stay allocated)."""
 
     def get(self, kind: str, words: int, dtype):
         """A zeroed device array of ``words`` elements of ``dtype`` for ``kind``, on the
@@ -29,10 +42,7 @@ class ZeroedWorkspaces:
 
         if words * np.dtype(dtype).itemsize > self.keep_bytes:
             return cupy.zeros(words, dtype=dtype)
-        kept = getattr(self._local, "workspaces", None)
-        if kept is None:
-            kept = self._local.workspaces = {}
-        key = (kind, cupy.cuda.get_current_stream().ptr)
+        kept, key = self._slot(kind)
         ws = kept.get(key)
         if ws is None:
             ws = kept[key] = cupy.zeros(words, dtype=dtype)
@@ -43,29 +53,21 @@ class ZeroedWorkspaces:
         return list(getattr(self._local, "workspaces", {}).values())
 
 
-class MemsetWorkspaces:
+class MemsetWorkspaces(_KeptPerStream):
     """A plan's workspaces that each call zeroes (one memset on the current stream, before its
     launches), kept per (kind, thread, stream) up to ``keep_bytes`` with the views of them that
     the launches take: the soft ECT's forward made a zeroed workspace and four views of it per
     call, ~15 us of host time on the H100 machines (forty-second session), where this costs a
     memset. Larger ones are made zeroed at every call, with their views."""
 
-    def __init__(self, keep_bytes: int):
-        self.keep_bytes = keep_bytes
-        self._local = threading.local()
-
     def get(self, kind: str, words: int, dtype, views):
         """``views(workspace)`` of a workspace of ``words`` elements of ``dtype`` for ``kind``,
         zeroed on the current stream (so after the earlier calls' kernels that used it)."""
         import cupy
 
-        nbytes = words * np.dtype(dtype).itemsize
-        if nbytes > self.keep_bytes:
+        if words * np.dtype(dtype).itemsize > self.keep_bytes:
             return views(cupy.zeros(words, dtype=dtype))
-        kept = getattr(self._local, "workspaces", None)
-        if kept is None:
-            kept = self._local.workspaces = {}
-        key = (kind, cupy.cuda.get_current_stream().ptr)
+        kept, key = self._slot(kind)
         entry = kept.get(key)
         if entry is None:
             ws = cupy.zeros(words, dtype=dtype)
