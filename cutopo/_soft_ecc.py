@@ -39,7 +39,7 @@ class _Config(NamedTuple):
     scale_dtype: np.dtype | None = None  # the scale argument's (None: a Python number)
     w: float = 0.0      # the band half-width B / scale (band_halfwidth)
     plan: object = None  # the CuPy path's SoftEccPlan, when _device_call made this
-    kept: object = None  # the CuPy forward's residual for the backward (_soft_ecc_cupy.Residual), or None
+    kept: object = None  # the CuPy forward's _soft_ecc_cupy.Residual for the backward, or None
 
 
 # ---------------------------------------------------------------------------------------------
