@@ -207,11 +207,11 @@ def run_variants(args):
         cells = []
         for options in VARIANTS.values():
             _ecc_cupy.PROFILE_OPTIONS = options
-            _ecc_cupy._histogram_plan.cache_clear()
+            _ecc_cupy.clear_plans()
             plan = _ecc_cupy.histogram_plan(image, t, ndim, False)
             cells.append(f"{time_graph(cp, lambda: plan(flat), 20):.4f}")
         _ecc_cupy.PROFILE_OPTIONS = ()
-        _ecc_cupy._histogram_plan.cache_clear()
+        _ecc_cupy.clear_plans()
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 

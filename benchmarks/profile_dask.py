@@ -94,7 +94,7 @@ def kernel_rows(cp, g, t, reps):
     try:
         for waves in (16, 8, 4, 2):
             _ecc_cupy.HIST_WAVES_3D = waves
-            _ecc_cupy._histogram_plan.cache_clear()
+            _ecc_cupy.clear_plans()
             whole = _ecc_cupy.histogram_plan(g, t, 3, False)
             part = _ecc_cupy.histogram_plan(chunks[0], t, 3, False)
             view = _ecc_cupy._image_view(g)
@@ -119,7 +119,7 @@ def kernel_rows(cp, g, t, reps):
                                                       _ecc_cupy.TILE_X["unsigned short"])))
     finally:
         _ecc_cupy.HIST_WAVES_3D = saved
-        _ecc_cupy._histogram_plan.cache_clear()
+        _ecc_cupy.clear_plans()
     return out
 
 

@@ -1195,14 +1195,18 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     if (done != nullptr) {
         // The image's last block to finish turns its row into the cumulative curve: no second
         // launch (ecc_cumsum, 2.5 of a 1024^2 call's 17 us; the call measured ~4 % faster).
-        if (last_block_done(done + img, (unsigned)blocks_per_image) && threadIdx.x < 32)
+        // Every block has counted by then, so it leaves the counter zeroed for the next call
+        // (the plan keeps the counters: no memset a call).
+        if (last_block_done(done + img, (unsigned)blocks_per_image) && threadIdx.x < 32) {
+            if (threadIdx.x == 0) done[img] = 0u;
             warp_row_prefix_sum(row, T, [row](int k, long long sum) { row[k] = sum; });
+        }
     }
 }
 
 // The ECC histograms: each block adds the contributions of its tiles of one image to hist
 // (rows, T). cumulate 1: hist and done (one counter per row) start zeroed and the last block
-// of each image to finish makes its row cumulative (the ECC curve); 2: hist starts zeroed and
+// of each image to finish makes its row cumulative (the ECC curve) and leaves done zeroed; 2: hist starts zeroed and
 // every block adds its own cumulative histogram (the same curve; done is not touched); 0:
 // hist accumulates (blocks of one volume added by several launches), done is not touched.
 // RPT: rows per thread of the packed sweep's tiles. 2D images of many tiles take 8 (64 rows):

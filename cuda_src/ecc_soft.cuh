@@ -633,6 +633,18 @@ struct ForwardWork {
     }
 };
 
+// This warp's transposed rows (transposed_groups) in static shared memory, or null where a
+// kernel takes the passes alone (double, whose bands are longer; or ON false).
+template <typename Real, bool ON = true>
+__device__ __forceinline__ Real* warp_transposed_rows() {
+    if constexpr (ON && sizeof(Real) == 4) {
+        __shared__ float rows[WARPS][transposed_warp_words<Real>()];
+        return reinterpret_cast<Real*>(rows[threadIdx.x / 32]);
+    } else {
+        return nullptr;
+    }
+}
+
 // The band work of the listed forward's kept entries (soft_ecc_listed_forward): ForwardWork's,
 // transposed for the bands that fit a row (forward_listed_warp; buf: the warp's rows, null for
 // double: the passes), nothing kept.
@@ -895,11 +907,7 @@ soft_ecc_listed_forward(const In* __restrict__ image, const Real* __restrict__ t
     const Smem<Real> s = setup<Real>(smem, thresholds, nullptr, T, shared, true);
     double* acc_row = wsp.acc + img * T;
     long long* sat_row = wsp.sat + img * T;
-    Real* buf = nullptr;  // the warp's transposed rows (float32 alone)
-    if constexpr (sizeof(Real) == 4) {
-        __shared__ float transposed[WARPS][transposed_warp_words<Real>()];
-        buf = reinterpret_cast<Real*>(transposed[threadIdx.x / 32]);
-    }
+    Real* buf = warp_transposed_rows<Real>();
     const ListedForwardWork<Real> work{s.t, T, lam, w, Accum{s.acc, acc_row, s.sat, sat_row}, buf, {}};
     const ListedDeal deal(count, blocks_per_image);
     deal.run<Real>(KeptEntries{const_cast<unsigned long long*>(kept), kept_cap}.slots(img, rows), chunk,
@@ -1004,11 +1012,7 @@ soft_ecc_fused_backward(const In* __restrict__ image, const Real* __restrict__ t
     const bool busy = LISTED ? listed && deal.busy(chunk) : true;
     if (busy) {
         const Smem<Real> s = setup<Real>(smem, thresholds, g + img * T, T, shared, false);
-        Real* buf = nullptr;  // the warp's transposed rows (float32 LISTED alone)
-        if constexpr (LISTED && sizeof(Real) == 4) {
-            __shared__ float transposed[WARPS][transposed_warp_words<Real>()];
-            buf = reinterpret_cast<Real*>(transposed[threadIdx.x / 32]);
-        }
+        Real* buf = warp_transposed_rows<Real, LISTED>();
         const RowBands<In, Real, BackwardWork<Real, LISTED>, 0> bands{
             &q, image,
             BackwardWork<Real, LISTED>{s.t, s.g, T, lam, w, Accum{s.acc, dt_g, nullptr, nullptr}, d_image,

@@ -8,7 +8,10 @@ import numpy as np
 
 from ._cuda import tables
 from ._cuda.compile import register_instances
-from ._cuda.launch import PreparedLaunch, Signature, launch, resident_blocks
+from ._cuda.launch import (PreparedLaunch, Signature, as_c_contiguous, device_zeros, launch,
+                           on_device_of, resident_blocks)
+from ._cuda.repeated import RepeatedCalls
+from ._cuda.workspace import ZeroedWorkspaces
 
 FAMILY = "ecc"
 THREADS = 256                # ecc::THREADS
@@ -28,6 +31,7 @@ MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from
 # non-zero bins (dense prefix sums cost 1.3 us more at 1024^2, all at the end of the wave), and
 # launches with more than 1 / BLOCK_PREFIX_MIN_PIXELS bins per pixel of a block.
 BLOCK_PREFIX_MIN_PIXELS = 4
+KEEP_COUNTER_BYTES = 1 << 20  # a plan's kept per-image counters up to this size (per stream)
 PROFILE_OPTIONS: tuple[str, ...] = ()  # extra -D flags for profiling variants (benchmarks only)
 # The histogram kernel's launch geometry (_histogram_geometry, measured on the H200).
 HIST_WAVES_2D = 3        # 2D blocks: up to this many times the resident ones,
@@ -345,21 +349,24 @@ class HistogramPlan:
             (None, self.table, None, nz, ny, nx, zchunk, per_image, T, int(estimate is not None), t0,
              inv_dt, int(table_in_smem), int(hist_in_smem)) + (None,) * len(tail),
             shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
+        self._cumulate = np.int32(self.cumulate)
+        # per image, the counter of its blocks done (cumulate 1), kept per thread and stream
+        self._counters = ZeroedWorkspaces(KEEP_COUNTER_BYTES)
         # add() passes no counters (the kernel does not touch them without cumulate)
         self._no_counters = None if masked else tables.upload(np.zeros(1, dtype=np.uint32))
         tables.retire_with(self, self.table, self._no_counters)  # its kernels may outlive it
 
     def __call__(self, x):
-        """The ECC curves (nimg, T) int64 of the contiguous (nimg, *spatial) input ``x``: one
-        launch, whose blocks add their prefix sums, or whose last block per image makes that
-        image's row cumulative (``self.cumulate`` 2 or 1, see BLOCK_PREFIX_MIN_PIXELS)."""
-        import cupy
-
-        n, T = self.nimg, self.T
-        # one zeroed buffer: the curves, then one uint32 counter per image
-        buf = cupy.zeros(n * T + (n + 1) // 2, dtype=np.int64)
-        out = buf[:n * T].reshape(n, T)
-        self.histogram(x, out, buf[n * T:].view(np.uint32), self.cumulate)
+        """The ECC curves (nimg, T) int64 of the contiguous (nimg, *spatial) input ``x`` on the
+        current device (ecc's, made there): one launch, whose blocks add their prefix sums, or
+        whose last block per image makes that image's row cumulative (``self.cumulate`` 2 or 1,
+        see BLOCK_PREFIX_MIN_PIXELS) with the plan's counters, which it leaves zeroed. The
+        launch checks its arguments at its first call alone (call_checked_once): ``x`` has the
+        plan's dtype and device, the rest is made here."""
+        out = device_zeros((self.nimg, self.T), np.int64)
+        counters = (self._counters.get("done", self.nimg, np.uint32) if self.cumulate == 1
+                    else self._no_counters)
+        self.histogram.call_checked_once(x, out, counters, self._cumulate)
         return out
 
     def add(self, x, hist):
@@ -463,13 +470,51 @@ def finite_range(image):
     return _key_value(~not_lo & 0xFFFFFFFFFFFFFFFF, image.dtype), _key_value(hi, image.dtype)
 
 
-def ecc(image, thresholds, ndim, tconn, periodic=False):
+# A repeated call's plan (cutopo._cuda.repeated) by the image's shape and dtype on the current
+# device, the static arguments and the thresholds as given (dtype and bytes: the plan's bins
+# and the checks of cutopo.ecc depend on nothing else): a loop over images of one shape then
+# skips ~10 us of checks and planning, most of a 1024^2 call's host time. Host thresholds of
+# up to REPEATED_MAX_THRESHOLDS values only (their bytes are the key).
+_REPEATED = RepeatedCalls()
+REPEATED_MAX_THRESHOLDS = 4096
+
+
+def clear_plans() -> None:
+    """Forget every memoized histogram plan (tests and benchmarks that change how plans are
+    made), those kept for repeated calls included."""
+    _histogram_plan.cache_clear()
+    _REPEATED.clear()
+
+
+def repeated_key(image, thresholds, ndim, connectivity, boundary):
+    """The key of an ecc call that _REPEATED may serve (a C-contiguous CuPy image on the
+    current device, host thresholds given as a 1-D NumPy array, box boundary), or None."""
+    if type(thresholds) is not np.ndarray or not 0 < thresholds.size <= REPEATED_MAX_THRESHOLDS:
+        return None
+    key = _REPEATED.key((image,), (ndim, connectivity, boundary))
+    return None if key is None else key + (thresholds.dtype, thresholds.tobytes())
+
+
+def repeated_ecc(key, image):
+    """The curves of a call whose key a checked call kept (see ecc), or None."""
+    planned = _REPEATED.get(key)
+    if planned is None:
+        return None
+    plan, flat, shape = planned
+    x = _image_view(image)
+    out = plan(x if x.shape == flat else x.reshape(flat))
+    return out if out.shape == shape else out.reshape(shape)
+
+
+def ecc(image, thresholds, ndim, tconn, periodic=False, key=None):
+    """The ECC curves of a checked CuPy image; ``key``: the call's repeated_key (or None),
+    under which its plan is kept."""
     import cupy
 
     batch = image.shape[:-ndim]
     nimg = math.prod(batch)
     T = int(thresholds.size)
-    with image.device:
+    with on_device_of(image):
         if nimg == 0:
             return cupy.zeros(batch + (T,), dtype=np.int64)
         if periodic:
@@ -477,9 +522,13 @@ def ecc(image, thresholds, ndim, tconn, periodic=False):
             hist = cupy.zeros((nimg, T), dtype=np.int64)
             masked_histogram(padded, thresholds, ndim, tconn, own, hist)
             return cupy.cumsum(hist, axis=1).reshape(batch + (T,))
-        x = _image_view(cupy.ascontiguousarray(image)).reshape((nimg,) + image.shape[-ndim:])
-        out = histogram_plan(image, thresholds, ndim, tconn)(x)
-    return out.reshape(batch + (T,))
+        x = _image_view(as_c_contiguous(image))
+        flat = (nimg,) + image.shape[-ndim:]
+        plan = histogram_plan(image, thresholds, ndim, tconn)
+        out = plan(x if x.shape == flat else x.reshape(flat))
+    if key is not None and not periodic:
+        _REPEATED.keep(key, (plan, flat, batch + (T,)))
+    return out if out.shape == batch + (T,) else out.reshape(batch + (T,))
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,14 +24,15 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _band_cupy, _band_numpy, _stream
-from ._array import _cupy, as_array, is_cupy_array, to_numpy
+from ._array import as_array, is_cupy_array, to_numpy
 from ._band_numpy import band_halfwidth
 from ._bins import threshold_bins
 from ._checks import (check_boundary, check_connectivity, check_count, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, evenly_spaced,
                       is_count, same_array_type, scale_lambda)
 from ._cuda.deferred import reading
-from ._cuda.launch import _c_contiguous, _current_device, as_c_contiguous, on_device_of
+from ._cuda.launch import as_c_contiguous, on_device_of
+from ._cuda.repeated import RepeatedCalls
 from ._ecc_numpy import contributions_from_keys, order_keys
 from .vjp import register
 
@@ -582,7 +583,9 @@ class _Residuals(NamedTuple):
 
 
 def _soft_forward(mask, directions, thresholds, scale, *, connectivity=1):
-    key = _device_key(mask, directions, thresholds, scale, connectivity)
+    key = _DEVICE_CALLS.key((mask, directions, thresholds), (connectivity,), scale)
+    if key is not None and mask.dtype != np.bool_:
+        key = None  # _check_mask converts other masks: plans are for bool masks as they are
     planned = _DEVICE_CALLS.get(key) if key is not None else None
     if planned is not None:
         return _soft_forward_device(mask, directions, thresholds, scale, planned)
@@ -647,15 +650,13 @@ def _device_arguments(mask, directions, thresholds, connectivity) -> bool:
 
 
 # The plan of a repeated soft ECT call on device arguments (_soft_forward_device), by
-# everything its checks read but the scale's value (checked at every call): a training loop's
-# call then skips ~25 us of checks and planning on the H100 machines' hosts (forty-second
-# session), as cutopo._soft_ecc's _DEVICE_CALLS do. Only calls whose checks depend on nothing
-# else are kept: a bool CuPy mask with CuPy directions and thresholds, all C-contiguous on
-# the current device, a float scale (Python or NumPy float32/float64) and an int connectivity;
-# the kernels check the values of directions and thresholds at every call.
-_DEVICE_CALLS: dict = {}
-_DEVICE_CALLS_MAX = 256
-_FLOAT_SCALES = (float, np.float32, np.float64)
+# everything its checks read but the scale's value (checked at every call; cutopo._cuda.repeated):
+# a training loop's call then skips ~25 us of checks and planning on the H100 machines' hosts
+# (forty-second session). Only calls whose checks depend on nothing else are kept: a bool CuPy
+# mask with CuPy directions and thresholds, all C-contiguous on the current device, a float
+# scale and an int connectivity; the kernels check the values of directions and thresholds at
+# every call.
+_DEVICE_CALLS = RepeatedCalls()
 
 
 class _DevicePlan(NamedTuple):
@@ -667,22 +668,6 @@ class _DevicePlan(NamedTuple):
     coords: object      # _axis_coordinates(spatial)
     t_dtype: np.dtype   # the dtypes of the thresholds' and the scale's cotangents
     s_dtype: np.dtype
-
-
-def _device_key(mask, directions, thresholds, scale, connectivity):
-    """The key of a call that _DEVICE_CALLS may serve, or None."""
-    cupy = _cupy()
-    if (cupy is None or type(mask) is not cupy.ndarray or type(directions) is not cupy.ndarray
-            or type(thresholds) is not cupy.ndarray or type(scale) not in _FLOAT_SCALES
-            or type(connectivity) is not int or mask.dtype != np.bool_):
-        return None
-    device = mask.data.device_id
-    if (device != _current_device() or directions.data.device_id != device
-            or thresholds.data.device_id != device
-            or not (_c_contiguous(mask) and _c_contiguous(directions) and _c_contiguous(thresholds))):
-        return None
-    return (mask.shape, directions.shape, directions.dtype, thresholds.shape, thresholds.dtype,
-            device, type(scale), connectivity)
 
 
 def _device_plan(mask, directions, t_in, scale64, scale_dtype) -> _DevicePlan:
@@ -716,10 +701,8 @@ def _soft_forward_device(mask, directions, thresholds, scale, planned=None, key=
             t_in = check_threshold_array(thresholds)
             scale_value, scale64 = check_scale(scale)
             planned = _device_plan(mask, directions, t_in, scale64, getattr(scale, "dtype", None))
-        if key is not None and mask.dtype == np.bool_:
-            if len(_DEVICE_CALLS) >= _DEVICE_CALLS_MAX:
-                _DEVICE_CALLS.clear()
-            _DEVICE_CALLS[key] = planned
+        if key is not None:
+            _DEVICE_CALLS.keep(key, planned)
     else:
         t_in = thresholds
         scale_value = float(scale)

@@ -14,12 +14,13 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _band_numpy, _ecc_numpy, _soft_ecc_cupy
-from ._array import _cupy, array_module, as_array, is_cupy_array
+from ._array import array_module, as_array, is_cupy_array
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, is_count,
                       same_array_type, scale_lambda)
-from ._cuda.launch import _c_contiguous, _current_device
+from ._cuda.launch import _c_contiguous
+from ._cuda.repeated import RepeatedCalls
 from .vjp import register
 
 __all__ = ["soft_ecc"]
@@ -96,37 +97,20 @@ def _checked_on_device(image, thresholds) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Repeated device calls
 
-# _prepare's result for a CuPy call, by everything its checks read but the scale's value (which
-# is checked at every call): a repeated call (a training loop) then costs a dictionary lookup
-# instead of ~7-30 us of checks on the H200 machines' hosts, where the 1024^2 forward+VJP is
-# mostly host time. Only calls whose checks depend on nothing else are kept: a C-contiguous CuPy
-# image with float CuPy thresholds (whose values the kernel checks), both on the current
-# device, a float scale (Python or NumPy float32/float64) and int/None/str static arguments.
-_DEVICE_CALLS: dict = {}
-_DEVICE_CALLS_MAX = 256
-_FLOAT_SCALES = (float, np.float32, np.float64)
-
-
-def _device_key(image, thresholds, scale, ndim, connectivity, boundary):
-    """The key of a call that _DEVICE_CALLS may serve, or None."""
-    cupy = _cupy()
-    if (cupy is None or type(image) is not cupy.ndarray or type(thresholds) is not cupy.ndarray
-            or type(scale) not in _FLOAT_SCALES or type(connectivity) is not int
-            or not (ndim is None or type(ndim) is int) or type(boundary) is not str):
-        return None
-    device = image.data.device_id
-    if (device != _current_device() or thresholds.data.device_id != device
-            or not (_c_contiguous(image) and _c_contiguous(thresholds))):
-        return None
-    return (image.shape, image.dtype, device, thresholds.shape, thresholds.dtype, type(scale),
-            ndim, connectivity, boundary)
+# _prepare's result for a CuPy call (cutopo._cuda.repeated), by everything its checks read but
+# the scale's value (checked at every call): a repeated call (a training loop) then costs a
+# dictionary lookup instead of ~7-30 us of checks, as much as the 1024^2 forward+VJP's kernels.
+# Only calls whose checks depend on nothing else are kept: a C-contiguous CuPy image with float
+# CuPy thresholds (whose values the kernel checks), both on the current device, a float scale
+# and int/None/str static arguments.
+_DEVICE_CALLS = RepeatedCalls()
 
 
 def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
     """The _Config of a repeated CuPy call (see _DEVICE_CALLS), or None: _prepare's turn. The
     first call of a key runs _prepare and keeps its result when the kernels check the
     thresholds' values (float CuPy thresholds used as they are) and the batch is not empty."""
-    key = _device_key(image, thresholds, scale, ndim, connectivity, boundary)
+    key = _DEVICE_CALLS.key((image, thresholds), (ndim, connectivity, boundary), scale)
     if key is None:
         return None
     kept = _DEVICE_CALLS.get(key)
@@ -138,10 +122,8 @@ def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
                 plan = _soft_ecc_cupy.device_plan(image, cfg.ndim, cfg.tconn, cfg.periodic,
                                                   cfg.t.size, cfg.dtype)
                 if plan is not None:
-                    if len(_DEVICE_CALLS) >= _DEVICE_CALLS_MAX:
-                        _DEVICE_CALLS.clear()
                     cfg = cfg._replace(plan=plan)
-                    _DEVICE_CALLS[key] = cfg._replace(image=None, t=None)  # no array kept alive
+                    _DEVICE_CALLS.keep(key, cfg._replace(image=None, t=None))  # no array kept
             return cfg
         return None
     lam = scale_lambda(kept.dtype, value)
@@ -183,10 +165,14 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     cfg = _device_call(image, thresholds, scale, ndim, connectivity, boundary)
     if cfg is None:
         cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+    if cfg.plan is not None:  # a planned device call: its arguments are as the plan takes them
+        out, kept = _soft_ecc_cupy.planned_forward(cfg.plan, cfg.image, cfg.t, cfg.scale, cfg.w,
+                                                   _keep)
+        return out, (cfg if kept is None else cfg._replace(kept=kept))
     if is_cupy_array(cfg.image):
         out, kept = _soft_ecc_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim,
-                                                    cfg.tconn, cfg.periodic, cfg.check, cfg.plan,
-                                                    _keep)
+                                                    cfg.tconn, cfg.periodic, cfg.check,
+                                                    keep=_keep)
         return out, (cfg if kept is None else cfg._replace(kept=kept))
     batch, nimg = _shape_info(cfg)
     T = cfg.t.size

@@ -459,6 +459,14 @@ def _plan_and_view(image, ndim, tconn, periodic, T, real, plan=None):
     return plan, _ecc_cupy._image_view(image)
 
 
+def planned_forward(plan, image, t, lam, w, keep=False):
+    """soft_ecc_forward for a planned device call (cutopo._soft_ecc._device_call): ``image``
+    C-contiguous on the current device, ``t`` the device thresholds in the computation dtype,
+    C-contiguous there too, whose values block 0 checks. Straight to the plan's launches: the
+    host time before the first launch is time that a per-call timing pays in full."""
+    return plan.forward(_ecc_cupy._image_view(image), t, image.shape, lam, w, True, keep)
+
+
 def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False, plan=None,
                      keep=False):
     """((*batch, T) curve in the dtype of ``t``, the :class:`Residual` for soft_ecc_backward

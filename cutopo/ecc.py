@@ -148,6 +148,12 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     .. [2] J. Ohser, W. Nagel, K. Schladitz, "The Euler number of discretized sets - on the
        choice of adjacency in homogeneous lattices", 2002.
     """
+    key = None
+    if device is None and max_slab_bytes is None:  # a repeated CuPy call skips the checks
+        key = _ecc_cupy.repeated_key(image, thresholds, ndim, connectivity, boundary)
+        out = None if key is None else _ecc_cupy.repeated_ecc(key, image)
+        if out is not None:
+            return out
     streamed, backend, slab = _stream.route(image, device, max_slab_bytes, op="ecc")
     if streamed:
         return _streamed_ecc(image, thresholds, ndim, connectivity, boundary, backend, slab)
@@ -157,7 +163,7 @@ def ecc(image, thresholds, *, ndim=None, connectivity=1, boundary="box", device=
     same_array_type(image, [("thresholds", thresholds)])
     t, _ = check_thresholds(thresholds, image)
     if is_cupy_array(image):
-        return _ecc_cupy.ecc(image, t, ndim, tconn, periodic)
+        return _ecc_cupy.ecc(image, t, ndim, tconn, periodic, key)
     check_result_memory(image.shape[:image.ndim - ndim], (t.size,), 16)  # histogram, curve
     return _ecc_numpy.ecc(image, t, ndim, tconn, periodic)
 

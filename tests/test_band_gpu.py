@@ -179,6 +179,7 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
     cp = _cp()
     events = []
     real_read, real_forward = deferred.PinnedWord.read, _soft_ecc_cupy.soft_ecc_forward
+    real_planned = _soft_ecc_cupy.planned_forward
 
     def read(self):
         events.append("read")
@@ -187,6 +188,10 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
     def forward(*args, **kwargs):
         events.append("forward")
         return real_forward(*args, **kwargs)
+
+    def planned(*args, **kwargs):  # a planned call (thresholds in the computation dtype)
+        events.append("forward")
+        return real_planned(*args, **kwargs)
 
     def no_host_check(*args, **kwargs):
         raise AssertionError("float CuPy thresholds reached the host check")
@@ -198,6 +203,7 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
         monkeypatch.setattr(_soft_ecc, "check_thresholds", no_host_check)
         monkeypatch.setattr(deferred.PinnedWord, "read", read)
         monkeypatch.setattr(_soft_ecc_cupy, "soft_ecc_forward", forward)
+        monkeypatch.setattr(_soft_ecc_cupy, "planned_forward", planned)
         events.clear()
         got, pullback = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
         assert events == ["forward", "read"]

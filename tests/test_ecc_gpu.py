@@ -302,7 +302,7 @@ def test_2d_tiles_of_32_and_64_rows(rng, monkeypatch, tall):
         monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: 1)
     else:
         monkeypatch.setattr(_ecc_cupy, "HIST_TALL_ROWS", 0)
-    _ecc_cupy._histogram_plan.cache_clear()  # plans choose their tiles when they are made
+    _ecc_cupy.clear_plans()  # plans choose their tiles when they are made
     try:
         for dtype in DTYPES:
             for shape in [(2, 200, 208), (150, 131)]:
@@ -310,7 +310,7 @@ def test_2d_tiles_of_32_and_64_rows(rng, monkeypatch, tall):
                 for connectivity in (1, 2):
                     assert_same_ecc(img, 97, ndim=2, connectivity=connectivity)
     finally:
-        _ecc_cupy._histogram_plan.cache_clear()
+        _ecc_cupy.clear_plans()
     assert names and all(name.endswith(f", {_ecc_cupy.HIST_TALL_ROWS}>") == tall for name in names), names
 
 
@@ -373,7 +373,7 @@ def test_both_ways_of_cumulating(rng, monkeypatch, mode):
     from cutopo import _ecc_cupy
 
     cp = _cp()
-    _ecc_cupy._histogram_plan.cache_clear()  # plans decide the mode when they are made
+    _ecc_cupy.clear_plans()  # plans decide the mode when they are made
     monkeypatch.setattr(_ecc_cupy, "BLOCK_PREFIX_MIN_PIXELS", 0 if mode == "block prefix" else 1 << 40)
     cases = [((1024, 1024), 2, np.linspace(-3, 3, 256), None), ((5, 301, 257), 2, np.linspace(-2, 2, 1), None),
              ((3, 200, 130), 2, np.linspace(0, 6, 300), 7), ((70, 50, 66), 3, np.linspace(-3, 3, 97), None),
@@ -390,7 +390,7 @@ def test_both_ways_of_cumulating(rng, monkeypatch, mode):
                     got = cutopo.ecc(dev, t, ndim=ndim, connectivity=conn)
                     np.testing.assert_array_equal(got.get(), want, err_msg=f"{shape} {conn}")
     finally:
-        _ecc_cupy._histogram_plan.cache_clear()
+        _ecc_cupy.clear_plans()
 
 
 def test_default_way_of_cumulating():
@@ -439,3 +439,57 @@ def test_memoized_tables_are_ready_for_every_stream(rng):
                 other.synchronize()
             slow.synchronize()
             check(got.get(), op(img, mask, t))
+
+
+def test_ecc_repeated_calls_keep_every_check(rng):
+    """Repeated calls of one geometry and one thresholds array skip the checks and the plan's
+    lookup (cutopo._ecc_cupy._REPEATED) but nothing that depends on the call: the image's
+    values, the thresholds' values (a changed array is another key: checked, binned anew),
+    other layouts and types; the kept counters of the last-block curves stay zeroed."""
+    from cutopo import _ecc_cupy
+
+    cp = _cp()
+    _ecc_cupy.clear_plans()
+    # (shape, ndim, T): the last block cumulates (bool, many bins) or every block (float32)
+    for shape, ndim, T, dtype in (((3, 70, 90), 2, 300, "float32"), ((40, 33, 35), 3, 64, "float32"),
+                                  ((130, 120), 2, 32, "bool"), ((2, 64, 64), 2, 4096, "float32")):
+        t = np.sort(rng.uniform(-2.5, 2.5, T)).astype(np.float32 if dtype == "float32" else np.float64)
+        for _ in range(3):  # fresh images of one geometry
+            img = random_image(rng, shape, dtype, nan_fraction=0.01)
+            got = cutopo.ecc(cp.asarray(img), t, ndim=ndim)
+            np.testing.assert_array_equal(got.get(), cutopo.ecc(img, t, ndim=ndim), err_msg=str(shape))
+        plan = _ecc_cupy.histogram_plan(cp.asarray(img), t.astype(np.result_type(img.dtype, t.dtype)),
+                                        ndim, False)
+        for ws in plan._counters.kept():
+            assert not ws.any(), "a counter of blocks done was left non-zero"
+    assert len(_ecc_cupy._REPEATED) == 4
+    img = random_image(rng, (3, 70, 90), "float32")
+    dev = cp.asarray(img)
+    t = np.sort(rng.uniform(-2.5, 2.5, 300)).astype(np.float32)
+    cutopo.ecc(dev, t, ndim=2)
+    bad = t.copy()
+    bad[[5, 200]] = bad[[200, 5]]
+    with pytest.raises(ValueError, match="sorted"):
+        cutopo.ecc(dev, bad, ndim=2)
+    bad = t.copy()
+    bad[7] = np.nan
+    with pytest.raises(ValueError, match="finite"):
+        cutopo.ecc(dev, bad, ndim=2)
+    with pytest.raises(ValueError, match="connectivity"):
+        cutopo.ecc(dev, t, ndim=2, connectivity=5)
+    # the same geometry, other thresholds values (in place too): binned anew
+    moved = t + np.float32(0.25)
+    np.testing.assert_array_equal(cutopo.ecc(dev, moved, ndim=2).get(), cutopo.ecc(img, moved, ndim=2))
+    t += np.float32(0.5)
+    np.testing.assert_array_equal(cutopo.ecc(dev, t, ndim=2).get(), cutopo.ecc(img, t, ndim=2))
+    # other layouts, types and batch shapes of the same pixels; another stream
+    want = cutopo.ecc(img, t, ndim=2)
+    for other in (cp.asarray(np.repeat(img, 2, axis=2))[:, :, ::2], dev.astype(cp.float64),
+                  dev.reshape(1, 3, 70, 90)):
+        got = cutopo.ecc(other, t, ndim=2)
+        np.testing.assert_array_equal(got.get().reshape(want.shape), want)
+    with cp.cuda.Stream(non_blocking=True) as s:
+        got = cutopo.ecc(dev, t, ndim=2)
+        s.synchronize()
+    np.testing.assert_array_equal(got.get(), want)
+    _ecc_cupy.clear_plans()
