@@ -113,4 +113,30 @@ __device__ __forceinline__ unsigned shift_in_carry(unsigned acc, unsigned a, uns
 template <typename K>
 __device__ __forceinline__ constexpr K all_ones() { return (K)~(K)0; }
 
+// A check whose flags are reduced over a kernel's grid and published without a memset, copy
+// or event per call (cutopo._cuda.deferred.PinnedStatus): each block ORs its threads' ``bad``
+// into status[0] (zero at rest; status[2] counts the finished blocks), and the last block to
+// finish zeroes both for the next launch and, where ``host`` is not null, stores the flags in
+// host[1] and then token << 2 in host[0] (mapped page-locked memory, after a system fence).
+// Every thread of the block calls it, once, at the end of its work.
+__device__ __forceinline__ void publish_grid_flags(unsigned bad, u64* status, u64* host, i64 token) {
+    bad = __reduce_or_sync(0xffffffffu, bad);
+    if (threadIdx.x % 32 == 0 && bad) {
+        atomicOr(status, (u64)bad);
+        __threadfence();
+    }
+    __syncthreads();  // this block's reductions are fenced
+    if (threadIdx.x == 0 && atomicAdd(status + 2, 1ull) == (u64)gridDim.x - 1) {
+        __threadfence();
+        const u64 flags = atomicExch(status, 0ull);
+        atomicExch(status + 2, 0ull);
+        if (host != nullptr) {
+            volatile u64* word = host;
+            word[1] = flags;
+            __threadfence_system();  // the flags land before the token that releases them
+            word[0] = (u64)token << 2;
+        }
+    }
+}
+
 }  // namespace cutopo

@@ -1003,10 +1003,7 @@ write_entries_scanned(const signed char* __restrict__ c, const long long* __rest
 // [0, 2^NDIM) and loops are bounded); their output is never returned.
 //
 // The flags reach the host as prepare_cells' (cpab.cu) do, without a copy, an event or a
-// memset per call (cutopo._cuda.deferred.PinnedStatus): the warps reduce them into status[0]
-// (zero at rest; status[2] counts the finished blocks), and the last block to finish zeroes
-// both for the next launch and, where `host` is not null, stores the flags in host[1] and then
-// token << 2 in host[0] (mapped page-locked memory, after a system fence).
+// memset per call (publish_grid_flags; `host` may be null).
 template <typename Real, typename Dir, int NDIM>
 __global__ void __launch_bounds__(THREADS)
 check_ect_arguments(const Real* __restrict__ t, i64 T, const Dir* __restrict__ dirs, i64 D,
@@ -1040,23 +1037,7 @@ check_ect_arguments(const Real* __restrict__ t, i64 T, const Dir* __restrict__ d
             codes[k] = code;
         }
     }
-    bad = __reduce_or_sync(FULL, bad);
-    if (threadIdx.x % 32 == 0 && bad) {
-        atomicOr(status, (unsigned long long)bad);
-        __threadfence();
-    }
-    __syncthreads();  // this block's reductions are fenced
-    if (threadIdx.x == 0 && atomicAdd(status + 2, 1ull) == (unsigned long long)gridDim.x - 1) {
-        __threadfence();
-        const unsigned long long flags = atomicExch(status, 0ull);
-        atomicExch(status + 2, 0ull);
-        if (host != nullptr) {
-            volatile unsigned long long* word = host;
-            word[1] = flags;
-            __threadfence_system();  // the flags land before the token that releases them
-            word[0] = (unsigned long long)token << 2;
-        }
-    }
+    publish_grid_flags(bad, status, host, token);
 }
 
 // The soft ECT's cotangents from SoftEctPlan's float64 workspace (d_dirs: n_dirs values, d_t: T,

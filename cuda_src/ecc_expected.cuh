@@ -125,9 +125,11 @@ struct Counter {
 
 // Signed terms of the cells of every box type anchored (lowest corner) at base position y of
 // one image ``p`` with C-order strides ``stride``: the base grid has extents n + 2 * TCONN.
+// ``bad`` gets bit 0 when the anchor's own pixel (every pixel is one anchor's corner 0) lies
+// outside [0, 1] or is NaN: the forward's check of prob.
 template <typename Real, int NDIM, bool TCONN>
 __device__ __forceinline__ double anchor_terms(const Real* p, const i64 (&n)[NDIM], const i64 (&stride)[NDIM],
-                                               const i64 (&y)[NDIM]) {
+                                               const i64 (&y)[NDIM], unsigned& bad) {
     constexpr int TRIM = TCONN ? 1 : 0;
     constexpr int CORNERS = 1 << NDIM;
     // Bit a of: spans, a box may extend along axis a from here (y_a + 1 < n_a + 2 TRIM); own,
@@ -156,6 +158,7 @@ __device__ __forceinline__ double anchor_terms(const Real* p, const i64 (&n)[NDI
             if ((c >> a) & 1u) corner += stride[a];
         if constexpr (TCONN) v[c] = inside ? Real(1) - p[corner] : Real(1);
         else v[c] = inside ? p[corner] : Real(0);
+        if (c == 0 && inside && !(p[corner] >= Real(0) && p[corner] <= Real(1))) bad = 1u;
     }
 
     double sum = 0.0;
@@ -178,11 +181,15 @@ __device__ __forceinline__ double anchor_terms(const Real* p, const i64 (&n)[NDI
 // out (nimg,) float64, zeroed: out[img] += E[chi] of image img of prob (nimg, *spatial).
 // Each image gets blocks_per_image blocks that stride over its base positions; the grid is a
 // multiple of blocks_per_image and strides over images, so a block never mixes two images in
-// one sum. One thread per anchor, one double atomicAdd per block and image.
+// one sum. One thread per anchor, one double atomicAdd per block and image. The check of prob
+// (a pixel outside [0, 1] or NaN: flag 1) is published as publish_grid_flags does, into
+// ``status`` (3 words, zero at rest) and ``host`` (may be null) with ``token``: the op reads
+// it once the kernel is queued, instead of a reduction and a copy before it.
 template <typename Real, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(expected::THREADS)
 expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ out, i64 nimg, i64 nz,
-                       i64 ny, i64 nx, int blocks_per_image) {
+                       i64 ny, i64 nx, int blocks_per_image, u64* __restrict__ status,
+                       u64* __restrict__ host, i64 token) {
     i64 n[NDIM], stride[NDIM], L[NDIM];
     expected::extents<NDIM>(n, nz, ny, nx);
     i64 npix = 1;
@@ -197,14 +204,16 @@ expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ out, 
     const Anchor step((unsigned)blocks_per_image * expected::THREADS, L);
     const i64 images_per_pass = gridDim.x / blocks_per_image;
 
+    unsigned bad = 0u;
     for (i64 img = blockIdx.x / blocks_per_image; img < nimg; img += images_per_pass) {
         const Real* p = prob + img * npix;
         double sum = 0.0;
         for (Anchor y = first; y.digit[0] < L[0]; y.advance(step, L))
-            sum += expected::anchor_terms<Real, NDIM, TCONN>(p, n, stride, y.digit);
+            sum += expected::anchor_terms<Real, NDIM, TCONN>(p, n, stride, y.digit, bad);
         sum = expected::block_sum(sum);
         if (threadIdx.x == 0) atomicAdd(out + img, sum);
     }
+    publish_grid_flags(bad, status, host, token);
 }
 
 // grad (nimg, *spatial) = dE[chi]/dprob times the cotangent of each image. One thread per

@@ -23,7 +23,6 @@ products directly per cell.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 
 import numpy as np
@@ -31,6 +30,8 @@ import numpy as np
 from . import _expected_euler_cupy
 from ._array import array_module, as_array, is_cupy_array
 from ._checks import check_connectivity, check_image
+from ._cuda.launch import on_device_of
+from ._cuda.repeated import RepeatedCalls
 from .vjp import register
 
 __all__ = ["expected_euler"]
@@ -51,34 +52,23 @@ def _validate(prob, ndim, connectivity):
     except ValueError as exc:
         raise ValueError(str(exc).replace("the image", "prob").replace("image", "prob")) from None
     tconn = check_connectivity(connectivity, ndim)
-    if prob.size and not (is_cupy_array(prob) and _all_in_unit_interval(prob)):
-        xp = array_module(prob)
-        lo, hi = float(xp.min(prob)), float(xp.max(prob))
-        # NumPy's min/max propagate NaN; CuPy's depend on the reduction backend, so a CuPy array
-        # (here only when the fused check failed) is searched for NaN explicitly.
-        if lo != lo or hi != hi or (xp is not np and bool(xp.isnan(prob).any())):
-            raise ValueError("prob: contains NaN; probabilities must lie in [0, 1]")
-        if lo < 0 or hi > 1:
-            raise ValueError(f"prob: values must lie in [0, 1], found range [{lo}, {hi}]")
+    if prob.size and not is_cupy_array(prob):  # CuPy: the forward kernel checks the values
+        _check_unit_interval(prob)
     cdtype = np.dtype(np.float64) if prob.dtype == np.float64 else np.dtype(np.float32)
     return prob, ndim, tconn, cdtype
 
 
-@functools.lru_cache(maxsize=None)
-def _count_outside_kernel():
-    import cupy
-
-    # One fused pass; NaN fails both comparisons, so it counts as outside.
-    return cupy.ReductionKernel("T x", "int64 n", "(x >= (T)0 && x <= (T)1) ? 0 : 1", "a + b",
-                                "n = a", "0", "cutopo_count_outside_unit_interval")
-
-
-def _all_in_unit_interval(prob) -> bool:
-    """True when every element of the CuPy array lies in [0, 1]: one reduction and one
-    device-to-host copy of its count (the error message's details are computed only on failure)."""
-    x = prob if prob.dtype != np.float16 else prob.astype(np.float32)
-    with prob.device:
-        return int(_count_outside_kernel()(x)) == 0
+def _check_unit_interval(prob) -> None:
+    """Raise the ValueError of values outside [0, 1] or NaN in ``prob`` (a NumPy array, or a
+    CuPy one whose forward kernel flagged them)."""
+    xp = array_module(prob)
+    lo, hi = float(xp.min(prob)), float(xp.max(prob))
+    # NumPy's min/max propagate NaN; CuPy's depend on the reduction backend, so a CuPy array
+    # is searched for NaN explicitly.
+    if lo != lo or hi != hi or (xp is not np and bool(xp.isnan(prob).any())):
+        raise ValueError("prob: contains NaN; probabilities must lie in [0, 1]")
+    if lo < 0 or hi > 1:
+        raise ValueError(f"prob: values must lie in [0, 1], found range [{lo}, {hi}]")
 
 
 # ----------------------------------------------------------------------------- cell geometry
@@ -144,11 +134,28 @@ def _expected(p, ndim, tconn):
     return total.astype(p.dtype)
 
 
+# _validate's result for a CuPy call by what it reads (cutopo._cuda.repeated): prob's shape and
+# dtype on the current device, ndim and connectivity (its values are the forward kernel's to
+# check, at every call), so a loss in a training loop skips those checks.
+_DEVICE_CALLS = RepeatedCalls()
+
+
 def _forward(prob, *, ndim=None, connectivity=1):
-    prob, ndim, tconn, cdtype = _validate(prob, ndim, connectivity)
+    key = _DEVICE_CALLS.key((prob,), (ndim, connectivity))
+    checked = _DEVICE_CALLS.get(key) if key is not None else None
+    if checked is None:
+        prob, ndim, tconn, cdtype = _validate(prob, ndim, connectivity)
+        if key is not None:
+            _DEVICE_CALLS.keep(key, (ndim, tconn, cdtype))
+    else:
+        ndim, tconn, cdtype = checked
     if is_cupy_array(prob):
-        with prob.device:
-            out = _expected_euler_cupy.expected(prob, ndim, tconn).astype(cdtype, copy=False)
+        with on_device_of(prob):
+            out, flagged = _expected_euler_cupy.expected(prob, ndim, tconn)
+            if flagged:
+                _check_unit_interval(prob)
+                raise AssertionError("internal: the kernel flagged prob, the host check passed")
+            out = out.astype(cdtype, copy=False)
     else:
         out = _expected(prob.astype(cdtype, copy=False), ndim, tconn)
     return out, (prob, ndim, tconn)
@@ -203,7 +210,7 @@ def _backward(residuals, cotangent, needs):
     if not needs[0]:
         return (None,)
     if is_cupy_array(prob):
-        with prob.device:
+        with on_device_of(prob):
             return (_expected_euler_cupy.gradient(prob, ndim, tconn, cotangent),)
     cdtype = np.dtype(np.float64) if prob.dtype == np.float64 else np.dtype(np.float32)
     cotangent = np.asarray(cotangent, dtype=cdtype)
@@ -278,7 +285,10 @@ def expected_euler(prob, *, ndim=None, connectivity=1):
         ``prob`` is not a floating array (integer and bool arrays are refused).
     ValueError
         Wrong shape or ``ndim``, values outside [0, 1] or NaN, or a connectivity other than
-        1 or ``ndim``. For a CuPy array the check costs one device-to-host copy of its range.
+        1 or ``ndim``. For a CuPy array the forward kernel checks the values as it reads them
+        and stores its flag in page-locked host memory, which the call reads (waiting for
+        that kernel) before it returns; only a failed check reads the array's range for the
+        message.
 
     Notes
     -----

@@ -11,7 +11,9 @@ import math
 import numpy as np
 
 from ._cuda.compile import register_instances
-from ._cuda.launch import Signature, launch, resident_blocks
+from ._cuda.deferred import thread_status
+from ._cuda.launch import (CALL_INT64, HOST_WORD, PreparedLaunch, Signature, _c_contiguous,
+                           _current_device, device_empty, device_zeros, resident_blocks)
 
 FAMILY = "ecc"
 THREADS = 256                    # ecc::expected::THREADS (block_sum assumes exactly this)
@@ -28,7 +30,8 @@ def _template(dtype, ndim, tconn) -> str:
 def forward_signature(dtype, ndim, tconn) -> Signature:
     real = f"ptr:{np.dtype(dtype).name}"
     return Signature(FAMILY, f"cutopo::ecc::expected_euler_forward{_template(dtype, ndim, tconn)}",
-                     (real, "ptr:float64", "int64", "int64", "int64", "int64", "int32"))
+                     (real, "ptr:float64", "int64", "int64", "int64", "int64", "int32",
+                      "ptr:uint64", HOST_WORD, CALL_INT64))
 
 
 def backward_signature(dtype, ndim, tconn) -> Signature:
@@ -58,6 +61,8 @@ def _compute(prob):
     """C-contiguous prob in the kernels' dtype (float16 computes in float32)."""
     import cupy
 
+    if prob.dtype in _REAL_CTYPE and _c_contiguous(prob):
+        return prob  # (cupy.ascontiguousarray costs microseconds of host time even then)
     dtype = np.float64 if prob.dtype == np.float64 else np.float32
     return cupy.ascontiguousarray(prob, dtype=dtype)
 
@@ -67,38 +72,70 @@ def _dims(spatial):
     return (1,) + tuple(spatial) if len(spatial) == 2 else tuple(spatial)
 
 
-def expected(prob, ndim, tconn):
-    """E[chi] of every image of ``prob`` (*batch, *spatial): float64, shape batch."""
-    import cupy
+class ExpectedPlan:
+    """The two launches of expected_euler for one geometry (memoized by :func:`expected_plan`):
+    a repeated call (a loss in a training loop) allocates its output and launches, nothing
+    more. Each launch checks its arguments at its first call alone (call_checked_once): the
+    arrays are made here or by :func:`_compute` in the plan's dtype, on its device."""
 
-    batch, spatial = prob.shape[:prob.ndim - ndim], prob.shape[prob.ndim - ndim:]
-    nimg = math.prod(batch)
-    out = cupy.zeros(nimg, dtype=np.float64)  # the kernel adds into it
-    if nimg:
-        x = _compute(prob)
-        sig = forward_signature(x.dtype, ndim, tconn)
+    def __init__(self, dtype, nimg, spatial, ndim, tconn):
+        device = _current_device()
+        dims = _dims(spatial)
+        fsig = forward_signature(dtype, ndim, tconn)
         anchors = math.prod(n + 2 * tconn for n in spatial)  # base grid: T adds a ring
-        target = _grid_target(cupy.cuda.Device().id, sig)
-        # Blocks per image: enough to fill the device, never more than the image has work for.
-        # The rest of the grid strides over images, so many small images share few blocks.
+        target = _grid_target(device, fsig)
+        # Blocks per image: enough to fill the device, never more than the image has work
+        # for. The rest of the grid strides over images, so many small images share few blocks.
         per_image = max(1, min(math.ceil(anchors / THREADS), math.ceil(target / nimg)))
         images = max(1, min(nimg, target // per_image))
-        launch(sig, images * per_image, THREADS, (x, out, nimg, *_dims(spatial), per_image))
-    return out.reshape(batch)
+        # called with (prob, out, status counters, status, token)
+        self.forward = PreparedLaunch(fsig, images * per_image, THREADS,
+                                      (None, None, nimg, *dims, per_image, None, None, None))
+        bsig = backward_signature(dtype, ndim, tconn)
+        grid = min(math.ceil(nimg * math.prod(spatial) / THREADS), _grid_target(device, bsig))
+        # called with (prob, cotangent, grad); a grid-stride loop covers the rest
+        self.backward = PreparedLaunch(bsig, grid, THREADS, (None, None, None, nimg, *dims))
+
+
+@functools.lru_cache(maxsize=64)
+def expected_plan(device_id, dtype, nimg, spatial, ndim, tconn) -> ExpectedPlan:
+    return ExpectedPlan(dtype, nimg, spatial, ndim, tconn)
+
+
+def _plan_of(x, ndim, tconn) -> ExpectedPlan:
+    spatial = x.shape[x.ndim - ndim:]
+    return expected_plan(_current_device(), x.dtype, math.prod(x.shape[:x.ndim - ndim]), spatial,
+                         ndim, bool(tconn))
+
+
+def expected(prob, ndim, tconn):
+    """(E[chi] of every image of ``prob`` (*batch, *spatial): float64, shape batch; whether the
+    kernel found a value outside [0, 1] or NaN, when the result is not to be used). On the
+    current device, which is prob's. The flag comes through this thread's PinnedStatus: read
+    here, after the launch, it waits for the kernel."""
+    batch = prob.shape[:prob.ndim - ndim]
+    out = device_zeros(batch, np.float64)  # the kernel adds into it
+    if not out.size:
+        return out, False
+    x = _compute(prob)
+    status = thread_status("ecc.expected_euler_forward")
+    token = status.arm()
+    _plan_of(x, ndim, tconn).forward.call_checked_once(x, out, status.counters, status, token)
+    return out, status.read_status()[1] != 0
 
 
 def gradient(prob, ndim, tconn, cotangent):
     """dE[chi]/dprob times the cotangent of each image (shape batch): shape and dtype of prob."""
     import cupy
 
-    batch, spatial = prob.shape[:prob.ndim - ndim], prob.shape[prob.ndim - ndim:]
-    nimg = math.prod(batch)
     x = _compute(prob)
-    grad = cupy.empty(x.shape, dtype=x.dtype)  # every element is written
+    grad = device_empty(x.shape, x.dtype)  # every element is written
     if grad.size:
-        cot = cupy.ascontiguousarray(cupy.asarray(cotangent, dtype=x.dtype)).reshape(nimg)
-        sig = backward_signature(x.dtype, ndim, tconn)
-        target = _grid_target(cupy.cuda.Device().id, sig)
-        grid = min(math.ceil(grad.size / THREADS), target)  # grid-stride loop covers the rest
-        launch(sig, grid, THREADS, (x, cot, grad, nimg, *_dims(spatial)))
-    return grad.astype(prob.dtype, copy=False)
+        nimg = math.prod(prob.shape[:prob.ndim - ndim])
+        cot = cotangent
+        if not (type(cot) is cupy.ndarray and cot.dtype == x.dtype and _c_contiguous(cot)):
+            cot = cupy.ascontiguousarray(cupy.asarray(cot, dtype=x.dtype))
+        if cot.shape != (nimg,):
+            cot = cot.reshape(nimg)
+        _plan_of(x, ndim, tconn).backward.call_checked_once(x, cot, grad)
+    return grad if grad.dtype == prob.dtype else grad.astype(prob.dtype)

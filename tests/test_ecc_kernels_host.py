@@ -193,9 +193,10 @@ int range(const int64_t* a) {
     return 0;
 }
 
-// expected_euler_forward. a: 4, instance, nimg, nz, ny, nx, blocks_per_image, grid; then prob.
-// stdout: E[chi] per image, float64. expected_euler_backward. a: 5, instance, nimg, nz, ny, nx,
-// 0, grid; then prob and the cotangent (nimg). stdout: the gradient, in Real.
+// expected_euler_forward. a: 4, instance, nimg, nz, ny, nx, blocks_per_image, grid, token;
+// then prob. stdout: E[chi] per image (float64), then the host words and the status words
+// (uint64: 2 + 3). expected_euler_backward. a: 5, instance, nimg, nz, ny, nx, 0, grid; then
+// prob and the cotangent (nimg). stdout: the gradient, in Real.
 template <class Real, int NDIM, bool TCONN>
 int expected(const int64_t* a) {
     const int64_t nimg = a[2], nz = a[3], ny = a[4], nx = a[5];
@@ -203,11 +204,15 @@ int expected(const int64_t* a) {
     if (!read(prob, nimg * nz * ny * nx)) return 2;
     if (a[0] == 4) {
         std::vector<double> out(nimg, 0.0);
+        std::vector<unsigned long long> host(2, 0ull), status(3, 0ull);
         run_grid((unsigned)a[7], [&] {
             cutopo::ecc::expected_euler_forward<Real, NDIM, TCONN>(prob.data(), out.data(), nimg, nz, ny,
-                                                                   nx, (int)a[6]);
+                                                                   nx, (int)a[6], status.data(),
+                                                                   host.data(), a[8]);
         });
         fwrite(out.data(), 8, out.size(), stdout);
+        fwrite(host.data(), 8, host.size(), stdout);
+        fwrite(status.data(), 8, status.size(), stdout);
         return 0;
     }
     if (!read(cotangent, nimg)) return 2;
@@ -433,6 +438,40 @@ def test_emulated_finite_range_equals_numpy(emulator, dtype, rng):
         assert got == (finite.min(), finite.max()), (n, got, finite.min(), finite.max())
 
 
+def _emulated_expected(emulator, index, prob, ndim, blocks_per_image, grid):
+    """(expected_euler_forward's sums, its published flags): the host words must carry the
+    call's token and the status words be left zeroed for the next launch."""
+    nimg, (nz, ny, nx) = _geometry(prob, ndim)
+    token = int(np.random.default_rng().integers(1, 1 << 40))
+    head = [4, index, nimg, nz, ny, nx, blocks_per_image, grid, token] + [0] * 4
+    raw = _run(emulator, head, (0.0, 0.0), prob)
+    sums = np.frombuffer(raw[:8 * nimg], np.float64)
+    host0, host1, *status = (int(v) for v in np.frombuffer(raw[8 * nimg:], np.uint64))
+    assert host0 == token << 2 and status == [0, 0, 0]
+    return sums, host1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("tconn", [False, True])
+@pytest.mark.parametrize("bad", [-0.25, 1.0625, np.nan, -np.inf])
+def test_emulated_expected_euler_flags_a_pixel_outside_the_unit_interval(emulator, dtype, tconn,
+                                                                         bad, rng):
+    """One pixel outside [0, 1] anywhere (corners, ring-adjacent edges, the last image) sets
+    the published flag, whatever the grid; -0.0, 0 and 1 do not."""
+    dtype = np.dtype(dtype)
+    for shape, ndim in (((3, 7, 9), 2), ((2, 4, 5, 6), 3)):
+        index = EXPECTED_INSTANCES.index(({"float32": "float", "float64": "double"}[dtype.name],
+                                          ndim, tconn))
+        prob = rng.random(shape).astype(dtype)
+        prob.flat[rng.integers(0, prob.size, 5)] = np.array([0.0, 1.0, -0.0, 0.0, 1.0], dtype)
+        assert _emulated_expected(emulator, index, prob, ndim, 2, 3)[1] == 0
+        for where in (0, prob.size - 1, int(rng.integers(prob.size))):
+            p = prob.copy()
+            p.flat[where] = bad
+            for blocks_per_image, grid in ((1, 1), (2, 4)):
+                assert _emulated_expected(emulator, index, p, ndim, blocks_per_image, grid)[1] == 1
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape, ndim", [((2, 17, 23), 2), ((40, 3), 2), ((2, 5, 9, 13), 3), ((3, 4, 70), 3)])
 @pytest.mark.parametrize("tconn", [False, True])
@@ -451,9 +490,9 @@ def test_emulated_expected_euler_equals_numpy(emulator, dtype, shape, ndim, tcon
     (want_grad,) = pullback(cotangent)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
     for blocks_per_image, grid in [(1, nimg), (3, 3)]:
-        head = [4, index, nimg, nz, ny, nx, blocks_per_image, grid] + [0] * 5
-        got = np.frombuffer(_run(emulator, head, (0.0, 0.0), prob), np.float64).reshape(want.shape)
-        np.testing.assert_allclose(got, want, **tol)
+        got, flags = _emulated_expected(emulator, index, prob, ndim, blocks_per_image, grid)
+        np.testing.assert_allclose(got.reshape(want.shape), want, **tol)
+        assert flags == 0
     head = [5, index, nimg, nz, ny, nx, 0, 3] + [0] * 5
     grad = np.frombuffer(_run(emulator, head, (0.0, 0.0), prob, cotangent), dtype).reshape(prob.shape)
     np.testing.assert_allclose(grad, want_grad, **tol)

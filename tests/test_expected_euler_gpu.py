@@ -244,3 +244,52 @@ def test_rejects_nan(rng, dtype):
     p[0, 0, 0] = -0.5  # NaN is reported even next to an out-of-range value
     with pytest.raises(ValueError, match="prob.*NaN"):
         expected_euler(cp.asarray(p), ndim=2)
+
+
+@pytest.mark.parametrize("ndim,connectivity", CASES)
+def test_values_checked_by_the_forward_kernel(rng, monkeypatch, ndim, connectivity):
+    """The forward kernel checks prob as it reads it (no range read on the host unless it
+    flags a value): a bad value anywhere (corners, the last image, T's border) raises at the
+    call, and the calls after it (same thread, another stream) are unaffected: the flags'
+    counters are left zeroed."""
+    from cutopo import _expected_euler
+
+    cp = _cp()
+    shape = (3,) + (7,) * ndim
+    real_check = _expected_euler._check_unit_interval
+    calls = []
+
+    def counted(prob):
+        calls.append(prob.shape)
+        return real_check(prob)
+
+    monkeypatch.setattr(_expected_euler, "_check_unit_interval", counted)
+    p = _prob(rng, shape, np.float32)
+    want = expected_euler(p, ndim=ndim, connectivity=connectivity)
+    calls.clear()
+    for _ in range(2):
+        got = expected_euler(cp.asarray(p), ndim=ndim, connectivity=connectivity)
+        np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-5)
+    assert calls == []  # valid values: the host read nothing
+    for where in (0, p.size - 1, int(rng.integers(p.size))):
+        for bad in (-0.5, 1.5, np.nan):
+            q = p.copy()
+            q.flat[where] = bad
+            with pytest.raises(ValueError, match="prob"):
+                expected_euler(cp.asarray(q), ndim=ndim, connectivity=connectivity)
+            got = expected_euler(cp.asarray(p), ndim=ndim, connectivity=connectivity)
+            np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-5)
+    with cp.cuda.Stream(non_blocking=True) as s:
+        got = expected_euler(cp.asarray(p), ndim=ndim, connectivity=connectivity)
+        s.synchronize()
+    np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-5)
+    # after the repeated calls (_expected_euler._DEVICE_CALLS): other layouts and dtypes of
+    # the same values, and another batch shape, take their own checks and plans
+    dev = cp.asarray(p)
+    strided = cp.asarray(np.repeat(p, 2, axis=-1))[..., ::2]
+    for other in (strided, dev.astype(cp.float64), dev.astype(cp.float16), dev[None]):
+        got = expected_euler(other, ndim=ndim, connectivity=connectivity)
+        want_other = expected_euler(other.get(), ndim=ndim, connectivity=connectivity)
+        np.testing.assert_allclose(got.get(), want_other, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="connectivity"):
+        expected_euler(dev, ndim=ndim, connectivity=5)
