@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._array import as_array, is_cupy_array, to_numpy
+from ._cuda.repeated import RepeatedCalls
 from .vjp import register
 
 __all__ = ["deformable_aggregation"]
@@ -257,8 +258,7 @@ class _Memo:
         self.plans = {}
 
 
-_MEMO: dict = {}
-_MEMO_SIZE = 256  # call kinds remembered (the oldest is dropped first)
+_MEMO = RepeatedCalls(256)  # call kinds remembered (the oldest is dropped first)
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,9 +318,7 @@ def _configure(features, spatial_shapes, level_start_index, sampling_locations, 
         cfg.starts.flags.writeable = False
         memo = _Memo(cfg)
         cfg = cfg._replace(memo=memo)
-        while len(_MEMO) >= _MEMO_SIZE:
-            _MEMO.pop(next(iter(_MEMO)), None)
-        _MEMO[key] = memo
+        _MEMO.keep(key, memo)
     return cfg
 
 

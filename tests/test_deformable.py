@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import cutopo
+from cutopo._cuda.repeated import RepeatedCalls
 from cutopo.deformable import deformable_aggregation
 from deformable_cases import map_layout
 
@@ -567,7 +568,7 @@ def test_repeated_calls_validate_once(rng, monkeypatch):
         return original(*args)
 
     monkeypatch.setattr(mod, "_prepare", spy)
-    monkeypatch.setattr(mod, "_MEMO", {})
+    monkeypatch.setattr(mod, "_MEMO", RepeatedCalls())
     first = deformable_aggregation(feats, sh, starts, loc, w)
     for _ in range(3):  # same kind of call, other arrays: no new validation, same results
         loc2, w2 = loc.copy(), w.copy()
@@ -596,7 +597,7 @@ def test_repeated_calls_validate_once(rng, monkeypatch):
 def test_memoized_validation_sees_new_table_values_and_keeps_failing(rng, monkeypatch):
     from cutopo import deformable as mod
 
-    monkeypatch.setattr(mod, "_MEMO", {})
+    monkeypatch.setattr(mod, "_MEMO", RepeatedCalls())
     feats, sh, starts, loc, w = make_problem(rng)
     deformable_aggregation(feats, sh, starts, loc, w)
     bad = starts.copy()
@@ -620,8 +621,7 @@ def test_memo_is_bounded_and_holds_no_arrays(rng, monkeypatch):
 
     from cutopo import deformable as mod
 
-    monkeypatch.setattr(mod, "_MEMO", {})
-    monkeypatch.setattr(mod, "_MEMO_SIZE", 3)
+    monkeypatch.setattr(mod, "_MEMO", RepeatedCalls(3))
     feats, sh, starts, loc, w = make_problem(rng)
     for A in range(1, 6):
         deformable_aggregation(feats, sh, starts, loc[:, :A], w[:, :A])

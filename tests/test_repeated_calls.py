@@ -1,4 +1,5 @@
-"""cutopo._cuda.repeated on the host: which calls get a key, and the table's bound.
+"""cutopo._cuda.repeated on the host: which calls get a key, and the table's bound; and the
+bounded tables of cutopo._cuda.launch, filled from threads.
 
 The ops that use it (soft_ecc, soft_ect) are tested on the device (test_band_gpu.py's
 ``*_repeated_calls_keep_every_check``); here CuPy's array type and the current device are
@@ -6,6 +7,7 @@ stood in by a small class, so every rule of the key runs without a GPU.
 """
 from __future__ import annotations
 
+import sys
 import types
 
 import numpy as np
@@ -121,3 +123,64 @@ def test_table_drops_the_oldest_entry_when_full(rng):
     table.keep(("k", capacity), capacity)
     assert len(table) == capacity and ("k", 0) not in table
     assert list(table) == [("k", i) for i in range(1, capacity + 1)]
+
+
+def test_table_kept_from_many_threads(rng):
+    """keep() from threads at once (a threaded Dask scheduler's tasks): no error, the bound
+    holds, every value kept last under its key is the one a thread wrote."""
+    import threading
+
+    capacity = int(rng.integers(5, 20))
+    table = RepeatedCalls(capacity)
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(2000):
+                table.keep((i % 37, t % 3), (t, i))
+        except Exception as exc:  # pragma: no cover - the failure this test looks for
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and len(table) <= capacity
+    for (k, m), (t, i) in table.items():
+        assert t % 3 == m and i % 37 == k
+
+
+def test_launch_tables_remembered_from_many_threads(monkeypatch):
+    """cutopo._cuda.launch keeps its prepared launches in bounded tables that threads fill
+    at once (the launches of a threaded Dask scheduler's tasks): the same eviction, locked."""
+    import threading
+
+    from cutopo._cuda import launch
+
+    monkeypatch.setattr(launch, "PREPARED_CAPACITY", 7)
+    table, errors = {}, []
+
+    def work(t):
+        try:
+            for i in range(2000):
+                launch._remember(table, (t, i), i)
+        except Exception as exc:  # pragma: no cover - the failure this test looks for
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and len(table) <= 7

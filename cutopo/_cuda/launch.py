@@ -319,10 +319,14 @@ PREPARED_CAPACITY = 1024
 PREPARE_REPEATS = True
 
 
+_REMEMBER_LOCK = threading.Lock()  # launches from threads (Dask's): eviction iterates a table
+
+
 def _remember(table: dict, key, value) -> None:
-    if len(table) >= PREPARED_CAPACITY:
-        del table[next(iter(table))]
-    table[key] = value
+    with _REMEMBER_LOCK:
+        if len(table) >= PREPARED_CAPACITY:
+            del table[next(iter(table))]
+        table[key] = value
 
 
 def _prepared_key(sig: Signature, grid, block, shared_mem, options, device, args, slots):

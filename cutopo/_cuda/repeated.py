@@ -9,6 +9,8 @@ values (the scale on the host, the arrays' values in its kernels).
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .._array import _cupy
@@ -26,6 +28,7 @@ class RepeatedCalls(dict):
     def __init__(self, capacity: int = 256):
         super().__init__()
         self.capacity = capacity
+        self._lock = threading.Lock()  # keep() from threads: its eviction iterates the table
 
     @staticmethod
     def key(arrays, static, scale=NO_SCALE):
@@ -57,6 +60,8 @@ class RepeatedCalls(dict):
         return tuple(parts)
 
     def keep(self, key, value) -> None:
-        if key not in self and len(self) >= self.capacity:
-            del self[next(iter(self))]
-        self[key] = value
+        """Keep ``value`` under ``key`` (a first call's: lookups stay lock-free)."""
+        with self._lock:
+            if key not in self and len(self) >= self.capacity:
+                del self[next(iter(self))]
+            self[key] = value
