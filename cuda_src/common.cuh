@@ -118,25 +118,31 @@ __device__ __forceinline__ constexpr K all_ones() { return (K)~(K)0; }
 // into status[0] (zero at rest; status[2] counts the finished blocks), and the last block to
 // finish zeroes both for the next launch and, where ``host`` is not null, stores the flags in
 // host[1] and then token << 2 in host[0] (mapped page-locked memory, after a system fence).
-// Every thread of the block calls it, once, at the end of its work.
-__device__ __forceinline__ void publish_grid_flags(unsigned bad, u64* status, u64* host, i64 token) {
+// Every thread of the block calls it, once, at the end of its work. Returns (block-uniform)
+// whether this block finished last: every other block's device-memory writes before its call
+// are then visible to it (each block fences them before it counts itself).
+__device__ __forceinline__ bool publish_grid_flags(unsigned bad, u64* status, u64* host, i64 token) {
+    __shared__ int last_block;
     bad = __reduce_or_sync(0xffffffffu, bad);
-    if (threadIdx.x % 32 == 0 && bad) {
-        atomicOr(status, (u64)bad);
+    if (threadIdx.x % 32 == 0 && bad) atomicOr(status, (u64)bad);
+    __syncthreads();  // this block's writes and reductions are done
+    if (threadIdx.x == 0) {
         __threadfence();
-    }
-    __syncthreads();  // this block's reductions are fenced
-    if (threadIdx.x == 0 && atomicAdd(status + 2, 1ull) == (u64)gridDim.x - 1) {
-        __threadfence();
-        const u64 flags = atomicExch(status, 0ull);
-        atomicExch(status + 2, 0ull);
-        if (host != nullptr) {
-            volatile u64* word = host;
-            word[1] = flags;
-            __threadfence_system();  // the flags land before the token that releases them
-            word[0] = (u64)token << 2;
+        last_block = atomicAdd(status + 2, 1ull) == (u64)gridDim.x - 1;
+        if (last_block) {
+            __threadfence();
+            const u64 flags = atomicExch(status, 0ull);
+            atomicExch(status + 2, 0ull);
+            if (host != nullptr) {
+                volatile u64* word = host;
+                word[1] = flags;
+                __threadfence_system();  // the flags land before the token that releases them
+                word[0] = (u64)token << 2;
+            }
         }
     }
+    __syncthreads();
+    return last_block != 0;
 }
 
 }  // namespace cutopo

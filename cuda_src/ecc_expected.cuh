@@ -197,15 +197,18 @@ __device__ __forceinline__ double anchor_terms(const Real* p, const i64 (&n)[NDI
 // out (nimg,) float64, zeroed: out[img] += E[chi] of image img of prob (nimg, *spatial).
 // Each image gets blocks_per_image blocks that stride over its base positions; the grid is a
 // multiple of blocks_per_image and strides over images, so a block never mixes two images in
-// one sum. One thread per anchor, one double atomicAdd per block and image. The check of prob
-// (a pixel outside [0, 1] or NaN: flag 1) is published as publish_grid_flags does, into
-// ``status`` (3 words, zero at rest) and ``host`` (may be null) with ``token``: the op reads
-// it once the kernel is queued, instead of a reduction and a copy before it.
+// one sum. One thread per anchor, one double atomicAdd per block and image into ``sums``
+// (nimg, zero at rest); the last block to finish writes out = (Real)sums and leaves sums
+// zeroed (no memset and no cast kernel per call). The check of prob (a pixel outside [0, 1]
+// or NaN: flag 1) is published by publish_grid_flags, into ``status`` (3 words, zero at rest)
+// and ``host`` (may be null) with ``token``: the op reads it once the kernel is queued,
+// instead of a reduction and a copy before it.
 template <typename Real, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(expected::THREADS)
-expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ out, i64 nimg, i64 nz,
-                       i64 ny, i64 nx, int blocks_per_image, u64* __restrict__ status,
-                       u64* __restrict__ host, i64 token) {
+expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ sums,
+                       Real* __restrict__ out, i64 nimg, i64 nz, i64 ny, i64 nx,
+                       int blocks_per_image, u64* __restrict__ status, u64* __restrict__ host,
+                       i64 token) {
     i64 n[NDIM], stride[NDIM], L[NDIM];
     expected::extents<NDIM>(n, nz, ny, nx);
     i64 npix = 1;
@@ -227,9 +230,14 @@ expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ out, 
         for (Anchor y = first; y.digit[0] < L[0]; y.advance(step, L))
             sum += expected::anchor_terms<Real, NDIM, TCONN>(p, n, stride, y.digit, bad);
         sum = expected::block_sum(sum);
-        if (threadIdx.x == 0) atomicAdd(out + img, sum);
+        if (threadIdx.x == 0) atomicAdd(sums + img, sum);
     }
-    publish_grid_flags(bad, status, host, token);
+    if (publish_grid_flags(bad, status, host, token)) {
+        for (i64 k = threadIdx.x; k < nimg; k += expected::THREADS) {
+            out[k] = (Real)__ldcg(sums + k);  // from L2, where the atomics added
+            sums[k] = 0.0;
+        }
+    }
 }
 
 // grad (nimg, *spatial) = dE[chi]/dprob times the cotangent of each image. One thread per

@@ -151,11 +151,10 @@ def _forward(prob, *, ndim=None, connectivity=1):
         ndim, tconn, cdtype = checked
     if is_cupy_array(prob):
         with on_device_of(prob):
-            out, flagged = _expected_euler_cupy.expected(prob, ndim, tconn)
+            out, flagged = _expected_euler_cupy.expected(prob, ndim, tconn)  # in cdtype
             if flagged:
                 _check_unit_interval(prob)
                 raise AssertionError("internal: the kernel flagged prob, the host check passed")
-            out = out.astype(cdtype, copy=False)
     else:
         out = _expected(prob.astype(cdtype, copy=False), ndim, tconn)
     return out, (prob, ndim, tconn)

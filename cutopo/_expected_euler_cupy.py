@@ -13,12 +13,14 @@ import numpy as np
 from ._cuda.compile import register_instances
 from ._cuda.deferred import thread_status
 from ._cuda.launch import (CALL_INT64, HOST_WORD, PreparedLaunch, Signature, _c_contiguous,
-                           _current_device, device_empty, device_zeros, resident_blocks)
+                           _current_device, device_empty, resident_blocks)
+from ._cuda.workspace import ZeroedWorkspaces
 
 FAMILY = "ecc"
 THREADS = 256                    # ecc::expected::THREADS (block_sum assumes exactly this)
 BLOCKS_PER_RESIDENT = 2          # grid size in units of the blocks the device runs at once
 MAX_GRID = (1 << 32) // THREADS - 1  # the kernels index a thread's start and stride in 32 bits
+KEEP_SUMS_BYTES = 1 << 20        # a plan's kept per-image sums up to this size (per stream)
 
 _REAL_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -30,7 +32,7 @@ def _template(dtype, ndim, tconn) -> str:
 def forward_signature(dtype, ndim, tconn) -> Signature:
     real = f"ptr:{np.dtype(dtype).name}"
     return Signature(FAMILY, f"cutopo::ecc::expected_euler_forward{_template(dtype, ndim, tconn)}",
-                     (real, "ptr:float64", "int64", "int64", "int64", "int64", "int32",
+                     (real, "ptr:float64", real, "int64", "int64", "int64", "int64", "int32",
                       "ptr:uint64", HOST_WORD, CALL_INT64))
 
 
@@ -88,9 +90,11 @@ class ExpectedPlan:
         # for. The rest of the grid strides over images, so many small images share few blocks.
         per_image = max(1, min(math.ceil(anchors / THREADS), math.ceil(target / nimg)))
         images = max(1, min(nimg, target // per_image))
-        # called with (prob, out, status counters, status, token)
+        # called with (prob, sums, out, status counters, status, token)
         self.forward = PreparedLaunch(fsig, images * per_image, THREADS,
-                                      (None, None, nimg, *dims, per_image, None, None, None))
+                                      (None, None, None, nimg, *dims, per_image, None, None, None))
+        # the per-image float64 sums, kept zeroed by the kernel's last block
+        self.sums = ZeroedWorkspaces(KEEP_SUMS_BYTES)
         bsig = backward_signature(dtype, ndim, tconn)
         grid = min(math.ceil(nimg * math.prod(spatial) / THREADS), _grid_target(device, bsig))
         # called with (prob, cotangent, grad); a grid-stride loop covers the rest
@@ -109,18 +113,21 @@ def _plan_of(x, ndim, tconn) -> ExpectedPlan:
 
 
 def expected(prob, ndim, tconn):
-    """(E[chi] of every image of ``prob`` (*batch, *spatial): float64, shape batch; whether the
-    kernel found a value outside [0, 1] or NaN, when the result is not to be used). On the
-    current device, which is prob's. The flag comes through this thread's PinnedStatus: read
-    here, after the launch, it waits for the kernel."""
+    """(E[chi] of every image of ``prob`` (*batch, *spatial), shape batch, in the computation
+    dtype (float64 for float64 prob, else float32); whether the kernel found a value outside
+    [0, 1] or NaN, when the result is not to be used). On the current device, which is prob's.
+    The flag comes through this thread's PinnedStatus: read here, after the launch, it waits
+    for the kernel."""
+    x = _compute(prob)
     batch = prob.shape[:prob.ndim - ndim]
-    out = device_zeros(batch, np.float64)  # the kernel adds into it
+    out = device_empty(batch, x.dtype)  # the kernel's last block writes it
     if not out.size:
         return out, False
-    x = _compute(prob)
+    plan = _plan_of(x, ndim, tconn)
     status = thread_status("ecc.expected_euler_forward")
     token = status.arm()
-    _plan_of(x, ndim, tconn).forward.call_checked_once(x, out, status.counters, status, token)
+    sums = plan.sums.get("sums", out.size, np.float64)
+    plan.forward.call_checked_once(x, sums, out, status.counters, status, token)
     return out, status.read_status()[1] != 0
 
 

@@ -194,25 +194,27 @@ int range(const int64_t* a) {
 }
 
 // expected_euler_forward. a: 4, instance, nimg, nz, ny, nx, blocks_per_image, grid, token;
-// then prob. stdout: E[chi] per image (float64), then the host words and the status words
-// (uint64: 2 + 3). expected_euler_backward. a: 5, instance, nimg, nz, ny, nx, 0, grid; then
-// prob and the cotangent (nimg). stdout: the gradient, in Real.
+// then prob. stdout: E[chi] per image (Real), then the host words, the status words and the
+// per-image sums left behind (uint64: 2 + 3 + nimg). expected_euler_backward. a: 5, instance,
+// nimg, nz, ny, nx, 0, grid; then prob and the cotangent (nimg). stdout: the gradient, in Real.
 template <class Real, int NDIM, bool TCONN>
 int expected(const int64_t* a) {
     const int64_t nimg = a[2], nz = a[3], ny = a[4], nx = a[5];
     std::vector<Real> prob, cotangent;
     if (!read(prob, nimg * nz * ny * nx)) return 2;
     if (a[0] == 4) {
-        std::vector<double> out(nimg, 0.0);
+        std::vector<double> sums(nimg, 0.0);
+        std::vector<Real> out(nimg, (Real)-7.25);  // poisoned
         std::vector<unsigned long long> host(2, 0ull), status(3, 0ull);
         run_grid((unsigned)a[7], [&] {
-            cutopo::ecc::expected_euler_forward<Real, NDIM, TCONN>(prob.data(), out.data(), nimg, nz, ny,
-                                                                   nx, (int)a[6], status.data(),
-                                                                   host.data(), a[8]);
+            cutopo::ecc::expected_euler_forward<Real, NDIM, TCONN>(prob.data(), sums.data(), out.data(),
+                                                                   nimg, nz, ny, nx, (int)a[6],
+                                                                   status.data(), host.data(), a[8]);
         });
-        fwrite(out.data(), 8, out.size(), stdout);
+        fwrite(out.data(), sizeof(Real), out.size(), stdout);
         fwrite(host.data(), 8, host.size(), stdout);
         fwrite(status.data(), 8, status.size(), stdout);
+        fwrite(sums.data(), 8, sums.size(), stdout);
         return 0;
     }
     if (!read(cotangent, nimg)) return 2;
@@ -439,16 +441,19 @@ def test_emulated_finite_range_equals_numpy(emulator, dtype, rng):
 
 
 def _emulated_expected(emulator, index, prob, ndim, blocks_per_image, grid):
-    """(expected_euler_forward's sums, its published flags): the host words must carry the
-    call's token and the status words be left zeroed for the next launch."""
+    """(expected_euler_forward's result in prob's dtype, its published flags): the host words
+    must carry the call's token, and the status words and the sums be left zeroed for the next
+    launch."""
     nimg, (nz, ny, nx) = _geometry(prob, ndim)
     token = int(np.random.default_rng().integers(1, 1 << 40))
     head = [4, index, nimg, nz, ny, nx, blocks_per_image, grid, token] + [0] * 4
     raw = _run(emulator, head, (0.0, 0.0), prob)
-    sums = np.frombuffer(raw[:8 * nimg], np.float64)
-    host0, host1, *status = (int(v) for v in np.frombuffer(raw[8 * nimg:], np.uint64))
-    assert host0 == token << 2 and status == [0, 0, 0]
-    return sums, host1
+    size = prob.dtype.itemsize * nimg
+    out = np.frombuffer(raw[:size], prob.dtype)
+    host0, host1, *rest = (int(v) for v in np.frombuffer(raw[size:], np.uint64))
+    assert host0 == token << 2 and rest[:3] == [0, 0, 0]
+    assert not any(rest[3:]), "the per-image sums were left non-zero"
+    return out, host1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -293,3 +293,9 @@ def test_values_checked_by_the_forward_kernel(rng, monkeypatch, ndim, connectivi
         np.testing.assert_allclose(got.get(), want_other, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="connectivity"):
         expected_euler(dev, ndim=ndim, connectivity=5)
+    # the plan's kept per-image sums are left zeroed by the kernel's last block
+    from cutopo import _expected_euler_cupy
+
+    plan = _expected_euler_cupy._plan_of(dev, ndim, connectivity == ndim)
+    kept = plan.sums.kept()
+    assert kept and not any(bool(ws.any()) for ws in kept)
