@@ -12,6 +12,7 @@ import pytest
 
 import cutopo
 from cutopo import _deformable_cupy
+from cutopo._cuda.repeated import RepeatedCalls
 from cutopo.deformable import deformable_aggregation
 from deformable_cases import map_layout
 from gpu_support import begin_capture, cupy_module as _cp, poison_pool
@@ -236,7 +237,7 @@ def test_repeated_calls_reuse_the_forward_plan(rng, vector_mode, monkeypatch):
     cp = _cp()
     from cutopo import deformable as mod
 
-    monkeypatch.setattr(mod, "_MEMO", {})  # count this test's plans only
+    monkeypatch.setattr(mod, "_MEMO", RepeatedCalls())  # count this test's plans only
     feats, sh, starts, loc, w = problem(rng, C=32, G=4, visibility="uniform")
     ref = deformable_aggregation(feats, sh, starts, loc, w)
     f_g, l_g, w_g = _to_gpu(feats, loc, w)
