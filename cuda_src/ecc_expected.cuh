@@ -194,7 +194,7 @@ __device__ __forceinline__ double anchor_terms(const Real* p, const i64 (&n)[NDI
 
 }  // namespace expected
 
-// out (nimg,) float64, zeroed: out[img] += E[chi] of image img of prob (nimg, *spatial).
+// out (nimg,): E[chi] of image img of prob (nimg, *spatial), in Real.
 // Each image gets blocks_per_image blocks that stride over its base positions; the grid is a
 // multiple of blocks_per_image and strides over images, so a block never mixes two images in
 // one sum. One thread per anchor, one double atomicAdd per block and image into ``sums``

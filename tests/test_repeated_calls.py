@@ -125,11 +125,25 @@ def test_table_drops_the_oldest_entry_when_full(rng):
     assert list(table) == [("k", i) for i in range(1, capacity + 1)]
 
 
+def _run_threads(work, n):
+    """work(0), ..., work(n - 1) on n threads at once, switching between any two bytecodes."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_table_kept_from_many_threads(rng):
     """keep() from threads at once (a threaded Dask scheduler's tasks): no error, the bound
     holds, every value kept last under its key is the one a thread wrote."""
-    import threading
-
     capacity = int(rng.integers(5, 20))
     table = RepeatedCalls(capacity)
     errors = []
@@ -141,16 +155,7 @@ def test_table_kept_from_many_threads(rng):
         except Exception as exc:  # pragma: no cover - the failure this test looks for
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(interval)
+    _run_threads(work, 8)
     assert not errors and len(table) <= capacity
     for (k, m), (t, i) in table.items():
         assert t % 3 == m and i % 37 == k
@@ -159,8 +164,6 @@ def test_table_kept_from_many_threads(rng):
 def test_launch_tables_remembered_from_many_threads(monkeypatch):
     """cutopo._cuda.launch keeps its prepared launches in bounded tables that threads fill
     at once (the launches of a threaded Dask scheduler's tasks): the same eviction, locked."""
-    import threading
-
     from cutopo._cuda import launch
 
     monkeypatch.setattr(launch, "PREPARED_CAPACITY", 7)
@@ -173,14 +176,5 @@ def test_launch_tables_remembered_from_many_threads(monkeypatch):
         except Exception as exc:  # pragma: no cover - the failure this test looks for
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(interval)
+    _run_threads(work, 8)
     assert not errors and len(table) <= 7
