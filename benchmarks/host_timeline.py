@@ -1,12 +1,13 @@
 """Host timeline of one cutopo.vjp(op) + pullback call: when each launch and probed function is reached.
 
-    python benchmarks/host_timeline.py [soft_ecc_3d|soft_ecc_2d|soft_ect ...] [--detailed] [--calls N]
+    python benchmarks/host_timeline.py [CASE ...] [--detailed] [--calls N]
 
 For each case (bench_soft's inputs: soft_ecc on a smooth 256^3 volume or 1024^2 image, T = 256;
-soft_ect on the 512^2 mask with D = 256, T = 128), runs N calls from an idle GPU (synchronised
-before each) and prints the median microseconds from the call's start to every probe: each
-kernel launch (PreparedLaunch._launch), the forward's return, the pullback's return and the
-synchronisation after it. ``--detailed`` also probes the entry (``name>``) and exit (``<name``)
+soft_ect on the 512^2 mask with D = 256, T = 128; expected_euler on the same smooth images as
+probabilities; and cutopo.ecc alone, no VJP, on the 1024^2 image with 256 host thresholds),
+runs N calls from an idle GPU (synchronised before each) and prints the median microseconds
+from the call's start to every probe: each kernel launch (PreparedLaunch._launch), the
+forward's return, the pullback's return and the synchronisation after it. ``--detailed`` also probes the entry (``name>``) and exit (``<name``)
 of the functions along the path, array allocations included (a probe costs ~0.3 us, so the
 detailed times run later). What lies before the first launch is host time that a per-call
 timing pays in full; bench_soft's "call ms" minus "GPU ms" is about that plus the launches'
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cutopo  # noqa: E402
 
-CASES = ("soft_ecc_3d", "soft_ecc_2d", "soft_ect")
+CASES = ("soft_ecc_3d", "soft_ecc_2d", "soft_ect", "expected_2d", "expected_3d", "ecc_2d")
 
 
 class Probes:
@@ -50,7 +51,7 @@ class Probes:
 
 
 def install(probes, cp, detailed):
-    from cutopo import _band_cupy, _ect, _soft_ecc, _soft_ecc_cupy
+    from cutopo import _band_cupy, _ecc_cupy, _ect, _expected_euler_cupy, _soft_ecc, _soft_ecc_cupy
     from cutopo._cuda import launch
 
     launch_kernel = launch.PreparedLaunch._launch
@@ -66,7 +67,9 @@ def install(probes, cp, detailed):
                           (_soft_ecc_cupy, ("soft_ecc_forward", "soft_ecc_backward", "_plan_and_view",
                                             "device_empty")),
                           (_ect, ("_device_arguments", "_soft_forward_device", "_soft_backward_cupy")),
-                          (_band_cupy, ("soft_ect_plan", "device_empty"))):
+                          (_band_cupy, ("soft_ect_plan", "device_empty")),
+                          (_ecc_cupy, ("repeated_ecc", "ecc", "histogram_plan")),
+                          (_expected_euler_cupy, ("expected", "gradient", "_plan_of"))):
         for name in names:
             probes.wrap(module, name, name)
     for cls, names in ((_soft_ecc_cupy.SoftEccPlan, ("forward", "backward")),
@@ -79,30 +82,39 @@ def install(probes, cp, detailed):
 
 
 def inputs(cp, case):
+    """(op, positional arguments, keyword arguments, whether the case runs cutopo.vjp)."""
     from bench_soft import SoftEcc, SoftEct
 
     if case == "soft_ect":
         args, _ = SoftEct("soft_ect", 512, 256, 128).inputs(cp, 0, seed=0)
-        return cutopo.soft_ect, args, {}
-    shape, ndim = ((256, 256, 256), 3) if case == "soft_ecc_3d" else ((1024, 1024), 2)
+        return cutopo.soft_ect, args, {}, True
+    shape, ndim = ((256, 256, 256), 3) if case.endswith("_3d") else ((1024, 1024), 2)
     args, _ = SoftEcc("soft_ecc", shape, ndim, 256).inputs(cp, 2.0, 0)
-    return cutopo.soft_ecc, args, {"ndim": ndim}
+    if case.startswith("expected"):
+        return cutopo.expected_euler, args[:1], {"ndim": ndim}, True
+    if case == "ecc_2d":
+        return cutopo.ecc, (args[0], np.linspace(0, 1, 256, dtype=np.float32)), {"ndim": ndim}, False
+    return cutopo.soft_ecc, args, {"ndim": ndim}, True
 
 
 def timeline(cp, probes, case, calls):
-    op, args, kwargs = inputs(cp, case)
+    op, args, kwargs, differentiable = inputs(cp, case)
     g = None
     runs = []
     for rep in range(calls + 10):
         cp.cuda.Device().synchronize()
         probes.marks.clear()
         probes.mark("start")
-        out, pullback = cutopo.vjp(op, *args, **kwargs)
-        probes.mark("forward returned")
-        if g is None:
-            g = cp.ones_like(out)
-        pullback(g)
-        probes.mark("pullback returned")
+        if not differentiable:
+            op(*args, **kwargs)
+            probes.mark("returned")
+        else:
+            out, pullback = cutopo.vjp(op, *args, **kwargs)
+            probes.mark("forward returned")
+            if g is None:
+                g = cp.ones_like(out)
+            pullback(g)
+            probes.mark("pullback returned")
         cp.cuda.Device().synchronize()
         probes.mark("synchronized")
         if rep >= 10:  # warm: compiles, plans, pools
