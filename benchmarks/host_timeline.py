@@ -4,7 +4,8 @@
 
 For each case (bench_soft's inputs: soft_ecc on a smooth 256^3 volume or 1024^2 image, T = 256;
 soft_ect on the 512^2 mask with D = 256, T = 128; expected_euler on the same smooth images as
-probabilities; and cutopo.ecc alone, no VJP, on the 1024^2 image with 256 host thresholds),
+probabilities; cutopo.ecc alone, no VJP, on the 1024^2 image with 256 host thresholds; and
+cutopo.cpab.integrate on bench_cpab.py's two main cases, 2D and 3D, with respect to theta),
 runs N calls from an idle GPU (synchronised before each) and prints the median microseconds
 from the call's start to every probe: each kernel launch (PreparedLaunch._launch), the
 forward's return, the pullback's return and the synchronisation after it. ``--detailed`` also probes the entry (``name>``) and exit (``<name``)
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cutopo  # noqa: E402
 
-CASES = ("soft_ecc_3d", "soft_ecc_2d", "soft_ect", "expected_2d", "expected_3d", "ecc_2d")
+CASES = ("soft_ecc_3d", "soft_ecc_2d", "soft_ect", "expected_2d", "expected_3d", "ecc_2d", "cpab_2d",
+         "cpab_3d")
 
 
 class Probes:
@@ -53,6 +55,9 @@ class Probes:
 def install(probes, cp, detailed):
     from cutopo import _band_cupy, _ecc_cupy, _ect, _expected_euler_cupy, _soft_ecc, _soft_ecc_cupy
     from cutopo._cuda import launch
+    from cutopo.cpab import _integrate_cupy
+
+    cpab_integrate = sys.modules["cutopo.cpab.integrate"]  # the attribute is the function
 
     launch_kernel = launch.PreparedLaunch._launch
 
@@ -69,7 +74,10 @@ def install(probes, cp, detailed):
                           (_ect, ("_device_arguments", "_soft_forward_device", "_soft_backward_cupy")),
                           (_band_cupy, ("soft_ect_plan", "device_empty")),
                           (_ecc_cupy, ("repeated_ecc", "ecc", "histogram_plan")),
-                          (_expected_euler_cupy, ("expected", "gradient", "_plan_of"))):
+                          (_expected_euler_cupy, ("expected", "gradient", "_plan_of")),
+                          (_integrate_cupy, ("checked_plan", "_prepare", "integrate", "backward",
+                                             "theta_cotangent", "_ell_product", "launch")),
+                          (cpab_integrate, ("check_points_theta", "_points_cotangent"))):
         for name in names:
             probes.wrap(module, name, name)
     for cls, names in ((_soft_ecc_cupy.SoftEccPlan, ("forward", "backward")),
@@ -78,12 +86,21 @@ def install(probes, cp, detailed):
             probes.wrap(cls, name, f"{cls.__name__}.{name}")
     probes.wrap(type(_soft_ecc_cupy.check_word()), "read", "check word read")
     probes.wrap(_band_cupy._ArgumentFlags, "read", "argument flags read")
+    if hasattr(launch, "KeptLaunches"):  # (older trees: none)
+        probes.wrap(launch.KeptLaunches, "__call__", "kept launch")
     probes.wrap(cp, "zeros", "cupy.zeros")
+    probes.wrap(cp, "empty", "cupy.empty")
 
 
 def inputs(cp, case):
     """(op, positional arguments, keyword arguments, whether the case runs cutopo.vjp)."""
     from bench_soft import SoftEcc, SoftEct
+
+    if case.startswith("cpab"):
+        from bench_cpab import T_STEPS, cases
+
+        tess, points, theta = cases(False)[0 if case == "cpab_2d" else 1].inputs(cp, 0)
+        return cutopo.cpab.integrate, (points, theta, tess), {"n_steps": T_STEPS, "wrt": "theta"}, True
 
     if case == "soft_ect":
         args, _ = SoftEct("soft_ect", 512, 256, 128).inputs(cp, 0, seed=0)

@@ -8,10 +8,13 @@ pool, so an element a kernel forgets to write shows up as NaN.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 import cutopo
+from cutopo._cuda.launch import KeptLaunches
 from cutopo.cpab import Tessellation, integrate, log_jacobian, velocity
 from cutopo.cpab import _integrate_cupy
 from cutopo.cpab.integrate import _setup
@@ -508,6 +511,9 @@ def test_checks_read_after_the_kernels(monkeypatch, rng):
     monkeypatch.setattr(_integrate_cupy._CellFlags, "read", read)
     monkeypatch.setattr(_integrate_cupy, "launch", logged(_integrate_cupy.launch))
     monkeypatch.setattr(_warp_cupy, "launch", logged(_warp_cupy.launch))
+    kept_call = KeptLaunches.__call__                    # a repeated call's launches
+    monkeypatch.setattr(KeptLaunches, "__call__",
+                        lambda self, sig, *args: logged(functools.partial(kept_call, self))(sig, *args))
     tess = Tessellation((3, 2))
     theta = draw_theta(tess, rng, largest=3.0)
     pts = rng.random((40, 2))
@@ -616,3 +622,83 @@ def test_frechet_cells_equals_scipy(rng, K):
         want = h * expm_frechet(Y, Z, compute_expm=False)[:K]
         np.testing.assert_allclose(got[c], want, rtol=0, atol=1e-12 * np.abs(want).max() + 1e-300,
                                    err_msg=f"cell {c}, ||h A||_1 {np.abs(Y).sum(0).max():.3g}")
+
+
+def test_repeated_calls_keep_their_checks_and_launches(rng, monkeypatch):
+    """A repeated CuPy call (same shapes, dtypes, n_steps, op and tessellation) skips the
+    argument checks and launches through the kept launches of its kind: fresh values on every
+    call still give the NumPy path's results and VJPs, bad values still raise, tessellations
+    never share an entry (even under one id: the entry holds its tessellation weakly), and a
+    strided argument takes the checked path."""
+    import sys
+
+    cp = _cp()
+    module = sys.modules["cutopo.cpab.integrate"]
+    monkeypatch.setattr(module, "_DEVICE_CALLS", type(module._DEVICE_CALLS)())
+    monkeypatch.setattr(module, "id", lambda obj: 0, raising=False)   # every tessellation one id
+    tessellations = [Tessellation((4, 3)), Tessellation((3, 4)), Tessellation((4, 3), zero_boundary=None)]
+    assert len({t.n_params for t in tessellations[:2]}) == 1
+
+    def close(got, want, steps_near_faces=False):
+        """float64 maps to rounding; float32 maps and every log-Jacobian (piecewise constant)
+        up to the few points that took another cell's step near a face (as in
+        test_integrate_and_log_jacobian_match_numpy)"""
+        if want.dtype == np.float64 and not steps_near_faces:
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+        else:
+            assert np.mean(np.abs(got - want) > 10 * RTOL[want.dtype]) < 0.02
+
+    def check(tess, dtype, batch):
+        theta = draw_theta(tess, rng, n=batch, largest=3.0).astype(dtype)
+        pts = rng.uniform(-0.05, 1.05, size=(300, 2)).astype(dtype)
+        out_np, pb_np = cutopo.vjp(integrate, pts, theta, tess, n_steps=12)
+        cot = rng.standard_normal(out_np.shape).astype(dtype)
+        want = pb_np(cot)
+        out, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=12)
+        got = pb(cp.asarray(cot))
+        close(out.get(), out_np)
+        rtol, atol = (1e-9, 1e-9) if dtype == np.float64 else (1e-3, 1e-4)
+        for g, w in zip(got[:2], want[:2]):
+            assert g.dtype == dtype
+            np.testing.assert_allclose(g.get(), w, rtol=rtol, atol=atol * np.abs(w).max())
+        plain = integrate(cp.asarray(pts), cp.asarray(theta), tess, n_steps=12)
+        np.testing.assert_array_equal(plain.get(), out.get())       # the same kernel and input
+        lj = log_jacobian(cp.asarray(pts), cp.asarray(theta), tess, n_steps=12)
+        close(lj.get(), log_jacobian(pts, theta, tess, n_steps=12), steps_near_faces=True)
+
+    for rep in range(3):
+        for tess in tessellations:
+            for dtype in (np.float64, np.float32):
+                check(tess, dtype, batch=2)
+    entries = list(module._DEVICE_CALLS.values())
+    # (integrate, log_jacobian) x (float64, float32) x (36 parameters: the first two, which
+    # take turns in one entry; 64: the free boundary)
+    assert len(entries) == 2 * 2 * 2
+    assert all(entry.launches._table for entry in entries)
+    # bad values on a repeated call still raise, and the next call is right
+    tess = tessellations[0]
+    theta = draw_theta(tess, rng, n=2, largest=3.0)
+    pts = rng.random((300, 2))
+    for bad, message in ((np.where(np.arange(theta.size).reshape(theta.shape) == 5, np.nan, theta),
+                          "theta must be finite"), (theta * 1e150, "too coarse")):
+        with pytest.raises(ValueError, match=message):
+            cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(bad), tess, n_steps=12)
+    bad_pts = pts.copy()
+    bad_pts[7, 1] = np.inf
+    with pytest.raises(ValueError, match="points must be finite"):
+        integrate(cp.asarray(bad_pts), cp.asarray(theta), tess, n_steps=12)
+    check(tess, np.float64, batch=2)
+    # strided points: no key, the checked launches
+    wide = cp.asarray(rng.random((300, 4)))
+    got = integrate(wide[:, ::2], cp.asarray(theta), tess, n_steps=12)
+    np.testing.assert_allclose(got.get(), integrate(wide[:, ::2].get(), theta, tess, n_steps=12),
+                               rtol=1e-10, atol=1e-12)
+    # a pullback on a side stream
+    out, pb = cutopo.vjp(integrate, cp.asarray(pts), cp.asarray(theta), tess, n_steps=12)
+    cot = rng.standard_normal(out.shape)
+    with cp.cuda.Stream(non_blocking=True) as side:
+        got = pb(cp.asarray(cot))
+        side.synchronize()
+    want = cutopo.vjp(integrate, pts, theta, tess, n_steps=12)[1](cot)
+    for g, w in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(g.get(), w, rtol=1e-9, atol=1e-9 * np.abs(w).max())

@@ -306,6 +306,7 @@ def test_empty_batches_on_the_device_launch_nothing(rng, monkeypatch):
     out-of-bounds read); now nothing is launched and the result is an empty CuPy array."""
     import cupy as cp
 
+    from cutopo._cuda.launch import KeptLaunches
     from cutopo.cpab import _integrate_cupy, _warp_cupy, compose_image
 
     def refuse(*args, **kwargs):
@@ -313,6 +314,7 @@ def test_empty_batches_on_the_device_launch_nothing(rng, monkeypatch):
 
     for module in (_warp_cupy, _integrate_cupy):
         monkeypatch.setattr(module, "launch", refuse)
+    monkeypatch.setattr(KeptLaunches, "__call__", refuse)         # a repeated call's launches
     tess = Tessellation((2, 2))
     d = tess.n_params
     for n_image, theta_shape in ((0, ()), (0, (1,)), (1, (0,))):

@@ -78,3 +78,60 @@ def test_launch_prepares_repeated_launches(rng, monkeypatch):
             launch_mod.launch(sig, 2, 32, (a, 1, 0.5, 2, 0.5, b, 2**32, out))
         with pytest.raises(launch_mod.LaunchError, match="argument 0 has dtype float32"):
             launch_mod.launch(sig, 2, 32, (a.astype(np.float32), *calls[0][:4], b, 3, out))
+
+
+def test_kept_launches_check_each_kind_once(rng, monkeypatch):
+    """KeptLaunches checks every argument at the first launch of a kind (signature, geometry,
+    scalars) and writes later calls' arrays unchecked: every call delivers its own arrays and
+    scalars, a new scalar value or grid makes a kind of its own (checked again: a bad array
+    raises there), a bad scalar raises on every call, and past CAPACITY kinds the checked
+    launch() runs."""
+    cp = _cp()
+    from cutopo._cuda import launch as launch_mod
+
+    kernel = cp.RawKernel(_SOURCE, "echo")
+    monkeypatch.setattr(launch_mod, "_kernel", lambda device, sig, options: kernel)
+    monkeypatch.setattr(launch_mod, "_PREPARED", {})
+    monkeypatch.setattr(launch_mod, "_SEEN", {})
+    checked = []
+    real_check = launch_mod._check_array
+
+    def counting_check(value, *args, **kwargs):
+        checked.append(value)
+        return real_check(value, *args, **kwargs)
+
+    monkeypatch.setattr(launch_mod, "_check_array", counting_check)
+    sig = launch_mod.Signature("test", "echo", ("ptr:float64", "int32", "float32", "int64", "float64",
+                                                "ptr:int32", "int32", "ptr:float64"))
+    kept = launch_mod.KeptLaunches()
+    assert kept.device == cp.cuda.Device().id
+
+    def call(i32, f64, grid=2):
+        a = cp.asarray(rng.standard_normal(4))
+        b = cp.asarray(rng.integers(-1000, 1000, 5).astype(np.int32))
+        out = cp.full(8, np.nan)
+        kept(sig, grid, 32, (a, i32, 0.25, 7, f64, b, 3, out))
+        want = [float(a[1]), i32, 0.25, 7.0, f64, float(b[2]), 3.0, float(grid)]
+        np.testing.assert_array_equal(out.get(), np.array(want))
+
+    for n in range(4):
+        checked.clear()
+        call(5, 1.5)
+        assert len(checked) == (3 if n == 0 else 0), n   # a, b and out, at the first call alone
+    for i32, f64, grid in ((6, 1.5, 2), (5, -2.0, 2), (5, 1.5, 3)):
+        checked.clear()
+        call(i32, f64, grid)
+        assert len(checked) == 3
+        call(i32, f64, grid)
+        assert len(checked) == 3
+    a, b, out = cp.zeros(4), cp.zeros(5, dtype=np.int32), cp.zeros(8)
+    with pytest.raises(launch_mod.LaunchError, match="argument 0 has dtype float32"):
+        kept(sig, 2, 32, (a.astype(np.float32), 9, 0.25, 7, 1.5, b, 3, out))  # a new kind
+    for _ in range(2):
+        with pytest.raises(launch_mod.LaunchError, match="argument 6 = 4294967296 overflows int32"):
+            kept(sig, 2, 32, (a, 1, 0.25, 7, 1.5, b, 2**32, out))
+    monkeypatch.setattr(launch_mod.KeptLaunches, "CAPACITY", len(kept._table))
+    checked.clear()
+    call(11, 0.5)                                          # a kind past the capacity: checked
+    call(11, 0.5)
+    assert len(checked) == 6

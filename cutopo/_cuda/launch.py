@@ -516,6 +516,48 @@ class PreparedLaunch:
             self._checked_once = True
 
 
+class KeptLaunches:
+    """The launches of one kind of repeated op call, made through :func:`launch`'s interface
+    but with the array checks done once per launch kind instead of at every call.
+
+    An op that memoizes what it checked of a call (a :class:`~cutopo._cuda.repeated.RepeatedCalls`
+    entry: its arrays' shapes, dtypes, C-contiguity and device) keeps one of these in the
+    entry, and launches every kernel of a call of that kind through it. A launch is kept by
+    its signature, geometry and scalar arguments (:func:`launch`'s key); its first call checks
+    every argument, later ones write the arrays' pointers unchecked
+    (:meth:`PreparedLaunch.call_prechecked`). That is sound only for a caller whose arrays of a
+    given launch kind are the same in everything the checks read, call after call: the op's
+    memoized arguments, and arrays it makes itself on the current device in dtypes that the
+    key fixes. Calls must be made on ``device`` (the caller checks it where a call could come
+    from elsewhere, e.g. a pullback). The generic :func:`launch` checks every array at every
+    call: ~1.5 us an array on the device machines' hosts, 8-18 us for a CPAB kernel's launch
+    (forty-fourth session)."""
+
+    CAPACITY = 64  # launch kinds kept (a kind of call makes a handful)
+
+    def __init__(self):
+        self.device = _current_device()
+        self._table: dict = {}
+
+    def __call__(self, sig: Signature, grid: int, block: int, args: tuple) -> None:
+        """Launch ``sig`` on a 1-D grid of ``grid`` blocks on the current stream (no dynamic
+        shared memory, no options: the kernels that need them use :func:`launch`)."""
+        slots = _slots(sig)
+        key = (_prepared_key(sig, grid, block, 0, (), self.device, args, slots)
+               if len(args) == len(sig.params) and grid > 0 else None)
+        prepared = self._table.get(key) if key is not None else None
+        if prepared is None:
+            if key is None or len(self._table) >= self.CAPACITY:
+                launch(sig, grid, block, args)  # an unusual call: the checked path
+                return
+            prepared = PreparedLaunch(sig, grid, block, tuple(
+                None if i in slots[0] else a for i, a in enumerate(args)))
+            prepared.call_on(self.device, *map(args.__getitem__, slots[0]))  # checked, once
+            self._table[key] = prepared
+            return
+        prepared.call_prechecked(*map(args.__getitem__, slots[0]))
+
+
 def resident_blocks(sig: Signature, block: int, shared_mem: int = 0,
                     options: tuple[str, ...] = ()) -> int:
     """How many blocks of this kernel the whole device runs at once (memoized per device)."""

@@ -21,7 +21,8 @@ import numpy as np
 from .._cuda import tables
 from .._cuda.compile import register_instances
 from .._cuda.deferred import DeferredFlags, reading, thread_status
-from .._cuda.launch import CALL_INT64, HOST_WORD, NULL, Signature, as_c_contiguous, launch
+from .._cuda.launch import (CALL_INT64, HOST_WORD, NULL, Signature, _current_device,
+                            as_c_contiguous, device_empty, device_zeros, launch)
 from ._checks import check_step_size
 from .velocity import raise_not_finite
 
@@ -183,6 +184,9 @@ class Plan:
     A: object               # (Bt C, K, K+1) float64
     E: object               # (Bt C, K, K+1) dtype: top K rows of expm(h A~_c), as applied
     tess: object
+    # the call's launches: a KeptLaunches of a repeated kind of call (integrate.py's memo,
+    # whose key proved the arguments), or None: the checked launch() at every call
+    launches: object = None
 
 
 def _ell(csr, owner):
@@ -229,15 +233,19 @@ def _dirichlet_table(tess):
     return tess._device_bases[key]
 
 
-def _ell_product(table, x, rows):
-    """(batch, rows) float64 = table @ x[b] for every row b of the C-contiguous x (batch, cols)."""
-    import cupy
+def _launcher(launches):
+    """``launches`` (a KeptLaunches), or the module's checked :func:`launch` for None (looked
+    up at each call: tests and probes replace it)."""
+    return launch if launches is None else launches
 
+
+def _ell_product(table, x, rows, launches=None):
+    """(batch, rows) float64 = table @ x[b] for every row b of the C-contiguous x (batch, cols)."""
     idx, val, R = table
     batch, cols = x.shape
-    y = cupy.empty((batch, rows), dtype=np.float64)
-    launch(_ell_sig(x.dtype), _blocks(batch * rows), THREADS,
-           (idx, val, x, y, rows, cols, batch, R))
+    y = device_empty((batch, rows), np.float64)
+    _launcher(launches)(_ell_sig(x.dtype), _blocks(batch * rows), THREADS,
+                        (idx, val, x, y, rows, cols, batch, R))
     return y
 
 
@@ -277,7 +285,7 @@ class _CellFlags:
         return self._values
 
 
-def _prepare(P, T2, tess, h, dtype, extra):
+def _prepare(P, T2, tess, h, dtype, extra, launches=None):
     """One prepare_cells launch: (A (Bt C, K, K+1) float64, E in ``dtype``, flags). The flags
     (finiteness of the points P and theta T2, the guard's norm over A, then the caller's own
     (1,) float64 flags ``extra``) are read by :func:`_raise_failed`: the kernel's straight from
@@ -290,14 +298,15 @@ def _prepare(P, T2, tess, h, dtype, extra):
     theta = as_c_contiguous(T2)
     (idx, val, R), _ = _basis_tables(tess)
     cells = len(theta) * C
-    A = cupy.empty((cells, K, K + 1), dtype=np.float64)
-    E = cupy.empty((cells, K, K + 1), dtype=dtype)
+    A = device_empty((cells, K, K + 1), np.float64)
+    E = device_empty((cells, K, K + 1), dtype)
     status = _cell_status()
     cell_blocks = _blocks(cells, PREPARE_THREADS)
     check_blocks = max(1, min(_blocks(max(P.size, theta.size), PREPARE_THREADS), CHECK_BLOCKS))
-    launch(_prepare_sig(theta.dtype, dtype, K), cell_blocks + check_blocks,
-           PREPARE_THREADS, (idx, val, R, theta, theta.shape[1], len(theta), C, A, E, h, P, P.size,
-                             cell_blocks, status.counters, status, status.arm()))
+    _launcher(launches)(_prepare_sig(theta.dtype, dtype, K), cell_blocks + check_blocks,
+                        PREPARE_THREADS, (idx, val, R, theta, theta.shape[1], len(theta), C, A, E,
+                                          h, P, P.size, cell_blocks, status.counters, status,
+                                          status.arm()))
     copied = DeferredFlags(cupy.concatenate(list(extra))) if extra else None
     return A, E, _CellFlags(status, copied)
 
@@ -314,7 +323,8 @@ def _raise_failed(values, *, n_steps, name, messages):
 
 
 @contextlib.contextmanager
-def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=()):
+def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=(),
+                 launches=None):
     """The plan of one integrate/log_jacobian/transform_image call from arguments checked by
     check_points_theta(defer_finite=True), for the launches of the ``with`` body.
 
@@ -324,7 +334,12 @@ def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), message
     call's kernels by then: the host waits for the checks, not before the work (the kernels
     are safe on non-finite input: cells and sample coordinates are clamped, every loop is
     bounded, expm's squarings are at most ~1100). A failed check raises its ValueError at the
-    end of the ``with`` block, so the body's results must not escape it before."""
+    end of the ``with`` block, so the body's results must not escape it before.
+
+    ``launches``: None (:func:`launch`: every argument checked at every launch), or the
+    :class:`~cutopo._cuda.launch.KeptLaunches` of a memoized kind of call whose key proved
+    points and theta (shapes, dtypes, C-contiguity, the current device) and fixes n_steps,
+    the tessellation and ``dtype``: the plan's kernels then launch through it."""
     K, C = tess.ndim, tess.n_cells
     T2 = theta if theta.ndim == 2 else theta[None]
     if len(T2) * C > MAX_CELL_ROWS:
@@ -334,12 +349,13 @@ def checked_plan(points, theta, tess, n_steps, name, dtype, *, extra=(), message
     P = as_c_contiguous((points if points.ndim == 3 else points[None]).astype(dtype, copy=False))
     Bp, Bt = len(P), len(T2)
     h = 1.0 / n_steps
-    A, E, flags = _prepare(P, T2, tess, h, dtype, extra)
+    A, E, flags = _prepare(P, T2, tess, h, dtype, extra, launches)
     with reading(flags, functools.partial(_raise_failed, n_steps=n_steps, name=name,
                                           messages=messages)):
         yield Plan(shape=tess.shape, K=K, C=C, B=Bt if Bp == 1 else Bp, N=P.shape[1],
                    n_points=Bp, n_theta=Bt, n_steps=n_steps, h=h, dtype=dtype,
-                   project=tess.zero_boundary in ("noslip", "slip"), points=P, A=A, E=E, tess=tess)
+                   project=tess.zero_boundary in ("noslip", "slip"), points=P, A=A, E=E, tess=tess,
+                   launches=launches)
 
 
 def setup(points, theta, tess, n_steps, name, dtype, *, extra=(), messages=()) -> Plan:
@@ -367,18 +383,18 @@ def integrate(plan: Plan, *, checkpoint_every=None, log_det=False):
     import cupy
 
     B, N, K, dt = plan.B, plan.N, plan.K, plan.dtype
-    out = cupy.empty((B, N, K), dtype=dt)
+    out = device_empty((B, N, K), dt)
     keep = checkpoint_every is not None
     S = checkpoint_every if keep else plan.n_steps
     # arrays the kernel does not touch are NULL: no allocation per call for them
-    chk = cupy.empty((-(-plan.n_steps // S), B, N, K), dtype=dt) if keep else NULL
+    chk = device_empty((-(-plan.n_steps // S), B, N, K), dt) if keep else NULL
     trace = (cupy.ascontiguousarray(cupy.trace(plan.A[:, :, :K], axis1=1, axis2=2)) if log_det
              else NULL)
-    ld = cupy.empty((B, N), dtype=dt) if log_det else NULL
+    ld = device_empty((B, N), dt) if log_det else NULL
     ps, ts = _shared(plan)
-    launch(_forward_sig(dt, K, plan.project), _blocks(B * N), THREADS,
-           (plan.points, plan.E, out, chk, trace, ld, B, N, plan.C, plan.h, ps, ts, plan.n_steps,
-            S, int(keep), int(log_det)) + _grid(plan.shape))
+    _launcher(plan.launches)(_forward_sig(dt, K, plan.project), _blocks(B * N), THREADS,
+                             (plan.points, plan.E, out, chk, trace, ld, B, N, plan.C, plan.h, ps,
+                              ts, plan.n_steps, S, int(keep), int(log_det)) + _grid(plan.shape))
     return out, (chk if keep else None), (ld if log_det else None)
 
 
@@ -407,15 +423,20 @@ def checkpoint_segment(n_steps, S):
 def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
     """``(m_0 lambda_0 (B, N, K) float64 or None, dL/dtheta (Bt, d) float64 or None)``.
     ``checkpoints`` None: the kernel recomputes them (S from :func:`checkpoint_segment`)."""
-    import cupy
-
     B, N, K = plan.B, plan.N, plan.K
     # in the points' dtype: the kernel reads it as float64 (exactly), so no float64 copy of
     # the (B, N, K) cotangent is made (8 bytes per trajectory and coordinate)
     cot = as_c_contiguous(cotangent.astype(plan.dtype, copy=False).reshape(B, N, K))
-    grad_points = cupy.empty((B, N, K), dtype=np.float64) if need_points else NULL
+    launches = plan.launches
+    if launches is not None:
+        # the forward's kept launches, for a pullback on the forward's device alone (every
+        # other array here is made on the current device)
+        device = _current_device()
+        if device != launches.device or (cot.size and cot.data.device_id != device):
+            launches = None
+    grad_points = device_empty((B, N, K), np.float64) if need_points else NULL
     size = K * (K + 1)
-    G = cupy.zeros((plan.n_theta * plan.C, size), dtype=np.float64) if need_theta else NULL
+    G = device_zeros((plan.n_theta * plan.C, size), np.float64) if need_theta else NULL
     ps, ts = _shared(plan)
     recompute = checkpoints is None
     if recompute:
@@ -423,24 +444,25 @@ def backward(plan: Plan, checkpoints, S, cotangent, need_points, need_theta):
             raise ValueError(f"backward: {plan.n_steps} steps in segments of {S} do not fit the "
                              "threads' local checkpoints (see local_segment)")
         checkpoints = NULL
-    launch(_backward_sig(plan.dtype, K, plan.project, MOMENTS), _blocks(B * N), THREADS,
-           (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N, plan.C, ps, ts,
-            plan.n_steps, S, int(need_points), int(need_theta), int(recompute))
-           + _grid(plan.shape))
-    grad_theta = theta_cotangent(plan, G) if need_theta else None
+    _launcher(launches)(_backward_sig(plan.dtype, K, plan.project, MOMENTS), _blocks(B * N),
+                        THREADS, (plan.points, plan.E, checkpoints, cot, grad_points, G, B, N,
+                                  plan.C, ps, ts, plan.n_steps, S, int(need_points),
+                                  int(need_theta), int(recompute)) + _grid(plan.shape))
+    grad_theta = theta_cotangent(plan, G, launches) if need_theta else None
     return (grad_points if need_points else None), grad_theta
 
 
-def theta_cotangent(plan: Plan, G):
+def theta_cotangent(plan: Plan, G, launches=None):
     """dL/dtheta (Bt, d) float64 from the per-cell moments G (Bt C, K (K+1)): dL/dA_c by the
     adjoint Frechet derivative of expm, then B^T. G is overwritten by dL/dA (frechet_cells in
     place: one per-cell float64 array fewer at the VJP's peak)."""
     cells = len(G)
-    launch(_frechet_sig(plan.K), _blocks(cells, 64), 64, (plan.A, G, G, cells, plan.h))
+    _launcher(launches)(_frechet_sig(plan.K), _blocks(cells, 64), 64,
+                        (plan.A, G, G, cells, plan.h))
     _, basis_t = _basis_tables(plan.tess)
     # the row length spelled out: an empty batch (n_theta = 0) leaves no -1 to infer
     rows = G.reshape(plan.n_theta, plan.C * plan.K * (plan.K + 1))
-    return _ell_product(basis_t, rows, plan.tess.n_params)
+    return _ell_product(basis_t, rows, plan.tess.n_params, launches)
 
 
 def velocity(points, theta, tess, dtype):

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 
 import numpy as np
 
 from .._array import is_cupy_array
+from .._cuda.repeated import RepeatedCalls
 from ..vjp import register
 from .tessellation import cell_index
 from ._checks import MAX_STEP_NORM, check_count, check_n_steps, check_step_size
@@ -179,16 +181,43 @@ class _DeviceResiduals:
     theta_ndim: int
 
 
+@dataclasses.dataclass
+class _CheckedCall:
+    """What the checks of a CuPy call found (kept by _DEVICE_CALLS): the computation dtype, the
+    tessellation checked (weakly: an id may be reused once it is gone) and the call's launches."""
+
+    dtype: np.dtype
+    tess: weakref.ref
+    launches: object        # cutopo._cuda.launch.KeptLaunches
+
+
+# Repeated CuPy calls (a training loop's) by their arguments' shapes, dtypes and device, n_steps,
+# the op and the tessellation: they skip the argument checks that read nothing else, and launch
+# through the kept launches of their kind (the values are still checked: checked_plan)
+_DEVICE_CALLS = RepeatedCalls()
+
+
 @contextlib.contextmanager
 def _device_plan(points, theta, tess, n_steps, name):
     """Checked arguments and the CuPy plan, (plan, batched, points.ndim, theta.ndim), for the
     launches of the ``with`` body; the device checks raise at its end (checked_plan)."""
     from . import _integrate_cupy
+    from .._cuda.launch import KeptLaunches
 
-    # the finiteness checks run in checked_plan's check kernel, read with the guard
-    points, theta, dtype = check_points_theta(points, theta, tess, name, defer_finite=True)
-    n_steps = check_n_steps(n_steps)
-    with _integrate_cupy.checked_plan(points, theta, tess, n_steps, name, dtype) as plan:
+    key = _DEVICE_CALLS.key((points, theta), (n_steps, name, id(tess)))
+    checked = _DEVICE_CALLS.get(key) if key is not None else None
+    if checked is not None and checked.tess() is tess:
+        dtype, launches = checked.dtype, checked.launches
+    else:
+        # the finiteness checks run in checked_plan's check kernel, read with the guard
+        points, theta, dtype = check_points_theta(points, theta, tess, name, defer_finite=True)
+        n_steps = check_n_steps(n_steps)
+        launches = None
+        if key is not None:
+            launches = KeptLaunches()
+            _DEVICE_CALLS.keep(key, _CheckedCall(dtype, weakref.ref(tess), launches))
+    with _integrate_cupy.checked_plan(points, theta, tess, n_steps, name, dtype,
+                                      launches=launches) as plan:
         yield plan, points.ndim == 3 or theta.ndim == 2, points.ndim, theta.ndim
 
 
