@@ -6,8 +6,12 @@
 // T construction: B = q = 1 - p on a grid padded by a ring of ones, a cell contributes
 // (-1)^(NDIM - |S|) * (1 - product), and along the axes outside S only the image's own
 // positions count. Box types S are bit masks: bit a set when the box spans axis a (C order,
-// axis 0 slowest). A thread reads its 2^NDIM (forward) or 3^NDIM (backward) neighbours straight
-// from global memory: the work per element is small, and the caches serve the reuse.
+// axis 0 slowest). In 2D a thread reads its 2^NDIM (forward) or 3^NDIM (backward) neighbours
+// straight from global memory: the work per element is small, and the caches serve the reuse.
+// In 3D a thread walks a column of SEGMENT positions along z, its lanes' columns consecutive in
+// x: each plane of its neighbourhood is loaded once and serves two (forward) or three
+// (backward) positions, and the products are regrouped by plane (forward_segment,
+// backward_segment).
 #include "common.cuh"
 
 namespace cutopo {
@@ -192,12 +196,214 @@ __device__ __forceinline__ double anchor_terms(const Real* p, const i64 (&n)[NDI
     return anchor_sum<false, Real, NDIM, TCONN>(p, off, stride, spans, own, next, bad);
 }
 
+// The 3D backward walks a column of SEGMENT voxels along axis 0 (z), one thread per (image,
+// segment, y, x): a warp's lanes are consecutive x, so every load is coalesced, and each plane
+// of the walk is loaded once (its 3 x 3 block around (y, x)) and used by three voxels.
+constexpr int SEGMENT = 16;
+
+// What the walk keeps of one plane z' of the 3 x 3 block around a column (y, x), B values
+// (pad outside the image): m = B(z', y, x); f, the four face neighbours in the plane
+// (y-1, x), (y+1, x), (y, x-1), (y, x+1); t, for the four squares of the plane through (y, x)
+// (corner (y + sy, x + sx), sy, sx = -1 or +1, in that order), the product of the square's
+// three corners other than (y, x); and F = m * t, the product of all four.
+template <typename Real>
+struct PlaneBlock {
+    Real m, f[4], t[4], F[4];
+};
+
+// The plane z' of the block around (y, x) at ``column`` (the address of (z', y, x)); ``rows``
+// (1 for (z', y - 1), 2 for (z', y + 1)) and ``cols`` (1 for x - 1, 2 for x + 1) say which
+// neighbours lie inside the image, ``inside`` whether z' does; sy the row stride.
+template <typename Real, bool TCONN, bool INTERIOR>
+__device__ __forceinline__ PlaneBlock<Real> plane_block(const Real* column, i64 sy, bool inside,
+                                                        unsigned rows, unsigned cols) {
+    constexpr Real PAD = TCONN ? Real(1) : Real(0);
+    Real w[3][3];
+#pragma unroll
+    for (int dy = 0; dy < 3; ++dy) {
+#pragma unroll
+        for (int dx = 0; dx < 3; ++dx) {
+            bool ok = inside;
+            if constexpr (!INTERIOR) {
+                if (dy != 1) ok = ok && ((rows >> (dy >> 1)) & 1u);
+                if (dx != 1) ok = ok && ((cols >> (dx >> 1)) & 1u);
+            }
+            const Real v = ok ? column[(dy - 1) * sy + (dx - 1)] : PAD;
+            w[dy][dx] = TCONN && ok ? Real(1) - v : v;
+        }
+    }
+    PlaneBlock<Real> b;
+    b.m = w[1][1];
+    b.f[0] = w[0][1];
+    b.f[1] = w[2][1];
+    b.f[2] = w[1][0];
+    b.f[3] = w[1][2];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int dy = (k >> 1) * 2, dx = (k & 1) * 2;  // (-1,-1), (-1,+1), (+1,-1), (+1,+1)
+        b.t[k] = w[dy][1] * w[1][dx] * w[dy][dx];
+        b.F[k] = b.m * b.t[k];
+    }
+    return b;
+}
+
+// dE/dB at every voxel of one column segment [z0, z1) of image ``p`` (extents nz, ny, nx),
+// written times ``scale`` to ``grad`` (the image's gradient). The cells through a voxel x, by
+// box type (cell_derivatives' sum, regrouped by planes): its vertex (sign s0, product 1); the
+// six edges (s1: the face neighbours' B); the twelve squares (s2): four in x's plane (t of its
+// plane) and, for each z' = z -+ 1, four across planes, B(z', y, x) times the pair products
+// B(z, face) B(z', face) of the four face columns; the eight cubes (s3): t of the plane times
+// F of plane z' for each square and z'. So a voxel costs one plane's loads and ~40 products and
+// sums, against 27 loads and ~80 products of the plain loop (the pairs and F are each used
+// twice along the walk).
+template <typename Real, bool TCONN, bool INTERIOR>
+__device__ __forceinline__ void backward_segment(const Real* p, Real* grad, Real scale, i64 nz, i64 sz,
+                                                 i64 sy, i64 column, i64 z0, i64 z1, unsigned rows,
+                                                 unsigned cols) {
+    constexpr Real S0 = cell_sign<3, TCONN>(0u), S1 = cell_sign<3, TCONN>(1u);
+    constexpr Real S2 = cell_sign<3, TCONN>(3u), S3 = cell_sign<3, TCONN>(7u);
+    const Real* at = p + column + (z0 - 1) * sz;
+    PlaneBlock<Real> prev = plane_block<Real, TCONN, INTERIOR>(at, sy, z0 > 0, rows, cols);
+    PlaneBlock<Real> cur = plane_block<Real, TCONN, INTERIOR>(at + sz, sy, true, rows, cols);
+    Real pairs_prev = prev.f[0] * cur.f[0] + prev.f[1] * cur.f[1] + prev.f[2] * cur.f[2]
+                      + prev.f[3] * cur.f[3];
+    at += 2 * sz;
+    for (i64 z = z0; z < z1; ++z, at += sz) {
+        const PlaneBlock<Real> next = plane_block<Real, TCONN, INTERIOR>(at, sy, z + 1 < nz, rows, cols);
+        const Real pairs_next = cur.f[0] * next.f[0] + cur.f[1] * next.f[1] + cur.f[2] * next.f[2]
+                                + cur.f[3] * next.f[3];
+        const Real edges = prev.m + next.m + (cur.f[0] + cur.f[1]) + (cur.f[2] + cur.f[3]);
+        const Real squares = (cur.t[0] + cur.t[1]) + (cur.t[2] + cur.t[3]) + prev.m * pairs_prev
+                             + next.m * pairs_next;
+        Real cubes = Real(0);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) cubes += cur.t[k] * (prev.F[k] + next.F[k]);
+        const Real g = S0 + S1 * edges + S2 * squares + S3 * cubes;
+        grad[column + z * sz] = g * scale;
+        prev = cur;
+        cur = next;
+        pairs_prev = pairs_next;
+    }
+}
+
+// The in-plane box products of plane z' at anchor column (y, x): g[T] = the product of B over
+// the corners of the box of in-plane type T (0: the pixel (y, x), 1: with (y, x + 1), 2: with
+// (y + 1, x), 3: the square of all four), pad outside the image; ``corners`` bit c (c = 2 cy +
+// cx) says whether corner (y + cy, x + cx) lies inside the image's plane, ``inside`` whether
+// z' does. ``bad`` gets bit 0 when the pixel (z', y, x) is inside and outside [0, 1] or NaN.
+template <typename Real, bool TCONN, bool FULL>
+__device__ __forceinline__ void plane_products(const Real* at, i64 sy, bool inside, unsigned corners,
+                                               Real (&g)[4], unsigned& bad) {
+    constexpr Real PAD = TCONN ? Real(1) : Real(0);
+    Real v[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const bool ok = inside && (FULL || ((corners >> c) & 1u));
+        const Real raw = ok ? at[(c >> 1) * sy + (c & 1)] : Real(0);
+        if (c == 0 && ok && !(raw >= Real(0) && raw <= Real(1))) bad = 1u;
+        v[c] = ok ? (TCONN ? Real(1) - raw : raw) : PAD;
+    }
+    g[0] = v[0];
+    g[1] = v[0] * v[1];
+    g[2] = v[0] * v[2];
+    g[3] = g[1] * (v[2] * v[3]);
+}
+
+// The signed terms of the cells anchored at the SEGMENT (or fewer) anchors [k0, k1) of one
+// column (y, x) along z (anchor z' = k): its in-plane types T at plane k and T + {z} spanning
+// planes k and k + 1, whose box product is g_T(k) g_T(k + 1); a plane is loaded once and used by
+// two anchors (anchor_terms loads 2^3 corners an anchor). V: the image's anchors, pad 0, each
+// term (-1)^|S| times the product (a cell leaving the image has a corner reading 0). T: anchors
+// from -1 (the ring) on each axis, pad 1, each term (-1)^(3 - |S|) (1 - product): T's and
+// T + {z}'s terms add up to (-1)^|T| (g_T(k) - g_T(k) g_T(k + 1)), as V's do, and a cell the
+// T complex does not have (its anchor on the ring along an axis it does not span) has every
+// corner on the ring: g = 1, no term. So both take one formula and no mask.
+template <typename Real, bool TCONN, bool FULL>
+__device__ __forceinline__ double forward_segment(const Real* p, i64 nz, i64 sz, i64 sy, i64 column,
+                                                  i64 k0, i64 k1, unsigned corners, unsigned& bad) {
+    Real cur[4], next[4];
+    const Real* at = p + column + k0 * sz;
+    plane_products<Real, TCONN, FULL>(at, sy, k0 >= 0, corners, cur, bad);
+    double sum = 0.0;
+    for (i64 k = k0; k < k1; ++k) {
+        at += sz;
+        plane_products<Real, TCONN, FULL>(at, sy, k + 1 < nz, corners, next, bad);
+        // (-1)^|T|: + for the pixel and the square, - for the two edges
+        sum += ((double)cur[0] - (double)(cur[0] * next[0])) + ((double)cur[3] - (double)(cur[3] * next[3]))
+               - ((double)cur[1] - (double)(cur[1] * next[1])) - ((double)cur[2] - (double)(cur[2] * next[2]));
+#pragma unroll
+        for (int T = 0; T < 4; ++T) cur[T] = next[T];
+    }
+    return sum;
+}
+
+// E[chi] terms of one image in 3D: one thread per (segment of SEGMENT anchors along z, anchor
+// column (y, x)), the items of the image's blocks_per_image blocks (thread ``index`` of them,
+// ``count`` threads in all); V anchors cover the image, T anchors start at -1 on each axis.
+template <typename Real, bool TCONN>
+__device__ __forceinline__ double forward_walks(const Real* p, i64 nz, i64 ny, i64 nx, unsigned index,
+                                                unsigned count, unsigned& bad) {
+    constexpr i64 TRIM = TCONN ? 1 : 0;
+    const i64 segments = (nz + TRIM + SEGMENT - 1) / SEGMENT;
+    const i64 ext[3] = {segments, ny + TRIM, nx + TRIM};
+    const i64 sz = ny * nx;
+    const Counter<3> step(count, ext);
+    double sum = 0.0;
+    for (Counter<3> item(index, ext); item.digit[0] < segments; item.advance(step, ext)) {
+        const i64 y = item.digit[1] - TRIM, x = item.digit[2] - TRIM;
+        const i64 k0 = item.digit[0] * SEGMENT - TRIM;
+        const i64 k1 = k0 + SEGMENT < nz ? k0 + SEGMENT : nz;
+        unsigned corners = 0u;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const i64 yc = y + (c >> 1), xc = x + (c & 1);
+            if (yc >= 0 && yc < ny && xc >= 0 && xc < nx) corners |= 1u << c;
+        }
+        const i64 column = y * nx + x;
+        if (corners == 15u)
+            sum += forward_segment<Real, TCONN, true>(p, nz, sz, nx, column, k0, k1, corners, bad);
+        else
+            sum += forward_segment<Real, TCONN, false>(p, nz, sz, nx, column, k0, k1, corners, bad);
+    }
+    return sum;
+}
+
+// expected_euler_backward in 3D: one thread per (image, segment of SEGMENT planes, y, x), in
+// C order (x fastest), over a grid-stride loop.
+template <typename Real, bool TCONN>
+__device__ __forceinline__ void backward_walks(const Real* __restrict__ prob, const Real* __restrict__ cotangent,
+                                               Real* __restrict__ grad, i64 nimg, i64 nz, i64 ny, i64 nx) {
+    const i64 segments = (nz + SEGMENT - 1) / SEGMENT;
+    const i64 ext[4] = {nimg, segments, ny, nx};
+    const i64 sz = ny * nx, npix = nz * sz;
+    const i64 total = nimg * segments * sz;
+    const unsigned first = blockIdx.x * THREADS + threadIdx.x;
+    const unsigned step = gridDim.x * THREADS;
+    const Counter<4> item_step(step, ext);
+    Counter<4> item(first, ext);
+    for (i64 i = first; i < total; i += step, item.advance(item_step, ext)) {
+        const i64 img = item.digit[0], y = item.digit[2], x = item.digit[3];
+        const i64 z0 = item.digit[1] * SEGMENT;
+        const i64 z1 = z0 + SEGMENT < nz ? z0 + SEGMENT : nz;
+        const unsigned rows = (y > 0 ? 1u : 0u) | (y + 1 < ny ? 2u : 0u);
+        const unsigned cols = (x > 0 ? 1u : 0u) | (x + 1 < nx ? 2u : 0u);
+        const Real* p = prob + img * npix;
+        Real* g = grad + img * npix;
+        const i64 column = y * nx + x;
+        if (rows == 3u && cols == 3u)
+            backward_segment<Real, TCONN, true>(p, g, cotangent[img], nz, sz, nx, column, z0, z1, rows, cols);
+        else
+            backward_segment<Real, TCONN, false>(p, g, cotangent[img], nz, sz, nx, column, z0, z1, rows, cols);
+    }
+}
+
 }  // namespace expected
 
 // out (nimg,): E[chi] of image img of prob (nimg, *spatial), in Real.
 // Each image gets blocks_per_image blocks that stride over its base positions; the grid is a
 // multiple of blocks_per_image and strides over images, so a block never mixes two images in
-// one sum. One thread per anchor, one double atomicAdd per block and image into ``sums``
+// one sum. One thread per anchor (3D: per column segment, expected::forward_walks), one
+// double atomicAdd per block and image into ``sums``
 // (nimg, zero at rest); the last block to finish writes out = (Real)sums and leaves sums
 // zeroed (no memset and no cast kernel per call). The check of prob (a pixel outside [0, 1]
 // or NaN: flag 1) is published by publish_grid_flags, into ``status`` (3 words, zero at rest)
@@ -227,8 +433,13 @@ expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ sums,
     for (i64 img = blockIdx.x / blocks_per_image; img < nimg; img += images_per_pass) {
         const Real* p = prob + img * npix;
         double sum = 0.0;
-        for (Anchor y = first; y.digit[0] < L[0]; y.advance(step, L))
-            sum += expected::anchor_terms<Real, NDIM, TCONN>(p, n, stride, y.digit, bad);
+        if constexpr (NDIM == 3)
+            sum = expected::forward_walks<Real, TCONN>(
+                p, nz, ny, nx, (blockIdx.x % blocks_per_image) * expected::THREADS + threadIdx.x,
+                (unsigned)blocks_per_image * expected::THREADS, bad);
+        else
+            for (Anchor y = first; y.digit[0] < L[0]; y.advance(step, L))
+                sum += expected::anchor_terms<Real, NDIM, TCONN>(p, n, stride, y.digit, bad);
         sum = expected::block_sum(sum);
         if (threadIdx.x == 0) atomicAdd(sums + img, sum);
     }
@@ -240,9 +451,10 @@ expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ sums,
     }
 }
 
-// grad (nimg, *spatial) = dE[chi]/dprob times the cotangent of each image. One thread per
-// pixel x, no atomics: the sum over every cell containing x of (-1)^dim times the product of
-// the cell's other corners, products formed directly (no division by p). In T, a pixel's
+// grad (nimg, *spatial) = dE[chi]/dprob times the cotangent of each image, no atomics: the sum
+// over every cell containing x of (-1)^dim times the product of the cell's other corners,
+// products formed directly (no division by p). In 2D one thread per pixel (below), in 3D one
+// per column segment (expected::backward_walks; 256^3 float32 V on an H100: TODO). In T, a pixel's
 // cells all exist (the ring gives every box through x an anchor, and x is an own position), and
 // corners on the ring read q = 1. In V a cell through x that leaves the image has another corner
 // outside, which reads 0 and cancels the term: no cell needs a bounds check in either.
@@ -250,6 +462,10 @@ template <typename Real, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(expected::THREADS)
 expected_euler_backward(const Real* __restrict__ prob, const Real* __restrict__ cotangent,
                         Real* __restrict__ grad, i64 nimg, i64 nz, i64 ny, i64 nx) {
+    if constexpr (NDIM == 3) {
+        expected::backward_walks<Real, TCONN>(prob, cotangent, grad, nimg, nz, ny, nx);
+        return;
+    }
     constexpr int NB = NDIM == 3 ? 27 : 9;
     i64 n[NDIM], stride[NDIM];
     expected::extents<NDIM>(n, nz, ny, nx);

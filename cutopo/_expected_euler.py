@@ -295,10 +295,11 @@ def expected_euler(prob, *, ndim=None, connectivity=1):
     of every cell type (at most ndim + 1 of them alive at once); the backward recomputes
     the box products over the axes other than the first (2^(ndim-1) arrays) and adds the
     products of the other factors of every (cell type, corner) pair at the corner's pixel.
-    CUDA: one pass each, no temporary arrays. The forward runs a thread per cell anchor (the
-    lowest corner) summing the cells of every type anchored there, reduced per block into
-    one atomic add per image; the backward runs a thread per pixel that gathers the 3^ndim
-    cells through it (no atomics).
+    CUDA: one pass each, no temporary arrays. The forward sums the cells of every type by
+    their anchor (the lowest corner), reduced per block into one atomic add per image; the
+    backward gathers for each pixel the 3^ndim cells through it (no atomics). In 2D a thread
+    takes one anchor or pixel; in 3D one walks a column of 16 along the first axis, loading
+    each plane of the neighbourhood once.
 
     Convention: array axes are spatial axes in C order (``(rows, cols)`` in 2D,
     ``(planes, rows, cols)`` in 3D); positions outside the image are empty (probability 0).

@@ -21,6 +21,7 @@ THREADS = 256                    # ecc::expected::THREADS (block_sum assumes exa
 BLOCKS_PER_RESIDENT = 2          # grid size in units of the blocks the device runs at once
 MAX_GRID = (1 << 32) // THREADS - 1  # the kernels index a thread's start and stride in 32 bits
 KEEP_SUMS_BYTES = 1 << 20        # a plan's kept per-image sums up to this size (per stream)
+SEGMENT = 16                     # ecc::expected::SEGMENT: voxels a 3D backward thread walks
 
 _REAL_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
@@ -85,6 +86,9 @@ class ExpectedPlan:
         dims = _dims(spatial)
         fsig = forward_signature(dtype, ndim, tconn)
         anchors = math.prod(n + 2 * tconn for n in spatial)  # base grid: T adds a ring
+        if ndim == 3:  # a thread per column segment of SEGMENT anchors (T: from -1 on each axis)
+            anchors = (math.ceil((spatial[0] + tconn) / SEGMENT)
+                       * math.prod(n + tconn for n in spatial[1:]))
         target = _grid_target(device, fsig)
         # Blocks per image: enough to fill the device, never more than the image has work
         # for. The rest of the grid strides over images, so many small images share few blocks.
@@ -96,7 +100,11 @@ class ExpectedPlan:
         # the per-image float64 sums, kept zeroed by the kernel's last block
         self.sums = ZeroedWorkspaces(KEEP_SUMS_BYTES)
         bsig = backward_signature(dtype, ndim, tconn)
-        grid = min(math.ceil(nimg * math.prod(spatial) / THREADS), _grid_target(device, bsig))
+        # one thread per pixel (2D) or per column segment of SEGMENT voxels (3D)
+        items = nimg * math.prod(spatial)
+        if ndim == 3:
+            items = nimg * math.ceil(spatial[0] / SEGMENT) * math.prod(spatial[1:])
+        grid = min(math.ceil(items / THREADS), _grid_target(device, bsig))
         # called with (prob, cotangent, grad); a grid-stride loop covers the rest
         self.backward = PreparedLaunch(bsig, grid, THREADS, (None, None, None, nimg, *dims))
 

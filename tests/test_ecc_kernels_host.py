@@ -478,7 +478,8 @@ def test_emulated_expected_euler_flags_a_pixel_outside_the_unit_interval(emulato
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("shape, ndim", [((2, 17, 23), 2), ((40, 3), 2), ((2, 5, 9, 13), 3), ((3, 4, 70), 3)])
+@pytest.mark.parametrize("shape, ndim", [((2, 17, 23), 2), ((40, 3), 2), ((2, 5, 9, 13), 3), ((3, 4, 70), 3),
+                                         ((2, 37, 5, 6), 3), ((33, 1, 4), 3), ((1, 16, 3, 1), 3)])
 @pytest.mark.parametrize("tconn", [False, True])
 def test_emulated_expected_euler_equals_numpy(emulator, dtype, shape, ndim, tconn, rng):
     """expected_euler_forward and _backward against cutopo.expected_euler and its pullback on

@@ -14,7 +14,10 @@ pytestmark = pytest.mark.gpu
 CASES = [(2, 1), (2, 2), (3, 1), (3, 3)]  # (ndim, connectivity)
 # 1-pixel-wide axes, and sizes that are not multiples of the 256-thread block.
 SPATIAL = {2: [(1, 1), (1, 7), (7, 1), (5, 6), (17, 300), (257, 33)],
-           3: [(1, 1, 1), (5, 1, 7), (1, 9, 1), (4, 5, 6), (9, 17, 33), (3, 70, 41)]}
+           3: [(1, 1, 1), (5, 1, 7), (1, 9, 1), (4, 5, 6), (9, 17, 33), (3, 70, 41),
+               # around the 3D kernels' column segments of 16 positions along axis 0 (V: the
+               # planes, T: the planes and the ring's one)
+               (15, 6, 2), (16, 3, 4), (17, 4, 3), (33, 2, 5)]}
 BATCHES = [(), (2, 3)]
 
 
