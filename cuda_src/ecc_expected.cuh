@@ -368,14 +368,6 @@ __device__ __forceinline__ double forward_walks(const Real* p, i64 nz, i64 ny, i
     return sum;
 }
 
-// Whether the 3D backward walks columns (backward_walks) or takes a pixel a thread. The walk
-// keeps three planes of its block in registers: in float64 122 of them a thread (two blocks of
-// 256 on a multiprocessor), and the V construction, whose per-pixel loop is the lighter, ran
-// slower so (256^3 on an H100, forty-fourth session: 306 -> 350 us), T faster (541 -> 490);
-// in float32 both faster (V 234 -> 152-162 us, T 381 -> 228-240).
-template <typename Real, bool TCONN>
-__host__ __device__ constexpr bool walks_backward() { return sizeof(Real) == 4 || TCONN; }
-
 // expected_euler_backward in 3D: one thread per (image, segment of SEGMENT planes, y, x), in
 // C order (x fastest), over a grid-stride loop.
 template <typename Real, bool TCONN>
@@ -462,15 +454,20 @@ expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ sums,
 // grad (nimg, *spatial) = dE[chi]/dprob times the cotangent of each image, no atomics: the sum
 // over every cell containing x of (-1)^dim times the product of the cell's other corners,
 // products formed directly (no division by p). In 2D one thread per pixel (below), in 3D one
-// per column segment (expected::backward_walks, but for float64 V: walks_backward). In T, a pixel's
+// per column segment (expected::backward_walks). In T, a pixel's
 // cells all exist (the ring gives every box through x an anchor, and x is an own position), and
 // corners on the ring read q = 1. In V a cell through x that leaves the image has another corner
 // outside, which reads 0 and cancels the term: no cell needs a bounds check in either.
+// The 3D walk keeps three planes of its block in registers: in float64 ptxas gave it 122 a
+// thread (two blocks of 256 on a multiprocessor), and its V construction ran slower than the
+// per-pixel loop (256^3 on an H100, forty-fourth session: 306 -> 350 us). Held to three
+// blocks (80 registers, ~110 bytes spilled) it runs faster than both: V 280 us, T 385 (541
+// per pixel, 482 at two blocks).
 template <typename Real, int NDIM, bool TCONN>
-__global__ void __launch_bounds__(expected::THREADS)
+__global__ void __launch_bounds__(expected::THREADS, (NDIM == 3 && sizeof(Real) == 8) ? 3 : 1)
 expected_euler_backward(const Real* __restrict__ prob, const Real* __restrict__ cotangent,
                         Real* __restrict__ grad, i64 nimg, i64 nz, i64 ny, i64 nx) {
-    if constexpr (NDIM == 3 && expected::walks_backward<Real, TCONN>()) {
+    if constexpr (NDIM == 3) {
         expected::backward_walks<Real, TCONN>(prob, cotangent, grad, nimg, nz, ny, nx);
         return;
     }

@@ -100,10 +100,9 @@ class ExpectedPlan:
         # the per-image float64 sums, kept zeroed by the kernel's last block
         self.sums = ZeroedWorkspaces(KEEP_SUMS_BYTES)
         bsig = backward_signature(dtype, ndim, tconn)
-        # one thread per pixel (2D, and 3D float64 V) or per column segment of SEGMENT voxels
-        # (3D: ecc::expected::walks_backward)
+        # one thread per pixel (2D) or per column segment of SEGMENT voxels (3D)
         items = nimg * math.prod(spatial)
-        if ndim == 3 and (dtype == np.float32 or tconn):
+        if ndim == 3:
             items = nimg * math.ceil(spatial[0] / SEGMENT) * math.prod(spatial[1:])
         grid = min(math.ceil(items / THREADS), _grid_target(device, bsig))
         # called with (prob, cotangent, grad); a grid-stride loop covers the rest
