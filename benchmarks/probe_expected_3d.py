@@ -12,26 +12,15 @@ measured, exit 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ecc import time_gpu  # noqa: E402
+
 SHAPES = ((256, 256, 256), (4, 128, 128, 128), (1, 512, 512, 64))
-
-
-def median_us(cp, fn, reps):
-    for _ in range(5):
-        fn()
-    cp.cuda.Device().synchronize()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(times))
 
 
 def main(argv=None):
@@ -55,10 +44,10 @@ def main(argv=None):
                 out, pullback = cutopo.vjp(cutopo.expected_euler, prob, ndim=3,
                                            connectivity=connectivity)
                 g = cp.ones_like(out)
-                back = median_us(cp, lambda: pullback(g), args.reps)
-                fwd = median_us(cp, lambda: cutopo.expected_euler(prob, ndim=3,
-                                                                  connectivity=connectivity),
-                                args.reps)
+                back = 1e3 * time_gpu(cp, lambda: pullback(g), args.reps, warmup=5)
+                fwd = 1e3 * time_gpu(cp, lambda: cutopo.expected_euler(prob, ndim=3,
+                                                                       connectivity=connectivity),
+                                     args.reps, warmup=5)
                 print(f"| {shape} | {np.dtype(dtype).name} | {connectivity} | {back:.1f} | {fwd:.1f} |")
     return 0
 

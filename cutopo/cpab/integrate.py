@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 
 from .._array import is_cupy_array
+from .._cuda.launch import KeptLaunches
 from .._cuda.repeated import RepeatedCalls
 from ..vjp import register
 from .tessellation import cell_index
@@ -202,7 +203,6 @@ def _device_plan(points, theta, tess, n_steps, name):
     """Checked arguments and the CuPy plan, (plan, batched, points.ndim, theta.ndim), for the
     launches of the ``with`` body; the device checks raise at its end (checked_plan)."""
     from . import _integrate_cupy
-    from .._cuda.launch import KeptLaunches
 
     key = _DEVICE_CALLS.key((points, theta), (n_steps, name, id(tess)))
     checked = _DEVICE_CALLS.get(key) if key is not None else None
