@@ -5,13 +5,7 @@
 # soft forward, the soft ECT's stages, and bench_stream's Dask rows (issue 8). ~9 minutes.
 #
 #   OUT=... bash benchmarks/wip/status_call.sh      (carry .whl; logs.tgz comes back)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site $(ls .whl/*.whl | grep -v 2026.7.1) >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-T0=$(date +%s)
-stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/stamps.txt"; }
+source benchmarks/wip/device_setup.sh
 stamp start
 OUT=$OUT TESTS='-n 14 -m "gpu and not slow" --ignore-glob="tests/*_host.py" tests' \
     NCU=1 NCU_SOFT=1 BENCH_ARGS="--no-cpu" timeout 450 bash benchmarks/device_run.sh \
