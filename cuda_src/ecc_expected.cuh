@@ -203,12 +203,12 @@ constexpr int SEGMENT = 16;
 
 // What the walk keeps of one plane z' of the 3 x 3 block around a column (y, x), B values
 // (pad outside the image): m = B(z', y, x); f, the four face neighbours in the plane
-// (y-1, x), (y+1, x), (y, x-1), (y, x+1); t, for the four squares of the plane through (y, x)
-// (corner (y + sy, x + sx), sy, sx = -1 or +1, in that order), the product of the square's
-// three corners other than (y, x); and F = m * t, the product of all four.
+// (y-1, x), (y+1, x), (y, x-1), (y, x+1); and t, for the four squares of the plane through
+// (y, x) (corner (y + sy, x + sx), sy, sx = -1 or +1, in that order), the product of the
+// square's three corners other than (y, x).
 template <typename Real>
 struct PlaneBlock {
-    Real m, f[4], t[4], F[4];
+    Real m, f[4], t[4];
 };
 
 // The plane z' of the block around (y, x) at ``column`` (the address of (z', y, x)); ``rows``
@@ -242,7 +242,6 @@ __device__ __forceinline__ PlaneBlock<Real> plane_block(const Real* column, i64 
     for (int k = 0; k < 4; ++k) {
         const int dy = (k >> 1) * 2, dx = (k & 1) * 2;  // (-1,-1), (-1,+1), (+1,-1), (+1,+1)
         b.t[k] = w[dy][1] * w[1][dx] * w[dy][dx];
-        b.F[k] = b.m * b.t[k];
     }
     return b;
 }
@@ -252,37 +251,43 @@ __device__ __forceinline__ PlaneBlock<Real> plane_block(const Real* column, i64 
 // box type (cell_derivatives' sum, regrouped by planes): its vertex (sign s0, product 1); the
 // six edges (s1: the face neighbours' B); the twelve squares (s2): four in x's plane (t of its
 // plane) and, for each z' = z -+ 1, four across planes, B(z', y, x) times the pair products
-// B(z, face) B(z', face) of the four face columns; the eight cubes (s3): t of the plane times
-// F of plane z' for each square and z'. So a voxel costs one plane's loads and ~40 products and
-// sums, against 27 loads and ~80 products of the plain loop (the pairs and F are each used
-// twice along the walk).
+// B(z, face) B(z', face) of the four face columns; the eight cubes (s3): for each square of
+// x's plane and each z', its t times B(z', y, x) times t of plane z'. So
+//   g(z) = own(z) + B(z-1, y, x) L(z-1, z) + B(z+1, y, x) L(z, z+1),
+//   own(z) = s0 + s1 (sum of f(z)) + s2 (sum of t(z)),
+//   L(u, v) = s1 + s2 (sum of f(u) f(v)) + s3 (sum of t(u) t(v)),
+// the link L of two neighbouring planes serving both. The walk keeps one plane (m, f, t) and
+// the voxel's sum so far (own and the term of the plane below): in float64 the three planes
+// that the walk kept before (prev, cur, next with m t for the cubes) took 122 registers a
+// thread, and 80 with ~110 bytes spilled when held to three blocks a multiprocessor
+// (forty-fourth session). A voxel costs one plane's loads and ~30 products and sums, against
+// 27 loads and ~80 products of the plain loop.
 template <typename Real, bool TCONN, bool INTERIOR>
 __device__ __forceinline__ void backward_segment(const Real* p, Real* grad, Real scale, i64 nz, i64 sz,
                                                  i64 sy, i64 column, i64 z0, i64 z1, unsigned rows,
                                                  unsigned cols) {
     constexpr Real S0 = cell_sign<3, TCONN>(0u), S1 = cell_sign<3, TCONN>(1u);
     constexpr Real S2 = cell_sign<3, TCONN>(3u), S3 = cell_sign<3, TCONN>(7u);
+    const auto own = [](const PlaneBlock<Real>& b) {
+        return S0 + S1 * ((b.f[0] + b.f[1]) + (b.f[2] + b.f[3]))
+               + S2 * ((b.t[0] + b.t[1]) + (b.t[2] + b.t[3]));
+    };
+    const auto link = [](const PlaneBlock<Real>& u, const PlaneBlock<Real>& v) {
+        const Real pairs = u.f[0] * v.f[0] + u.f[1] * v.f[1] + u.f[2] * v.f[2] + u.f[3] * v.f[3];
+        const Real cubes = u.t[0] * v.t[0] + u.t[1] * v.t[1] + u.t[2] * v.t[2] + u.t[3] * v.t[3];
+        return S1 + S2 * pairs + S3 * cubes;
+    };
     const Real* at = p + column + (z0 - 1) * sz;
-    PlaneBlock<Real> prev = plane_block<Real, TCONN, INTERIOR>(at, sy, z0 > 0, rows, cols);
+    const PlaneBlock<Real> below = plane_block<Real, TCONN, INTERIOR>(at, sy, z0 > 0, rows, cols);
     PlaneBlock<Real> cur = plane_block<Real, TCONN, INTERIOR>(at + sz, sy, true, rows, cols);
-    Real pairs_prev = prev.f[0] * cur.f[0] + prev.f[1] * cur.f[1] + prev.f[2] * cur.f[2]
-                      + prev.f[3] * cur.f[3];
+    Real sum = own(cur) + below.m * link(below, cur);  // g(z0) but the plane above's term
     at += 2 * sz;
     for (i64 z = z0; z < z1; ++z, at += sz) {
         const PlaneBlock<Real> next = plane_block<Real, TCONN, INTERIOR>(at, sy, z + 1 < nz, rows, cols);
-        const Real pairs_next = cur.f[0] * next.f[0] + cur.f[1] * next.f[1] + cur.f[2] * next.f[2]
-                                + cur.f[3] * next.f[3];
-        const Real edges = prev.m + next.m + (cur.f[0] + cur.f[1]) + (cur.f[2] + cur.f[3]);
-        const Real squares = (cur.t[0] + cur.t[1]) + (cur.t[2] + cur.t[3]) + prev.m * pairs_prev
-                             + next.m * pairs_next;
-        Real cubes = Real(0);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) cubes += cur.t[k] * (prev.F[k] + next.F[k]);
-        const Real g = S0 + S1 * edges + S2 * squares + S3 * cubes;
-        grad[column + z * sz] = g * scale;
-        prev = cur;
+        const Real L = link(cur, next);
+        grad[column + z * sz] = (sum + next.m * L) * scale;
+        sum = own(next) + cur.m * L;
         cur = next;
-        pairs_prev = pairs_next;
     }
 }
 
@@ -458,13 +463,12 @@ expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ sums,
 // cells all exist (the ring gives every box through x an anchor, and x is an own position), and
 // corners on the ring read q = 1. In V a cell through x that leaves the image has another corner
 // outside, which reads 0 and cancels the term: no cell needs a bounds check in either.
-// The 3D walk keeps three planes of its block in registers: in float64 ptxas gave it 122 a
-// thread (two blocks of 256 on a multiprocessor), and its V construction ran slower than the
-// per-pixel loop (256^3 on an H100, forty-fourth session: 306 -> 350 us). Held to three
-// blocks (80 registers, ~110 bytes spilled) it runs faster than both: V 280 us, T 385 (541
-// per pixel, 482 at two blocks).
+// The 3D walk keeps one plane of its block and a sum in registers (backward_segment): held to
+// four blocks a multiprocessor in float32 (64 registers; unbounded, ptxas took 85-94: two
+// blocks) and three in float64 (80), neither spills. (The walk's first form kept three
+// planes: 122 registers in float64, ~110 bytes spilled at three blocks.)
 template <typename Real, int NDIM, bool TCONN>
-__global__ void __launch_bounds__(expected::THREADS, (NDIM == 3 && sizeof(Real) == 8) ? 3 : 1)
+__global__ void __launch_bounds__(expected::THREADS, NDIM == 3 ? (sizeof(Real) == 8 ? 3 : 4) : 1)
 expected_euler_backward(const Real* __restrict__ prob, const Real* __restrict__ cotangent,
                         Real* __restrict__ grad, i64 nimg, i64 nz, i64 ny, i64 nx) {
     if constexpr (NDIM == 3) {
