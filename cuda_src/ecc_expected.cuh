@@ -465,8 +465,10 @@ expected_euler_forward(const Real* __restrict__ prob, double* __restrict__ sums,
 // outside, which reads 0 and cancels the term: no cell needs a bounds check in either.
 // The 3D walk keeps one plane of its block and a sum in registers (backward_segment): held to
 // four blocks a multiprocessor in float32 (64 registers; unbounded, ptxas took 85-94: two
-// blocks) and three in float64 (80), neither spills. (The walk's first form kept three
-// planes: 122 registers in float64, ~110 bytes spilled at three blocks.)
+// blocks, and 256^3 ran 235-250 us against 144-159 held) and three in float64 (80), neither
+// spills. Against the walk's first form (three planes: 122 registers in float64, ~110 bytes
+// spilled at three blocks), 256^3 on an H200: float32 V 236 -> 138-147 us, T 315 -> 153-162;
+// float64 V 272 -> 232-242, T 381 -> 331-344 (RESULTS.md, forty-sixth session).
 template <typename Real, int NDIM, bool TCONN>
 __global__ void __launch_bounds__(expected::THREADS, NDIM == 3 ? (sizeof(Real) == 8 ? 3 : 4) : 1)
 expected_euler_backward(const Real* __restrict__ prob, const Real* __restrict__ cotangent,
