@@ -257,11 +257,9 @@ __device__ __forceinline__ PlaneBlock<Real> plane_block(const Real* column, i64 
 //   own(z) = s0 + s1 (sum of f(z)) + s2 (sum of t(z)),
 //   L(u, v) = s1 + s2 (sum of f(u) f(v)) + s3 (sum of t(u) t(v)),
 // the link L of two neighbouring planes serving both. The walk keeps one plane (m, f, t) and
-// the voxel's sum so far (own and the term of the plane below): in float64 the three planes
-// that the walk kept before (prev, cur, next with m t for the cubes) took 122 registers a
-// thread, and 80 with ~110 bytes spilled when held to three blocks a multiprocessor
-// (forty-fourth session). A voxel costs one plane's loads and ~30 products and sums, against
-// 27 loads and ~80 products of the plain loop.
+// the voxel's sum so far (own and the term of the plane below), so that it fits its launch
+// bound without spills (expected_euler_backward). A voxel costs one plane's loads and ~30
+// products and sums, against 27 loads and ~80 products of the plain loop.
 template <typename Real, bool TCONN, bool INTERIOR>
 __device__ __forceinline__ void backward_segment(const Real* p, Real* grad, Real scale, i64 nz, i64 sz,
                                                  i64 sy, i64 column, i64 z0, i64 z1, unsigned rows,
