@@ -80,7 +80,7 @@ def install(probes, cp, detailed):
                           (cpab_integrate, ("check_points_theta", "_points_cotangent"))):
         for name in names:
             probes.wrap(module, name, name)
-    for cls, names in ((_soft_ecc_cupy.SoftEccPlan, ("forward", "backward")),
+    for cls, names in ((_soft_ecc_cupy.SoftEccPlan, ("launch_forward", "backward")),
                        (_band_cupy.SoftEctPlan, ("arguments", "forward", "backward"))):
         for name in names:
             probes.wrap(cls, name, f"{cls.__name__}.{name}")

@@ -8,6 +8,7 @@ thresholds (ecc.md 5.8). NumPy path: cutopo._band_numpy; CuPy arrays go to the k
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from . import _band_numpy, _ecc_numpy, _soft_ecc_cupy
 from ._array import array_module, as_array, is_cupy_array
+from ._band_cupy import raise_failed_thresholds
 from ._band_numpy import _BAND, band_halfwidth
 from ._checks import (check_boundary, check_connectivity, check_image, check_result_memory,
                       check_scale, check_threshold_array, check_thresholds, is_count,
@@ -106,28 +108,44 @@ def _checked_on_device(image, thresholds) -> bool:
 _DEVICE_CALLS = RepeatedCalls()
 
 
+class _Repeat(NamedTuple):
+    """A repeated CuPy call (_device_call): the first call's _Config (no arrays) and this
+    call's lambda and band half-width."""
+    kept: _Config
+    lam: np.generic
+    w: float
+
+
+@functools.lru_cache(maxsize=256)
+def _lambda_and_halfwidth(dtype: np.dtype, value: float):
+    """(lambda, w) of a positive finite scale value in the computation dtype (memoized: the
+    two cost ~1-2 us a call, and a loop usually has one scale)."""
+    lam = scale_lambda(dtype, value)
+    return lam, band_halfwidth(dtype, lam)
+
+
 def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
-    """The _Config of a repeated CuPy call (see _DEVICE_CALLS), or None: _prepare's turn. The
-    first call of a key runs _prepare and keeps its result when the kernels check the
-    thresholds' values (float CuPy thresholds used as they are) and the batch is not empty."""
+    """A :class:`_Repeat` for a repeated CuPy call (see _DEVICE_CALLS), the _Config of a first
+    one (_prepare's, with its plan when kept for the next), or None: _prepare's turn. A first
+    call is kept when the kernels check the thresholds' values (float CuPy thresholds used as
+    they are) and the batch is not empty."""
     key = _DEVICE_CALLS.key((image, thresholds), (ndim, connectivity, boundary), scale)
     if key is None:
         return None
     kept = _DEVICE_CALLS.get(key)
+    if kept is None:
+        cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+        if cfg.check and cfg.t is thresholds:
+            plan = _soft_ecc_cupy.device_plan(image, cfg.ndim, cfg.tconn, cfg.periodic,
+                                              cfg.t.size, cfg.dtype)
+            if plan is not None:
+                cfg = cfg._replace(plan=plan)
+                _DEVICE_CALLS.keep(key, cfg._replace(image=None, t=None))  # no array kept
+        return cfg
     value = float(scale)
-    if kept is None or not 0.0 < value < math.inf:  # NaN fails too: _prepare raises
-        if kept is None:
-            cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
-            if cfg.check and cfg.t is thresholds:
-                plan = _soft_ecc_cupy.device_plan(image, cfg.ndim, cfg.tconn, cfg.periodic,
-                                                  cfg.t.size, cfg.dtype)
-                if plan is not None:
-                    cfg = cfg._replace(plan=plan)
-                    _DEVICE_CALLS.keep(key, cfg._replace(image=None, t=None))  # no array kept
-            return cfg
+    if not 0.0 < value < math.inf:  # NaN fails too: _prepare raises
         return None
-    lam = scale_lambda(kept.dtype, value)
-    return _Config(image, thresholds, lam, *kept[3:12], band_halfwidth(kept.dtype, lam), kept.plan)
+    return _Repeat(kept, *_lambda_and_halfwidth(kept.dtype, value))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,11 +181,20 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     """(curve, residuals); ``_keep=False`` (the plain call, which has no backward) keeps no
     entries on the GPU."""
     cfg = _device_call(image, thresholds, scale, ndim, connectivity, boundary)
+    if type(cfg) is _Repeat:  # straight to the launches; the _Config is made after them
+        kept, lam, w = cfg
+        out, residual, word = _soft_ecc_cupy.planned_forward(kept.plan, image, thresholds, lam, w,
+                                                             _keep)
+        # made while the kernel starts (the host waits for block 0's check word next)
+        cfg = _Config(image, thresholds, lam, *kept[3:12], w, kept.plan, residual)
+        raise_failed_thresholds(word.read())
+        return out, cfg
     if cfg is None:
         cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     if cfg.plan is not None:  # a planned device call: its arguments are as the plan takes them
-        out, kept = _soft_ecc_cupy.planned_forward(cfg.plan, cfg.image, cfg.t, cfg.scale, cfg.w,
-                                                   _keep)
+        out, kept, word = _soft_ecc_cupy.planned_forward(cfg.plan, cfg.image, cfg.t, cfg.scale,
+                                                         cfg.w, _keep)
+        raise_failed_thresholds(word.read())
         return out, (cfg if kept is None else cfg._replace(kept=kept))
     if is_cupy_array(cfg.image):
         out, kept = _soft_ecc_cupy.soft_ecc_forward(cfg.image, cfg.t, cfg.scale, cfg.w, cfg.ndim,
@@ -345,13 +372,17 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     pixels with a non-empty band (8 bytes each, room for one per 8 pixels of each image and
     at most 512 MiB per call); the backward evaluates that list instead of sweeping the image
     again, and sweeps only the images whose list overflowed (noise-like images, where most
-    pixels are critical). The plain call keeps nothing. 3D calls of at least 2^23 voxels (and
+    pixels are critical); it also makes the backward's outputs, which the residual holds
+    (the image's cotangent up to 512 MiB: as large as the image in the computation dtype).
+    The plain call keeps nothing. 3D calls of at least 2^23 voxels (and
     room for a slot per 32 voxels of each volume: up to 1024^3) list every critical voxel in
     a first pass, run the band work from that list in a second, and sweep again only the
     volumes whose list overflowed (faster on smooth volumes, where the critical voxels are
     few; the list is then the residual). Made by :func:`cutopo.vjp`, that first pass also
-    zeroes the image's cotangent, which the residual holds for the backward (up to 512 MiB
-    of it: as large as the image in the computation dtype). Work from a list runs
+    zeroes the image's cotangent. A call of either kind, once its kernels are queued, makes
+    the arrays of the next call of the same kind and shapes on the same thread and stream
+    (one call's worth per thread, at most 256 MiB), so that a repeated call (a training
+    loop) launches without allocating first. Work from a list runs
     transposed in float32: a lane per entry evaluates its band, a lane per threshold sums a
     window of them. The entries are the same as on the CPU; the sums are formed in a
     different order and the sigmoids by CUDA's ``exp``, so the results agree to the

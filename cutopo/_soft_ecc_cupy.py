@@ -17,9 +17,11 @@ recomputing exactly the contribution of every pixel tied with a neighbour in 15 
 A forward made for a backward also keeps its entries (the critical pixels with a non-empty
 band: index and contribution, 8 bytes each) in a buffer of one slot per KEPT_PIXELS_PER_SLOT
 pixels (at most KEPT_MAX_BYTES per call); the backward of an image whose entries fit reads
-them instead of sweeping the image again, and sweeps the others. The listed 3D forward made for
-a backward also zeroes the backward's d_image in its first launch (ZEROED_D_IMAGE_MAX_BYTES), and
-the backward writes the listed voxels alone (:class:`Residual`).
+them instead of sweeping the image again, and sweeps the others. Such a forward also makes the
+backward's outputs, which its :class:`Residual` holds (d_image up to BACKWARD_D_IMAGE_MAX_BYTES);
+the listed 3D forward zeroes that d_image in its first launch, and the backward writes the
+listed voxels alone. Every forward launches on the arrays that the previous call of its kind
+made for it once its own launches were queued (cutopo._cuda.workspace.made_ahead).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from ._cuda.deferred import PinnedWord
 from ._cuda.launch import (HOST_WORD, NULL, PreparedLaunch, Signature, _c_contiguous, _current_device,
                            device_empty)
 from ._cuda.launch import on_device_of as _on_device_of
-from ._cuda.workspace import ZeroedWorkspaces
+from ._cuda.workspace import ZeroedWorkspaces, made_ahead
 
 FAMILY = "ecc"
 THREADS = 256                  # band::THREADS
@@ -104,34 +106,37 @@ LISTED_WAVES: float | None = 1.0
 LISTED_PIXELS_PER_BLOCK = 1 << 15
 LISTED_MIN_BLOCKS_PER_IMAGE = 64
 
-# The listed forward of cutopo.vjp zeroes the backward's d_image while it sweeps (band::
-# soft_ecc_list_forward), for calls whose d_image takes at most this many bytes: its backward
-# then skips a launch's worth of zeroing at the copy bandwidth (bench_soft's 256^3 float32
-# volume on an H100: the five launches 306 -> 293 us, benchmarks/RESULTS.md, forty-second
-# session), and the residual holds d_image from the forward to the backward (as large as the
-# image: up to 512 MiB, a 512^3 float32 volume).
-ZEROED_D_IMAGE_MAX_BYTES = 512 << 20
+# The forward of cutopo.vjp makes the backward's outputs, which the residual holds until the
+# backward, d_image for calls whose d_image takes at most this many bytes (as large as the
+# image: up to 512 MiB, a 512^3 float32 volume): the host time of the pullback, which in 2D
+# is the call's critical path, then makes no array, and the listed forward zeroes d_image
+# while it sweeps (band::soft_ecc_list_forward), so that its backward skips a launch's worth
+# of zeroing at the copy bandwidth (bench_soft's 256^3 float32 volume on an H100: the five
+# launches 306 -> 293 us, benchmarks/RESULTS.md, forty-second session).
+BACKWARD_D_IMAGE_MAX_BYTES = 512 << 20
 
 _REAL = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
 class Residual:
     """What a forward made for a backward keeps (soft_ecc_forward with ``keep``): the kept
-    entries (``kept``: band::KeptEntries, None when the plan keeps none) and, from the listed
-    forward (SoftEccPlan.zeroes_d_image), d_image already zeroed, for the first backward that
-    writes d_image (:meth:`take_zeroed`; the pullback may run again and must not write into
-    the array an earlier call returned)."""
+    entries (``kept``: band::KeptEntries, None when the plan keeps none) and the backward's
+    outputs made by the forward (SoftEccPlan.launch_forward: d_image, already zeroed by the
+    listed forward; d_t and d_scale in the computation dtype), for the first backward
+    (:meth:`take_outputs`; the pullback may run again and must not write into the arrays an
+    earlier call returned)."""
 
-    __slots__ = ("kept", "_zeroed")
+    __slots__ = ("kept", "_outputs")
 
-    def __init__(self, kept, zeroed=None):
+    def __init__(self, kept, d_image=None, d_t=None, d_scale=None, zeroed=False):
         self.kept = kept
-        self._zeroed = [] if zeroed is None else [zeroed]
+        self._outputs = [] if d_t is None else [(d_image, d_t, d_scale, bool(zeroed))]
 
-    def take_zeroed(self):
-        """The zeroed d_image, once (None after, or when there is none)."""
+    def take_outputs(self):
+        """(d_image or None, d_t, d_scale, whether d_image is zeroed), once (None after, or
+        when the forward made none)."""
         try:
-            return self._zeroed.pop()  # one pop wins when threads race
+            return self._outputs.pop()  # one pop wins when threads race
         except IndexError:
             return None
 
@@ -322,8 +327,7 @@ class SoftEccPlan:
             self._overflowed = PreparedLaunch(fsig, nimg * per_image, THREADS,
                                               args[:4] + (NULL, 0, NULL) + args[7:] + (None,),
                                               shared_mem=smem)
-        self.zeroes_d_image = (self._list is not None
-                               and nimg * self._pixels * real.itemsize <= ZEROED_D_IMAGE_MAX_BYTES)
+        self.zeroes_d_image = self._list is not None  # (the d_image that a forward makes)
 
         self._bsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic)
         self._lsig = _sweep_sig("backward", in_dtype, real, ndim, tconn, periodic, listed=True)
@@ -341,15 +345,39 @@ class SoftEccPlan:
         per thread and stream up to KEEP_WORKSPACE_BYTES (the kernels leave it zeroed)."""
         return self._workspaces.get(kind, words, dtype)
 
-    def forward(self, x, t, shape, lam, w, check: bool, keep: bool = False):
+    def _arrays(self, shape, keep: bool):
+        """The arrays of a forward of images of ``shape``: (kept entries or None, the curve,
+        and with ``keep`` and kept entries the backward's d_image (up to
+        BACKWARD_D_IMAGE_MAX_BYTES, else None), d_t and d_scale in the computation dtype, else
+        None, None, None)."""
+        kept = None
+        if self._list is not None or (keep and self.kept_cap > 0):  # the listed forward's list
+            kept = device_empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)  # no fill: the
+            # kernel writes every word it reads back
+        out = device_empty(shape[:len(shape) - self.ndim] + (self.T,), dtype=self.real)
+        if not keep or kept is None:
+            return kept, out, None, None, None
+        d_image = None
+        if self.nimg * self._pixels * self.real.itemsize <= BACKWARD_D_IMAGE_MAX_BYTES:
+            d_image = device_empty(shape, dtype=self.real)
+        return (kept, out, d_image, device_empty(self.T, dtype=self.real),
+                device_empty((), dtype=self.real))
+
+    def launch_forward(self, x, t, shape, lam, w, check: bool, keep: bool = False):
         """Launch the forward of images of ``shape`` (batch and spatial axes) and return (the
         curve (*batch, T) in the computation dtype, a :class:`Residual` for :meth:`backward`
-        with ``keep``, else None; None too when the plan keeps nothing). With ``check``, block
-        0 checks the thresholds, whose flags are read before return (a failed check raises).
-        The listed forward (listed_forward) is three launches: the list sweep, the band work of
-        the lists that fit, the fused forward of the images whose list overflowed; its list
-        holds every critical pixel (band or not) and is the kept entries, and with ``keep`` its
-        sweep zeroes d_image for the backward (zeroes_d_image).
+        with ``keep``, else None; None too when the plan keeps nothing; with ``check``, the
+        PinnedWord whose flags the caller reads before it returns, else None). With ``check``,
+        block 0 checks the thresholds (raise_failed_thresholds(word.read()) raises where one
+        failed). The listed forward (listed_forward) is three launches: the list sweep, the
+        band work of the lists that fit, the fused forward of the images whose list
+        overflowed; its list holds every critical pixel (band or not) and is the kept entries,
+        and with ``keep`` its sweep zeroes the backward's d_image (zeroes_d_image).
+
+        The arrays (the curve, the kept entries, with ``keep`` the backward's outputs, which
+        the Residual holds) are those that the previous call of the same kind made for this
+        one (made_ahead), else made here; once the launches are queued, this call makes the
+        next call's while the host waits for block 0's check word anyway.
 
         ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
@@ -358,27 +386,27 @@ class SoftEccPlan:
         ws = self.workspace("forward", self.words, np.uint64)
         word = check_word() if check else NULL
         token = word.arm() if check else 0
-        out_shape = shape[:len(shape) - self.ndim] + (self.T,)
-        zeroed = None
+        kind = (shape, bool(keep))
+        arrays = made_ahead.take(self, kind)
+        kept, out, d_image, d_t, d_scale = arrays if arrays is not None else self._arrays(shape, keep)
+        zeroed = self.zeroes_d_image and d_image is not None
         if self._list is not None:  # the listed forward: its list is the kept entries
-            kept = device_empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
-            if keep and self.zeroes_d_image:
-                zeroed = device_empty(shape, dtype=self.real)
-            self._list.call_checked_once(x, t, ws, word, token, kept, NULL if zeroed is None else zeroed)
-            # made after the first launch, whose start its host time then no longer delays
-            out = device_empty(out_shape, dtype=self.real)
+            self._list.call_checked_once(x, t, ws, word, token, kept, d_image if zeroed else NULL)
             self._listed.call_checked_once(x, t, ws, out, kept, lam, w)
             self._overflowed.call_checked_once(x, t, ws, out, lam, w, kept)
         else:
-            kept = None
-            if keep and self.kept_cap > 0:  # no fill: the kernel writes every word it reads back
-                kept = device_empty(self.nimg * (1 + self.kept_cap), dtype=np.uint64)
-            out = device_empty(out_shape, dtype=self.real)
             self._forward.call_checked_once(x, t, ws, out, word, token,
                                             NULL if kept is None else kept, lam, w)
+        made_ahead.make_next(self, kind, lambda: self._arrays(shape, keep))
+        residual = Residual(kept, d_image, d_t, d_scale, zeroed) if keep and kept is not None else None
+        return out, residual, (word if check else None)
+
+    def forward(self, x, t, shape, lam, w, check: bool, keep: bool = False):
+        """:meth:`launch_forward`, its check word read: (the curve, the Residual or None)."""
+        out, residual, word = self.launch_forward(x, t, shape, lam, w, check, keep)
         if check:
             raise_failed_thresholds(word.read())
-        return out, (Residual(kept, zeroed) if keep and kept is not None else None)
+        return out, residual
 
     def backward_launch(self, need_image, t_dtype, s_dtype, listed=False, zeroed=False) -> PreparedLaunch:
         """The backward launch writing d_image (if ``need_image``), d_t in ``t_dtype`` and d_scale
@@ -460,11 +488,13 @@ def _plan_and_view(image, ndim, tconn, periodic, T, real, plan=None):
 
 
 def planned_forward(plan, image, t, lam, w, keep=False):
-    """soft_ecc_forward for a planned device call (cutopo._soft_ecc._device_call): ``image``
-    C-contiguous on the current device, ``t`` the device thresholds in the computation dtype,
-    C-contiguous there too, whose values block 0 checks. Straight to the plan's launches: the
-    host time before the first launch is time that a per-call timing pays in full."""
-    return plan.forward(_ecc_cupy._image_view(image), t, image.shape, lam, w, True, keep)
+    """SoftEccPlan.launch_forward for a planned device call (cutopo._soft_ecc._device_call):
+    ``image`` C-contiguous on the current device, ``t`` the device thresholds in the
+    computation dtype, C-contiguous there too, whose values block 0 checks. Straight to the
+    plan's launches (the host time before the first launch is time that a per-call timing pays
+    in full): (the curve, the Residual or None, the check word, which the caller reads before
+    it returns: raise_failed_thresholds(word.read()))."""
+    return plan.launch_forward(_ecc_cupy._image_view(image), t, image.shape, lam, w, True, keep)
 
 
 def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False, plan=None,
@@ -500,12 +530,18 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         plan, x = _plan_and_view(image, ndim, tconn, periodic, T, real, plan)
         if g.dtype != real or not _c_contiguous(g):
             g = cupy.ascontiguousarray(g.astype(real, copy=False))
-        zeroed = kept.take_zeroed() if need_image and kept is not None else None
-        d_image = None
+        # the outputs that the forward made, where they are the wanted ones (once)
+        made = kept.take_outputs() if kept is not None else None
+        made_image, made_t, made_scale, zeroed = made if made is not None else (None,) * 3 + (False,)
+        d_image = d_t = d_scale = None
         if need_image:
-            d_image = zeroed if zeroed is not None else device_empty(image.shape, dtype=real)
-        d_t = device_empty(T, dtype=t_dtype) if need_t else None
-        d_scale = device_empty((), dtype=s_dtype) if need_scale else None
+            d_image = made_image if made_image is not None else device_empty(image.shape, dtype=real)
+        zeroed = zeroed and d_image is made_image
+        if need_t:
+            d_t = made_t if made_t is not None and made_t.dtype == t_dtype else device_empty(T, dtype=t_dtype)
+        if need_scale:
+            d_scale = (made_scale if made_scale is not None and made_scale.dtype == s_dtype
+                       else device_empty((), dtype=s_dtype))
         if plan is None:  # an empty batch
             for d in (d_image, d_t, d_scale):
                 if d is not None:
@@ -515,5 +551,5 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         arrays = [x, _thresholds_on_device(t), g] + ([d_image] if need_image else []) + [ws]
         arrays += [d for d in (d_t, d_scale) if d is not None]
         arrays.append(NULL if kept is None else kept.kept)
-        plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w, zeroed is not None)
+        plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w, zeroed)
     return d_image, d_t, d_scale

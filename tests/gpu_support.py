@@ -14,7 +14,12 @@ def cupy_module():
 
 
 def poison_pool(nbytes=64 << 20):
-    """Fill and free device memory so that later cupy.empty arrays start out as NaN bits."""
+    """Fill and free device memory so that later cupy.empty arrays start out as NaN bits; the
+    arrays that an op made ahead for its next call (cutopo._cuda.workspace.made_ahead) are let go
+    first, so that the next call makes its own from the poisoned memory."""
+    from cutopo._cuda.workspace import made_ahead
+
+    made_ahead.drop()
     cp = cupy_module()
     junk = cp.full(nbytes // 8, np.nan)
     del junk

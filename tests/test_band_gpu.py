@@ -741,18 +741,73 @@ def test_soft_ecc_plain_call_keeps_no_entries(rng, monkeypatch):
 
     cp = _cp()
     seen = []
-    real = _soft_ecc_cupy.SoftEccPlan.forward
+    real = _soft_ecc_cupy.SoftEccPlan.launch_forward
 
-    def forward(self, *args, **kwargs):
+    def launch_forward(self, *args, **kwargs):
         seen.append(args[6] if len(args) > 6 else kwargs.get("keep", False))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(_soft_ecc_cupy.SoftEccPlan, "forward", forward)
+    monkeypatch.setattr(_soft_ecc_cupy.SoftEccPlan, "launch_forward", launch_forward)
     x = cp.asarray(_waves(rng, (20, 30), 2, np.float32))
     t = cp.linspace(-2, 2, 9, dtype=cp.float32)
-    cutopo.soft_ecc(x, t, 5.0)
-    cutopo.vjp(cutopo.soft_ecc, x, t, 5.0)
-    assert seen == [False, True]
+    for _ in range(2):  # the first calls of their key, then repeated ones
+        cutopo.soft_ecc(x, t, 5.0)
+        cutopo.vjp(cutopo.soft_ecc, x, t, 5.0)
+    cutopo.soft_ecc(x, t.get(), 5.0)  # host thresholds: not a planned call
+    assert seen == [False, True] * 2 + [False]
+
+
+@pytest.mark.parametrize("ndim,shape,listed", [(2, (2, 40, 52), False), (3, (2, 12, 14, 16), False),
+                                               (3, (2, 12, 14, 16), True)])
+def test_soft_ecc_made_ahead_arrays_are_fresh(rng, monkeypatch, force_listed_forward, fresh_soft_ecc_plans,
+                                              ndim, shape, listed):
+    """Repeated calls of one kind launch on the arrays that the call before made for them
+    (cutopo._cuda.workspace.made_ahead), here poisoned (all bits set: NaN, and kept entries past
+    any count) when taken: every call's curve and cotangents are the NumPy path's, no two calls
+    share an output, and what an earlier call returned stays as it was through the later
+    calls (cutopo.vjp calls, then plain ones; the listed forward's with the d_image it zeroes)."""
+    from cutopo._cuda.workspace import made_ahead
+
+    cp = _cp()
+    force_listed_forward(listed)
+    made_ahead.drop()
+    taken = []
+    real_take = made_ahead.take
+
+    def take(owner, kind):
+        arrays = real_take(owner, kind)
+        taken.append(arrays is not None)
+        for a in arrays or ():
+            if a is not None:  # (reshape: a 0-d array takes no view of another itemsize)
+                a.reshape(-1).view(cp.uint8).fill(255)
+        return arrays
+
+    monkeypatch.setattr(made_ahead, "take", take)
+    t_h = np.linspace(-2.5, 2.5, int(rng.integers(20, 60))).astype(np.float32)
+    t = cp.asarray(t_h)  # device thresholds: a planned call
+    scale = float(rng.uniform(5, 20))
+    calls = []
+    for vjp in (True,) * 3 + (False,) * 3:
+        img = _waves(rng, shape, ndim, np.float32)
+        x = cp.asarray(img)
+        if vjp:
+            out, pullback = cutopo.vjp(cutopo.soft_ecc, x, t, scale, ndim=ndim)
+            g = rng.standard_normal(out.shape).astype(np.float32)
+            results = (out,) + pullback(cp.asarray(g))
+        else:
+            g, results = None, (cutopo.soft_ecc(x, t, scale, ndim=ndim),)
+        calls.append((img, g, results, [cp.asnumpy(a) for a in results]))
+    assert taken == [False, True, True, False, True, True]
+    pointers = [a.data.ptr for _, _, results, _ in calls for a in results[:3]]
+    assert len(set(pointers)) == len(pointers), "two calls share an output"
+    for k, (img, g, results, then) in enumerate(calls):
+        for now, before in zip(results, then):
+            assert np.array_equal(cp.asnumpy(now), before, equal_nan=True), f"call {k}: changed later"
+        want, pb = cutopo.vjp(cutopo.soft_ecc, img, t_h, scale, ndim=ndim)
+        S = _sum_abs_c(img, ndim, 1)[..., None]
+        _close(results[0], want, S, np.float32, f"call {k}: forward")
+        if g is not None:
+            _close_cotangents(results[1:], pb(g), g, S, scale, t_h.size, np.float32, f" (call {k})")
 
 
 def test_soft_ecc_integer_device_thresholds_are_checked_on_the_host(rng):

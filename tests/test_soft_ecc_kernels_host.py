@@ -40,6 +40,7 @@ import cutopo
 from cutopo import _array, _band_numpy, _ecc_cupy, _ecc_numpy, _soft_ecc, _soft_ecc_cupy
 from cutopo._checks import THRESHOLDS_NOT_FINITE, THRESHOLDS_NOT_SORTED
 from cutopo._cuda.launch import HOST_WORD, NULL, _convert
+from cutopo._cuda.workspace import made_ahead
 from ecc_host_build import build
 
 CASES = [
@@ -394,6 +395,7 @@ def _emulated_device(emulator, resident, capacity=None):
     ``capacity`` entries per image, if given). Yields (the launch log, the check word)."""
     _array._cupy()  # the real CuPy (or None) memoized before the stand-in goes in
     log, word = [], _Word()
+    made_ahead.drop()  # (arrays of a real CuPy call)
     with pytest.MonkeyPatch.context() as m:
         m.setitem(sys.modules, "cupy", _fake_cupy())
         m.setattr(_ecc_cupy, "resident_blocks", lambda sig, block, shared_mem=0, options=(): resident)
@@ -404,6 +406,7 @@ def _emulated_device(emulator, resident, capacity=None):
         if capacity is not None:
             m.setattr(_soft_ecc_cupy, "kept_capacity", lambda nimg, pixels: capacity)
         yield log, word
+    made_ahead.drop()  # the emulated arrays made for a next call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,9 +581,14 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
                                                         keep=True)
         assert word.read() == 0, "the thresholds' check failed"
         assert _workspaces_zeroed(plan), "the forward left its workspace dirty"
-        # the listed forward's zeroed d_image (a poisoned allocation: the list sweep zeroes it)
-        zeroed = residual._zeroed[0] if residual._zeroed else None
+        # the backward's outputs made by the forward (poisoned allocations), d_image zeroed
+        # by the listed forward's list sweep
+        made = residual._outputs[0]
+        zeroed = made[0] if made[3] else None
+        assert made[0] is not None and made[1].dtype == made[2].dtype == real
         assert (zeroed is not None) == plan.zeroes_d_image == (plan._list is not None)
+        if zeroed is not None:
+            assert not zeroed.any(), "the list sweep left d_image unzeroed"
         again, none = _soft_ecc_cupy.soft_ecc_forward(*args, cfg.periodic, plan=plan)
         assert none is None and _workspaces_zeroed(plan)
         results = []
@@ -591,9 +599,10 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
             assert _workspaces_zeroed(plan), f"the backward {needs} left its workspace dirty"
             if len(results) == 1:
                 first_d_image = results[0][0].copy()
-        # the first backward with d_image and the entries wrote into the forward's zeroed
-        # d_image, and no later one into the array it returned
-        assert zeroed is None or results[0][0] is zeroed
+        # the first backward (all three, with the entries) wrote into the forward's outputs,
+        # and no later one into the arrays it returned
+        assert all(r is m for r, m in zip(results[0], made[:3]))
+        assert not any(r is m for later in results[1:] for r, m in zip(later, made[:3]))
         np.testing.assert_array_equal(results[0][0], first_d_image)
         kept = residual.kept
     # the launches: one per forward (the listed forward: its list, its band work, the fused

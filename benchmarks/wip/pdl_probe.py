@@ -1,4 +1,4 @@
-"""Probe (not yet run on a device): what a launch whose blocks all exit at once costs behind a
+"""Probe: what a launch whose blocks all exit at once costs behind a
 busy kernel, launched plainly or with programmatic dependent launch (PDL).
 
 The 3D soft ECC's forward+VJP at 256^3 is five launches, two of which (the fused forward of
@@ -16,6 +16,11 @@ blocks, ~tens of us, with and without its early signal), then followed by one an
 early-exit launches, plain and under PDL. Run on the device:
 
     python3 benchmarks/wip/pdl_probe.py
+
+Forty-eighth session, H100 (two runs of 200; benchmarks/RESULTS.md): busy alone 34.4 / 30.4
+us; one early-exit launch after it plain +2.2 / +3.0, under PDL -2.9 / +1.3; two plain +5.5 /
++6.7, under PDL +2.2 / +3.9. So ~1.5 us of each early-exit launch's ~3 us hides under PDL,
+with or without the busy kernel's early signal.
 """
 import ctypes
 
@@ -80,16 +85,16 @@ def main():
         values = [ctypes.c_uint64(a.data.ptr) if isinstance(a, cp.ndarray) else ctypes.c_int32(a)
                   for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        status = driver.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function.ptr), params, None)
+        status = driver.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function.kernel.ptr), params, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernelEx: CUresult {status}")
 
-    def median_us(exits, dependent, signal, runs=30):
+    def median_us(exits, dependent, signal, runs=200):
         times = []
         for _ in range(runs + 3):
             start, stop = cp.cuda.Event(), cp.cuda.Event()
             start.record(stream)
-            launch(busy, sms * 8, 256, 0, (x, y, n, 20000, signal), False)
+            launch(busy, sms * 8, 256, 0, (x, y, n, 2000, signal), False)
             for _ in range(exits):
                 launch(early_exit, EXIT_BLOCKS, 256, SHARED, (flags, y, n), dependent)
             stop.record(stream)
