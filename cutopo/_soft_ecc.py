@@ -108,14 +108,6 @@ def _checked_on_device(image, thresholds) -> bool:
 _DEVICE_CALLS = RepeatedCalls()
 
 
-class _Repeat(NamedTuple):
-    """A repeated CuPy call (_device_call): the first call's _Config (no arrays) and this
-    call's lambda and band half-width."""
-    kept: _Config
-    lam: np.generic
-    w: float
-
-
 @functools.lru_cache(maxsize=256)
 def _lambda_and_halfwidth(dtype: np.dtype, value: float):
     """(lambda, w) of a positive finite scale value in the computation dtype (memoized: the
@@ -125,8 +117,10 @@ def _lambda_and_halfwidth(dtype: np.dtype, value: float):
 
 
 def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
-    """A :class:`_Repeat` for a repeated CuPy call (see _DEVICE_CALLS), the _Config of a first
-    one (_prepare's, with its plan when kept for the next), or None: _prepare's turn. A first
+    """A repeated CuPy call's (the first call's _Config, without arrays; this call's lambda
+    and band half-width): a plain tuple, told from a _Config by its type (see _DEVICE_CALLS);
+    the _Config of a first one (_prepare's, with its plan when kept for the next), or None:
+    _prepare's turn. A first
     call is kept when the kernels check the thresholds' values (float CuPy thresholds used as
     they are) and the batch is not empty."""
     key = _DEVICE_CALLS.key((image, thresholds), (ndim, connectivity, boundary), scale)
@@ -145,7 +139,8 @@ def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
     value = float(scale)
     if not 0.0 < value < math.inf:  # NaN fails too: _prepare raises
         return None
-    return _Repeat(kept, *_lambda_and_halfwidth(kept.dtype, value))
+    lam, w = _lambda_and_halfwidth(kept.dtype, value)
+    return (kept, lam, w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +176,7 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     """(curve, residuals); ``_keep=False`` (the plain call, which has no backward) keeps no
     entries on the GPU."""
     cfg = _device_call(image, thresholds, scale, ndim, connectivity, boundary)
-    if type(cfg) is _Repeat:  # straight to the launches; the _Config is made after them
+    if type(cfg) is tuple:  # a repeated call: straight to the launches, the _Config after them
         kept, lam, w = cfg
         out, residual, word = _soft_ecc_cupy.planned_forward(kept.plan, image, thresholds, lam, w,
                                                              _keep)
@@ -379,10 +374,11 @@ def soft_ecc(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     a first pass, run the band work from that list in a second, and sweep again only the
     volumes whose list overflowed (faster on smooth volumes, where the critical voxels are
     few; the list is then the residual). Made by :func:`cutopo.vjp`, that first pass also
-    zeroes the image's cotangent. A call of either kind, once its kernels are queued, makes
-    the arrays of the next call of the same kind and shapes on the same thread and stream
-    (one call's worth per thread, at most 256 MiB), so that a repeated call (a training
-    loop) launches without allocating first. Work from a list runs
+    zeroes the image's cotangent. A plain call, once its kernels are queued, makes the
+    arrays of the next call of the same kind and shapes on the same thread and stream (one
+    call's worth per thread, at most 256 MiB), and a call made by :func:`cutopo.vjp` makes
+    them once its pullback's kernels are, so that a repeated call (a training loop) launches
+    without allocating first. Work from a list runs
     transposed in float32: a lane per entry evaluates its band, a lane per threshold sums a
     window of them. The entries are the same as on the CPU; the sums are formed in a
     different order and the sigmoids by CUDA's ``exp``, so the results agree to the

@@ -21,7 +21,8 @@ them instead of sweeping the image again, and sweeps the others. Such a forward 
 backward's outputs, which its :class:`Residual` holds (d_image up to BACKWARD_D_IMAGE_MAX_BYTES);
 the listed 3D forward zeroes that d_image in its first launch, and the backward writes the
 listed voxels alone. Every forward launches on the arrays that the previous call of its kind
-made for it once its own launches were queued (cutopo._cuda.workspace.made_ahead).
+made for it (cutopo._cuda.workspace.made_ahead): a plain forward makes them once its launches
+are queued, a forward with a backward once that backward's launches are.
 """
 from __future__ import annotations
 
@@ -124,13 +125,26 @@ class Residual:
     outputs made by the forward (SoftEccPlan.launch_forward: d_image, already zeroed by the
     listed forward; d_t and d_scale in the computation dtype), for the first backward
     (:meth:`take_outputs`; the pullback may run again and must not write into the arrays an
-    earlier call returned)."""
+    earlier call returned), and the making of the next call's arrays (:meth:`make_next`)."""
 
-    __slots__ = ("kept", "_outputs")
+    __slots__ = ("kept", "_outputs", "_next")
 
-    def __init__(self, kept, d_image=None, d_t=None, d_scale=None, zeroed=False):
+    def __init__(self, kept, d_image=None, d_t=None, d_scale=None, zeroed=False, make_next=None):
         self.kept = kept
         self._outputs = [] if d_t is None else [(d_image, d_t, d_scale, bool(zeroed))]
+        self._next = [] if make_next is None else [make_next]
+
+    def make_next(self) -> None:
+        """Make the next call's arrays (made_ahead.make_next), once: called by the first
+        backward after its launches, while the GPU runs them. Not at the forward: in 2D the
+        forward's kernel ends before the host, were it making them there, could launch the
+        backward (the forty-eighth session's H100 host: ~15 us of allocations between the two,
+        the GPU idle; benchmarks/RESULTS.md)."""
+        try:
+            make = self._next.pop()
+        except IndexError:
+            return
+        make()
 
     def take_outputs(self):
         """(d_image or None, d_t, d_scale, whether d_image is zeroed), once (None after, or
@@ -376,14 +390,15 @@ class SoftEccPlan:
 
         The arrays (the curve, the kept entries, with ``keep`` the backward's outputs, which
         the Residual holds) are those that the previous call of the same kind made for this
-        one (made_ahead), else made here; once the launches are queued, this call makes the
-        next call's while the host waits for block 0's check word anyway.
+        one (made_ahead), else made here. The next call's are made once this call's launches
+        are queued (the host waits for block 0's check word next), or, for a forward with a
+        Residual, by its first backward once that one's are (Residual.make_next).
 
         ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
         the workspace is this plan's. So after the first call, whose launch checks every
         argument, the launch skips the checks (PreparedLaunch.call_checked_once)."""
-        ws = self.workspace("forward", self.words, np.uint64)
+        ws = self._workspaces.get("forward", self.words, np.uint64)  # (self.workspace's)
         word = check_word() if check else NULL
         token = word.arm() if check else 0
         kind = (shape, bool(keep))
@@ -397,8 +412,14 @@ class SoftEccPlan:
         else:
             self._forward.call_checked_once(x, t, ws, out, word, token,
                                             NULL if kept is None else kept, lam, w)
-        made_ahead.make_next(self, kind, lambda: self._arrays(shape, keep))
-        residual = Residual(kept, d_image, d_t, d_scale, zeroed) if keep and kept is not None else None
+        def make_next():
+            made_ahead.make_next(self, kind, lambda: self._arrays(shape, keep))
+
+        residual = None
+        if keep and kept is not None:
+            residual = Residual(kept, d_image, d_t, d_scale, zeroed, make_next)
+        else:
+            make_next()
         return out, residual, (word if check else None)
 
     def forward(self, x, t, shape, lam, w, check: bool, keep: bool = False):
@@ -552,4 +573,6 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
         arrays += [d for d in (d_t, d_scale) if d is not None]
         arrays.append(NULL if kept is None else kept.kept)
         plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w, zeroed)
+        if kept is not None:
+            kept.make_next()
     return d_image, d_t, d_scale

@@ -212,7 +212,7 @@ def vjp(op, *args, wrt=None, **kwargs):
     if len(args) != len(spec.arg_names):
         raise TypeError(f"{spec.name} takes {len(spec.arg_names)} positional arguments "
                         f"({', '.join(spec.arg_names)}), got {len(args)}")
-    chosen = _normalise_wrt(spec, wrt)
+    chosen = None if wrt is None else _normalise_wrt(spec, wrt)
     out, residuals = spec.forward(*args, **kwargs)
     # which cotangents the pullback computes, decided once the forward's kernels are queued
     # (microseconds of host time that would delay its first launch otherwise)

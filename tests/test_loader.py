@@ -201,6 +201,46 @@ def test_slot_writers_store_the_kernel_parameter_bytes(launch_mod):
     assert block.u64.tobytes() == b"".join(want for _, _, want in cases)
 
 
+def test_generated_slots_writer_stores_what_the_writers_store(launch_mod, rng):
+    """slots_writer (a prepared launch's repeated calls) writes the same bytes as
+    ParameterBlock.writer's triples for every kind, in any slot order and with fixed slots
+    between, leaves the fixed slots alone, and raises for a wrong count of values."""
+
+    class Pointer:
+        def __init__(self, ptr):
+            self.data = type("Memory", (), {"ptr": ptr})()
+
+    class Word:
+        def __init__(self, ptr):
+            self.device_ptr = ptr
+
+    makers = {"ptr:float32": lambda: Pointer(int(rng.integers(1, 1 << 48))),
+              "ptr:uint64": lambda: launch_mod.NULL,
+              launch_mod.HOST_WORD: lambda: Word(int(rng.integers(1, 1 << 48))),
+              "int32": lambda: np.int32(rng.integers(-(1 << 31), 1 << 31)),
+              "float32": lambda: np.float32(rng.standard_normal()),
+              "int64": lambda: np.int64(rng.integers(-(1 << 62), 1 << 62)),
+              launch_mod.CALL_INT64: lambda: np.int64(rng.integers(-(1 << 62), 1 << 62)),
+              "float64": lambda: np.float64(rng.standard_normal())}
+    kinds = list(makers) * 2
+    order = rng.permutation(len(kinds))
+    n = len(kinds) + 3
+    slots = tuple((int(i) + 1, kinds[k]) for k, i in enumerate(order))  # slot 0, the last two: fixed
+    values = [makers[kind]() for _, kind in slots]
+    fill = np.full(n, 0xABABABABABABABAB, dtype=np.uint64)
+    want, got = launch_mod.ParameterBlock(fill), launch_mod.ParameterBlock(fill)
+    for (i, kind), v in zip(slots, values):
+        want.write(i, kind, v)
+    write = launch_mod.slots_writer(slots)
+    write(got, tuple(values))
+    assert got.u64.tobytes() == want.u64.tobytes()
+    assert int(got.u64[0]) == int(got.u64[-1]) == 0xABABABABABABABAB
+    assert launch_mod.slots_writer(slots) is write  # made once per layout
+    with pytest.raises(ValueError):
+        write(got, tuple(values[:-1]))
+    launch_mod.slots_writer(())(got, ())
+
+
 def test_prepared_launch_keys(launch_mod):
     """launch()'s memo of prepared launches tells apart every scalar that converts differently
     (1, 1.0 and True; 0.0 and -0.0; int32 and int64 values), ignores the arrays, and leaves out

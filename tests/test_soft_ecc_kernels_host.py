@@ -559,6 +559,11 @@ def _scale_terms(cfg, g):
     return float(np.sum(np.abs(g.reshape(-1, cfg.t.size)[px.row[e], k] * px.c[e] * s * (1.0 - s) * diff)))
 
 
+def _held():
+    """This thread's arrays made ahead: ((plan, kind, stream), arrays), or None."""
+    return getattr(made_ahead._local, "held", None)
+
+
 def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary, resident,
                     capacity=None):
     """Runs soft_ecc_forward (checking the thresholds, keeping the entries), a plain forward
@@ -581,6 +586,7 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
                                                         keep=True)
         assert word.read() == 0, "the thresholds' check failed"
         assert _workspaces_zeroed(plan), "the forward left its workspace dirty"
+        assert _held() is None, "a forward with a backward made the next call's arrays"
         # the backward's outputs made by the forward (poisoned allocations), d_image zeroed
         # by the listed forward's list sweep
         made = residual._outputs[0]
@@ -591,6 +597,7 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
             assert not zeroed.any(), "the list sweep left d_image unzeroed"
         again, none = _soft_ecc_cupy.soft_ecc_forward(*args, cfg.periodic, plan=plan)
         assert none is None and _workspaces_zeroed(plan)
+        assert _held()[0][:2] == (plan, (image.shape, False)), "the plain forward's next arrays"
         results = []
         for needs, with_kept, t_out, s_out in BACKWARDS:
             dtypes = [real if d == "real" else np.dtype(d or "float64") for d in (t_out, s_out)]
@@ -599,6 +606,10 @@ def _check_soft_ecc(emulator, rng, image, t, scale, ndim, connectivity, boundary
             assert _workspaces_zeroed(plan), f"the backward {needs} left its workspace dirty"
             if len(results) == 1:
                 first_d_image = results[0][0].copy()
+                # the first backward with the Residual made its forward's next arrays, once
+                next_arrays = _held()
+                assert next_arrays[0][:2] == (plan, (image.shape, True))
+        assert _held() is next_arrays, "a later backward made the next call's arrays again"
         # the first backward (all three, with the entries) wrote into the forward's outputs,
         # and no later one into the arrays it returned
         assert all(r is m for r, m in zip(results[0], made[:3]))

@@ -176,11 +176,15 @@ def _current_device() -> int:
     return _cupy().cuda.runtime.getDevice()
 
 
+# on_device_of's context on the current device (a nullcontext has no state: one serves all)
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def on_device_of(array):
     """A context on a CuPy ``array``'s device: none at all when that is the current one (a
     Device context costs microseconds per call)."""
     if array.data.device_id == _current_device():
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     return array.device
 
 
@@ -419,6 +423,28 @@ class ParameterBlock:
         view[index] = value if getter is None else getter(value)
 
 
+@functools.lru_cache(maxsize=None)
+def slots_writer(slots: tuple):
+    """``write(block, values)``: stores ``values`` (converted, one per slot) in the slots
+    ``slots`` ((index, kind) pairs) of a ParameterBlock, as :meth:`ParameterBlock.writer`'s
+    triples do, in straight-line code made once per layout: a prepared launch's call-time slots
+    at every call, where a loop over the triples cost ~0.06 us more a slot on the build machine
+    (an attribute getter's call, the loop's unpacking). Raises ValueError for a count of
+    values other than the slots'."""
+    sample = ParameterBlock(np.zeros(max([i for i, _ in slots], default=0) + 1, dtype=np.uint64))
+    views = {id(getattr(sample, name)): name for name in ("u64", "i64", "f64", "i32", "f32")}
+    reads = {id(None): "", id(_ARRAY_POINTER): ".data.ptr", id(_WORD_POINTER): ".device_ptr"}
+    names = [f"v{k}" for k in range(len(slots))]
+    lines = ["def write(block, values):",
+             f"    ({''.join(n + ', ' for n in names)}) = values"]
+    for name, (i, kind) in zip(names, slots):
+        view, index, getter = sample.writer(i, kind)
+        lines.append(f"    block.{views[id(view)]}[{index}] = {name}{reads[id(getter)]}")
+    namespace: dict = {}
+    exec("\n".join(lines), namespace)  # noqa: S102 - source made above from ints and names
+    return namespace["write"]
+
+
 class PreparedLaunch:
     """A launch whose geometry and most arguments are fixed: per call only a few change.
 
@@ -449,6 +475,7 @@ class PreparedLaunch:
                 template.write(i, k, a)
         self._template = template.u64
         self._function = self.kernel.kernel.ptr if self.kernel is not None else 0
+        self._write = slots_writer(tuple((i, kind) for i, _, kind in self._slot_kinds))
         self._local = threading.local()
         self._checked_once = False  # call_checked_once has checked one call
 
@@ -465,7 +492,8 @@ class PreparedLaunch:
         cupy.cuda.driver.launchKernel(self._function, self.grid, 1, 1, self.block, 1, 1,
                                       self.shared_mem, cupy.cuda.get_current_stream().ptr,
                                       block.address, 0)
-        _after_launch(self.sig)
+        if SYNC:
+            _after_launch(self.sig)
 
     def _check_device(self, device: int) -> None:
         if device != self.device:
@@ -499,9 +527,13 @@ class PreparedLaunch:
         memoized on exactly those properties is such a caller; anything else uses
         ``__call__``.
         """
-        block = self._block()
-        for (view, index, getter), a in zip(self._local.writers, values):
-            view[index] = a if getter is None else getter(a)
+        self._write_and_launch(values)
+
+    def _write_and_launch(self, values: tuple) -> None:
+        # call_prechecked's work, in as few calls as it takes: the launches of a repeated call,
+        # whose host time before its first launch a per-call timing pays in full
+        block = getattr(self._local, "block", None) or self._block()
+        self._write(block, values)
         if self.kernel is not None:
             self._launch(block)
 
@@ -510,7 +542,7 @@ class PreparedLaunch:
         call_prechecked's proof for every call after the first (a memoized plan that makes or
         checks its arrays itself), whose first call still checks them all."""
         if self._checked_once:
-            self.call_prechecked(*values)
+            self._write_and_launch(values)
         else:
             self(*values)
             self._checked_once = True

@@ -42,16 +42,18 @@ class RepeatedCalls(dict):
         checks passed on a call with this key, so equal keys pass them too.
         """
         cupy = _cupy()
-        if cupy is None or not (scale is NO_SCALE or type(scale) in FLOAT_SCALES):
+        scale_type = type(scale)
+        if cupy is None or not (scale is NO_SCALE or scale_type in FLOAT_SCALES):
             return None
         for value in static:
             if not (value is None or type(value) is int or type(value) is str):
                 return None
+        ndarray = cupy.ndarray
         for a in arrays:  # types first: a NumPy call must not ask CUDA for the current device
-            if type(a) is not cupy.ndarray:
+            if type(a) is not ndarray:
                 return None
         device = _current_device()
-        parts = [device, type(scale), static]
+        parts = [device, scale_type, static]
         for a in arrays:
             if a.data.device_id != device or not _c_contiguous(a):
                 return None

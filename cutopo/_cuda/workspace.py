@@ -37,15 +37,17 @@ class ZeroedWorkspaces(_KeptPerStream):
 
     def get(self, kind: str, words: int, dtype):
         """A zeroed device array of ``words`` elements of ``dtype`` for ``kind``, on the
-        current device and stream; the caller's kernels must leave it zeroed."""
+        current device and stream; the caller's kernels must leave it zeroed. A kind has one
+        size and dtype (a plan's workspaces are the same call after call)."""
         import cupy
 
-        if words * np.dtype(dtype).itemsize > self.keep_bytes:
-            return cupy.zeros(words, dtype=dtype)
         kept, key = self._slot(kind)
         ws = kept.get(key)
-        if ws is None:
-            ws = kept[key] = cupy.zeros(words, dtype=dtype)
+        if ws is not None and ws.size == words:  # kept, so within keep_bytes: the usual case
+            return ws
+        if words * np.dtype(dtype).itemsize > self.keep_bytes:
+            return cupy.zeros(words, dtype=dtype)
+        ws = kept[key] = cupy.zeros(words, dtype=dtype)
         return ws
 
     def kept(self) -> list:
@@ -88,8 +90,8 @@ class MadeAhead:
     What a call does before its first launch is host time that a per-call timing (and a
     training step) pays in full; each array made there cost ~2-5 us on the device machines'
     hosts (``cupy.ndarray``, a pool allocation). A plan whose calls make the same arrays call
-    after call makes the next call's right after queueing this call's launches, while the
-    GPU works (:meth:`make_next`), and the next call of the same kind on the same thread and
+    after call makes the next call's right after queueing launches (this call's, or those of
+    the backward that follows it), while the GPU works (:meth:`make_next`), and the next call of the same kind on the same thread and
     stream takes them (:meth:`take`) instead of making its own. Only one set is held per
     thread (a call of another plan or kind replaces it) and only up to ``max_bytes``, so what
     stays allocated between calls is at most one call's arrays, made on the stream that will
