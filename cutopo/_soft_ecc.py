@@ -120,9 +120,8 @@ def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
     """A repeated CuPy call's (the first call's _Config, without arrays; this call's lambda
     and band half-width): a plain tuple, told from a _Config by its type (see _DEVICE_CALLS);
     the _Config of a first one (_prepare's, with its plan when kept for the next), or None:
-    _prepare's turn. A first
-    call is kept when the kernels check the thresholds' values (float CuPy thresholds used as
-    they are) and the batch is not empty."""
+    _prepare's turn. A first call is kept when the kernels check the thresholds' values
+    (float CuPy thresholds used as they are) and the batch is not empty."""
     key = _DEVICE_CALLS.key((image, thresholds), (ndim, connectivity, boundary), scale)
     if key is None:
         return None

@@ -91,11 +91,12 @@ class MadeAhead:
     training step) pays in full; each array made there cost ~2-5 us on the device machines'
     hosts (``cupy.ndarray``, a pool allocation). A plan whose calls make the same arrays call
     after call makes the next call's right after queueing launches (this call's, or those of
-    the backward that follows it), while the GPU works (:meth:`make_next`), and the next call of the same kind on the same thread and
-    stream takes them (:meth:`take`) instead of making its own. Only one set is held per
-    thread (a call of another plan or kind replaces it) and only up to ``max_bytes``, so what
-    stays allocated between calls is at most one call's arrays, made on the stream that will
-    use them (the memory pool orders their reuse by that stream). The arrays are unwritten
+    the backward that follows it), while the GPU works (:meth:`make_next`), and the next call
+    of the same kind on the same thread and stream takes them (:meth:`take`) instead of
+    making its own. Only one set is held per thread (a call of another plan or kind replaces
+    it) and only up to ``max_bytes``, so what stays allocated between calls is at most one
+    call's arrays, made on the stream that will use them (the memory pool orders their reuse
+    by that stream). The arrays are unwritten
     (``cupy.ndarray``): the caller's kernels write every element that it hands back.
     """
 
