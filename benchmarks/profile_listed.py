@@ -1,9 +1,10 @@
 """Per-launch GPU times of the soft ECC forward + VJP where entries are kept (listed 3D forward,
 listed backward), for values of _soft_ecc_cupy.LISTED_WAVES.
 
-    python benchmarks/profile_listed.py [--waves 0.5,1,2] [--only TEXT]
+    python benchmarks/profile_listed.py [--waves 0.5,1,2] [--only TEXT] [--noise]
 
-For each case (smooth float32 images, T = 256, bench_soft's scale) and waves value, runs the
+For each case (smooth float32 images, or white noise with ``--noise``, whose lists overflow:
+the fallback launches' work; T = 256, bench_soft's scale) and waves value, runs the
 plan's launches directly (list sweep, listed band work, fused forward of the overflowed
 images; or the 2D fused forward keeping entries; then the backward's sweep launch, which
 zeroes d_image for the listed images unless the list sweep did (SoftEccPlan.zeroes_d_image,
@@ -31,7 +32,7 @@ CASES = [("256^3", (256, 256, 256), 3), ("1024^2", (1024, 1024), 2), ("64x256^2"
          ("512^3", (512, 512, 512), 3), ("4x128^3", (4, 128, 128, 128), 3)]
 
 
-def run(cp, name, shape, ndim, waves):
+def run(cp, name, shape, ndim, waves, noise=False):
     from cutopo import _soft_ecc_cupy
     from cutopo._band_numpy import band_halfwidth
     from cutopo._cuda.launch import NULL
@@ -39,7 +40,8 @@ def run(cp, name, shape, ndim, waves):
     f32 = np.dtype(np.float32)
     _soft_ecc_cupy.LISTED_WAVES = waves
     _soft_ecc_cupy.soft_ecc_plan.cache_clear()
-    image = smooth_image(cp, shape, ndim, 2.0, 1)
+    image = (cp.asarray(np.random.default_rng(1).random(shape, dtype=np.float32)) if noise
+             else smooth_image(cp, shape, ndim, 2.0, 1))
     t = cp.asarray(np.linspace(0, 1, T).astype(np.float32))
     lam = np.float32(4.0 * (T - 1))
     w = band_halfwidth(f32, lam)
@@ -87,7 +89,7 @@ def run(cp, name, shape, ndim, waves):
     sums = (float(out.astype(cp.float64).sum()), float(d_image.astype(cp.float64).sum()),
             float(cp.abs(d_image).astype(cp.float64).sum()), float(d_t.astype(cp.float64).sum()), float(d_s))
     grids = (plan._listed.grid if listed else None, plan.backward_launch(True, f32, f32, True).grid)
-    print(f"{name} waves={waves} grids (listed forward, listed backward) {grids}, "
+    print(f"{name}{' noise' if noise else ''} waves={waves} grids (listed forward, listed backward) {grids}, "
           f"{int(kept[0].get())} entries in image 0: " + ", ".join(f"{n} {m:.1f}" for n, m in zip(names, med))
           + f"; total {med.sum():.1f} us; sums {sums}", flush=True)
 
@@ -96,6 +98,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--waves", default="1", help="comma-separated LISTED_WAVES values ('none': the sweep's)")
     p.add_argument("--only", help="the cases whose name holds this")
+    p.add_argument("--noise", action="store_true", help="white noise instead of smooth images")
     args = p.parse_args()
     if not cutopo.gpu_available():
         print("# no GPU")
@@ -107,7 +110,7 @@ def main():
         if args.only and args.only not in name:
             continue
         for v in waves:
-            run(cp, name, shape, ndim, v)
+            run(cp, name, shape, ndim, v, args.noise)
     return 0
 
 
