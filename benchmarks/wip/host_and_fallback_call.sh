@@ -31,10 +31,11 @@ for r in 1 2 3; do for tree in ab/old ab/stream .; do
   echo
 done; done
 stamp ab
-for tree in ab/stream .; do
-  echo "[$tree profile_listed]"
-  PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 60 python3 $tree/benchmarks/profile_listed.py 2>&1 | tail -12
-done
+for r in 1 2; do for tree in ab/stream .; do for noise in "" --noise; do
+  printf "[$tree $r] "
+  PYTHONPATH="$PWD/$tree:$PYTHONPATH" timeout 60 python3 $tree/benchmarks/profile_listed.py --only 256^3 \
+      $noise 2>&1 | tail -1
+done; done; done
 stamp profile
 timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 -m "gpu and not slow" tests \
     --ignore=tests/test_soft_ecc_kernels_host.py > "$OUT/gpu_suite.log" 2>&1
