@@ -480,11 +480,10 @@ class PreparedLaunch:
         self._checked_once = False  # call_checked_once has checked one call
 
     def _block(self) -> ParameterBlock:
-        """This thread's parameter block, with its writers of the call-time slots."""
+        """This thread's parameter block."""
         block = getattr(self._local, "block", None)
         if block is None:
             block = self._local.block = ParameterBlock(self._template)
-            self._local.writers = [block.writer(i, kind) for i, _, kind in self._slot_kinds]
         return block
 
     def _launch(self, block: ParameterBlock) -> None:
@@ -510,11 +509,9 @@ class PreparedLaunch:
         sig = self.sig
         self._check_device(device)
         block = self._block()
-        for (i, dtype, kind), (view, index, getter), a in zip(self._slot_kinds, self._local.writers,
-                                                              values):
-            a = (_check_array(a, dtype, i, sig, device) if dtype is not None
-                 else _convert(a, kind, i, sig))
-            view[index] = a if getter is None else getter(a)
+        self._write(block, tuple(_check_array(a, dtype, i, sig, device) if dtype is not None
+                                 else _convert(a, kind, i, sig)
+                                 for (i, dtype, kind), a in zip(self._slot_kinds, values)))
         if self.kernel is not None:
             self._launch(block)
 
