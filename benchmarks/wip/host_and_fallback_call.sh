@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the forty-ninth session's two parked patches (benchmarks/RESULTS.md), ~4 min:
+# One device call for the forty-ninth session's two parked patches (benchmarks/RESULTS.md), ~5 min:
 #  * stream_once.patch: the soft ECC forward and backward read the current stream once (the
 #    workspace, the check word's arm, the arrays made ahead and every launch take it; ~0.3 us
 #    a read on the device hosts, three reads fewer before the 3D forward's first launch), and
@@ -37,6 +37,9 @@ for r in 1 2; do for tree in ab/stream .; do for noise in "" --noise; do
       $noise 2>&1 | tail -1
 done; done; done
 stamp profile
+# issue 3's table on the patched tree (the baseline on the same run), for RESULTS
+timeout 120 python3 benchmarks/bench_soft.py --only soft_ecc > "$OUT/bench_soft.log" 2>&1
+grep -E "forward\+VJP|copy" "$OUT/bench_soft.log" | head -8; stamp bench
 timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 -m "gpu and not slow" tests \
     --ignore=tests/test_soft_ecc_kernels_host.py > "$OUT/gpu_suite.log" 2>&1
 tail -3 "$OUT/gpu_suite.log"; stamp suite
