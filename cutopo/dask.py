@@ -37,7 +37,9 @@ The task graph is built directly (no map_blocks/rechunk/reduction layers), one t
   crosses from one "edges" task per chunk (a tuple of views: the planes that faces need of it);
 * the graph is minimal as built, so the result (an Array subclass) skips Dask's array
   optimisation when the input needs none either (chunks in memory, or one element-wise map
-  over them: :func:`_optimize`), ~0.3-0.45 ms per compute on the H200's host;
+  over them: :func:`_optimize`), ~0.3-0.45 ms per compute on the H200's host; and its own
+  ``compute()`` hands the graph straight to Dask's synchronous or threaded scheduler, without
+  Dask's expression layer (:meth:`_Counts.compute`);
 * the per-task histograms stay where they were computed (device arrays for CuPy chunks, no
   host synchronisation in any task) and are added by a tree sum of fan-in :data:`SPLIT_EVERY`,
   whose last task also cumulates: one task per batch chunk of the result;
@@ -469,11 +471,44 @@ def _optimize(dsk, keys, **kwargs):
     return da.Array.__dask_optimize__(dsk, keys, **kwargs)
 
 
+def _local_schedulers():
+    """Dask's schedulers that run the graph in this process: the synchronous and the threaded
+    one (get_scheduler's results for "sync" and "threads")."""
+    from dask import local, threaded
+
+    return local.get_sync, threaded.get
+
+
 class _Counts(da.Array):
     """The lazy result of :func:`ecc` and :func:`ect`: a ``dask.array.Array`` in every respect
-    but its graph optimisation (:func:`_optimize`). What is derived from it is a plain Array."""
+    but its graph optimisation (:func:`_optimize`) and the way its own ``compute()`` reaches
+    Dask's synchronous and threaded schedulers (:meth:`compute`). What is derived from it is a
+    plain Array."""
 
     __dask_optimize__ = staticmethod(_optimize)
+
+    def compute(self, **kwargs):
+        """``dask.array.Array.compute``; under Dask's synchronous or threaded scheduler, the
+        graph (optimised by :func:`_optimize` unless ``optimize_graph=False``) goes to that
+        scheduler straight, as ``dask.compute`` did before Dask's expression layer. That layer
+        (the collection wrapped into expressions, tokenised and optimised, a finalising task
+        added) reorders nothing in a graph that is minimal as built, and costs ~0.4 ms a compute
+        on the build machine, ~1 ms on the device machines' hosts: a fifth of a 1024^3 uint8
+        ECC on one GPU (benchmarks/RESULTS.md). Any other scheduler (a dask.distributed client,
+        processes) goes through ``dask.compute`` as usual; so does ``dask.compute(result)``."""
+        from dask.base import get_scheduler
+
+        if "get" not in kwargs and "traverse" not in kwargs:  # (errors of dask.compute's)
+            schedule = get_scheduler(scheduler=kwargs.get("scheduler"), collections=[self])
+            if schedule in _local_schedulers():
+                rest = {k: v for k, v in kwargs.items() if k not in ("scheduler", "optimize_graph")}
+                keys = self.__dask_keys__()
+                graph = self.__dask_graph__()
+                if kwargs.get("optimize_graph", True):
+                    graph = self.__dask_optimize__(graph, keys)
+                finalize, args = self.__dask_postcompute__()
+                return finalize(schedule(graph, keys, **rest), *args)
+        return super().compute(**kwargs)
 
 
 def _nimg(block, ndim):

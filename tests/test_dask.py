@@ -204,6 +204,57 @@ def test_graph_optimisation_only_for_inputs_that_need_it(rng):
     np.testing.assert_array_equal(kept.compute(), want)
 
 
+def test_compute_goes_straight_to_the_local_schedulers(rng, monkeypatch):
+    """A result's own compute() under the synchronous or threaded scheduler (named, from the
+    config or the default) skips Dask's expression layer and still runs every task through
+    that scheduler (its callbacks see them) and optimises an input that needs it; any other
+    scheduler and dask.compute take Dask's usual route. The curves are exact every way."""
+    import dask
+    import dask.base
+    from dask.callbacks import Callback
+
+    layers = []
+    to_expr = dask.base.collections_to_expr
+    monkeypatch.setattr(dask.base, "collections_to_expr",
+                        lambda *a, **k: layers.append(1) or to_expr(*a, **k))
+    img = tied_across_faces(rng, (2, 26, 11, 9), (1, (7, 9, 10), 11, 9), 3, levels=4)
+    t = [0.0, 1.0, 2.0, 3.0]
+    want = cutopo.ecc(img, t, ndim=3)
+    d = da.from_array(img, chunks=(1, (7, 9, 10), 11, 9))
+
+    class Seen(Callback):
+        def __init__(self):
+            super().__init__()
+            self.keys = []
+
+        def _pretask(self, key, dsk, state):
+            self.keys.append(key)
+
+    for kwargs in ({"scheduler": "sync"}, {"scheduler": "threads", "num_workers": 2},
+                   {"scheduler": "synchronous", "optimize_graph": False}, {}):
+        lazy = cd.ecc(d, t, ndim=3)
+        with Seen() as seen:
+            np.testing.assert_array_equal(lazy.compute(**kwargs), want)
+        ours = {k for k in dict(lazy.__dask_graph__()) if k[0].startswith("cutopo-")}
+        assert ours and ours <= set(seen.keys)  # (the chunks themselves are data, not tasks)
+    with dask.config.set(scheduler="sync"):
+        np.testing.assert_array_equal(cd.ecc(d[:, 3:], t, ndim=3).compute(),
+                                      cutopo.ecc(img[:, 3:], t, ndim=3))
+        np.testing.assert_array_equal(cd.ect(d > 1, [[1.0, 0.0, 0.0]], 4).compute(),
+                                      cutopo.ect(img > 1, [[1.0, 0.0, 0.0]], 4))
+    assert layers == []
+    np.testing.assert_array_equal(dask.compute(lazy, scheduler="sync")[0], want)
+    assert layers == [1]
+    own = []  # a scheduler of the caller's own: dask.compute's route, with it
+
+    def get(dsk, keys, **kwargs):
+        own.append(1)
+        return dask.local.get_sync(dsk, keys, **kwargs)
+
+    np.testing.assert_array_equal(lazy.compute(scheduler=get), want)
+    assert layers == [1, 1] and own == [1]
+
+
 @pytest.mark.parametrize("interior", ["masked", "plain"])
 def test_tree_sum(rng, monkeypatch, interior):
     """Several levels of the tree sum, batch chunks, both ways of counting chunk interiors."""
@@ -227,6 +278,8 @@ def test_distributed(rng):
                             dashboard_address=None) as client:
         curve = client.compute(cd.ecc(d, t, connectivity=3)).result()
         transform = client.compute(cd.ect(d > 0, [[0.0, 1.0, 0.5]], 5)).result()
+        by_default = cd.ecc(d, t, connectivity=3).compute()  # the client is the default scheduler
+    np.testing.assert_array_equal(by_default, cutopo.ecc(img, t, connectivity=3))
     np.testing.assert_array_equal(curve, cutopo.ecc(img, t, connectivity=3))
     np.testing.assert_array_equal(transform, cutopo.ect(img > 0, [[0.0, 1.0, 0.5]], 5))
 
