@@ -52,7 +52,7 @@ def stand_in_device():
         def __init__(self):
             self.device_ptr = 0
 
-        def arm(self):
+        def arm(self, stream=None):
             return 1
 
         def read(self):
@@ -86,9 +86,9 @@ def main(argv=None):
     marks = []
     launch_kernel = launch.PreparedLaunch._launch
 
-    def probed(self, block):
+    def probed(self, block, *stream):
         marks.append(time.perf_counter())
-        return launch_kernel(self, block)
+        return launch_kernel(self, block, *stream)
 
     launch.PreparedLaunch._launch = probed
     rows = []

@@ -61,9 +61,9 @@ def install(probes, cp, detailed):
 
     launch_kernel = launch.PreparedLaunch._launch
 
-    def probed_launch(self, block):
+    def probed_launch(self, block, *stream):
         probes.mark("launch " + self.sig.name.split("<")[0].split("::")[-1])
-        return launch_kernel(self, block)
+        return launch_kernel(self, block, *stream)
 
     launch.PreparedLaunch._launch = probed_launch
     if not detailed:

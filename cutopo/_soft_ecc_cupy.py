@@ -354,10 +354,11 @@ class SoftEccPlan:
         self._backward = {}
         self._workspaces = ZeroedWorkspaces(KEEP_WORKSPACE_BYTES)
 
-    def workspace(self, kind: str, words: int, dtype):
+    def workspace(self, kind: str, words: int, dtype, stream: int | None = None):
         """A zeroed workspace of ``words`` elements for ``kind`` ("forward", "backward"), kept
-        per thread and stream up to KEEP_WORKSPACE_BYTES (the kernels leave it zeroed)."""
-        return self._workspaces.get(kind, words, dtype)
+        per thread and stream up to KEEP_WORKSPACE_BYTES (the kernels leave it zeroed);
+        ``stream``: the current stream's pointer, if the caller has read it."""
+        return self._workspaces.get(kind, words, dtype, stream)
 
     def _arrays(self, shape, keep: bool):
         """The arrays of a forward of images of ``shape``: (kept entries or None, the curve,
@@ -398,20 +399,25 @@ class SoftEccPlan:
         computation dtype) come from soft_ecc_forward, contiguous and on the current device;
         the workspace is this plan's. So after the first call, whose launch checks every
         argument, the launch skips the checks (PreparedLaunch.call_checked_once)."""
-        ws = self._workspaces.get("forward", self.words, np.uint64)  # (self.workspace's)
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()  # read once for all of the call (~0.3 us a read)
+        ptr = stream.ptr
+        ws = self._workspaces.get("forward", self.words, np.uint64, ptr)  # (self.workspace's)
         word = check_word() if check else NULL
-        token = word.arm() if check else 0
+        token = word.arm(stream) if check else 0
         kind = (shape, bool(keep))
-        arrays = made_ahead.take(self, kind)
+        arrays = made_ahead.take(self, kind, ptr)
         kept, out, d_image, d_t, d_scale = arrays if arrays is not None else self._arrays(shape, keep)
         zeroed = self.zeroes_d_image and d_image is not None
         if self._list is not None:  # the listed forward: its list is the kept entries
-            self._list.call_checked_once(x, t, ws, word, token, kept, d_image if zeroed else NULL)
-            self._listed.call_checked_once(x, t, ws, out, kept, lam, w)
-            self._overflowed.call_checked_once(x, t, ws, out, lam, w, kept)
+            self._list.call_checked_once(x, t, ws, word, token, kept, d_image if zeroed else NULL,
+                                         stream=ptr)
+            self._listed.call_checked_once(x, t, ws, out, kept, lam, w, stream=ptr)
+            self._overflowed.call_checked_once(x, t, ws, out, lam, w, kept, stream=ptr)
         else:
             self._forward.call_checked_once(x, t, ws, out, word, token,
-                                            NULL if kept is None else kept, lam, w)
+                                            NULL if kept is None else kept, lam, w, stream=ptr)
         def make_next():
             made_ahead.make_next(self, kind, lambda: self._arrays(shape, keep))
 
@@ -456,15 +462,18 @@ class SoftEccPlan:
             self._backward[key] = launch_
         return launch_
 
-    def backward(self, need_image, t_dtype, s_dtype, arrays, lam, w, zeroed=False) -> None:
+    def backward(self, need_image, t_dtype, s_dtype, arrays, lam, w, zeroed=False, stream=None) -> None:
         """Launch the backward (see backward_launch) on ``arrays``, which soft_ecc_backward
         makes as forward's are made: checked at the launch's first call only. With kept
         entries (the last array), the sweep of the images whose list overflowed, then the
         listed images' entries and the final write (band::soft_ecc_fused_backward).
-        ``zeroed``: d_image was zeroed by the forward."""
-        self.backward_launch(need_image, t_dtype, s_dtype, zeroed=zeroed).call_checked_once(*arrays, lam, w)
+        ``zeroed``: d_image was zeroed by the forward; ``stream``: the current stream's pointer,
+        if the caller has read it."""
+        self.backward_launch(need_image, t_dtype, s_dtype, zeroed=zeroed).call_checked_once(
+            *arrays, lam, w, stream=stream)
         if arrays[-1] is not NULL:
-            self.backward_launch(need_image, t_dtype, s_dtype, True).call_checked_once(*arrays, lam, w)
+            self.backward_launch(need_image, t_dtype, s_dtype, True).call_checked_once(
+                *arrays, lam, w, stream=stream)
 
 
 _WORDS = threading.local()
@@ -568,11 +577,12 @@ def soft_ecc_backward(image, t, lam, w, ndim, tconn, g, needs, periodic=False,
                 if d is not None:
                     d.fill(0)
             return d_image, d_t, d_scale
-        ws = plan.workspace("backward", backward_workspace_words(T), np.float64)
+        stream = cupy.cuda.get_current_stream().ptr  # read once for the workspace and launches
+        ws = plan.workspace("backward", backward_workspace_words(T), np.float64, stream)
         arrays = [x, _thresholds_on_device(t), g] + ([d_image] if need_image else []) + [ws]
         arrays += [d for d in (d_t, d_scale) if d is not None]
         arrays.append(NULL if kept is None else kept.kept)
-        plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w, zeroed)
+        plan.backward(bool(need_image), t_dtype, s_dtype, arrays, lam, w, zeroed, stream)
         if kept is not None:
             kept.make_next()
     return d_image, d_t, d_scale

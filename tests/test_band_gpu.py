@@ -774,8 +774,8 @@ def test_soft_ecc_made_ahead_arrays_are_fresh(rng, monkeypatch, force_listed_for
     taken = []
     real_take = made_ahead.take
 
-    def take(owner, kind):
-        arrays = real_take(owner, kind)
+    def take(owner, kind, *stream):
+        arrays = real_take(owner, kind, *stream)
         taken.append(arrays is not None)
         for a in arrays or ():
             if a is not None:  # (reshape: a 0-d array takes no view of another itemsize)

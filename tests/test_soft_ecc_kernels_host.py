@@ -307,7 +307,7 @@ class _Word:
         self.host = np.zeros(1, np.uint64)
         self.token = 0
 
-    def arm(self) -> int:
+    def arm(self, stream=None) -> int:
         self.token += 1
         return self.token
 
@@ -339,7 +339,10 @@ def _launch_class(emulator, log, instances=None):
             log.append((self.sig.name, self.grid, self.shared_mem))
             _run(emulator, self.sig, self.grid, self.block, self.shared_mem, args, instances)
 
-        call_checked_once = __call__
+        def call_checked_once(self, *values, stream=None):
+            # a stream read by the caller is the current one (the stand-in's pointer, 0)
+            assert stream in (None, 0), (self.sig.name, stream)
+            self(*values)
 
     return EmulatedLaunch
 

@@ -104,12 +104,13 @@ class PinnedWord:
         self._token = 0
         self._stream = None
 
-    def arm(self) -> int:
-        """The token of the next launch that writes this word (on the current stream)."""
+    def arm(self, stream=None) -> int:
+        """The token of the next launch that writes this word (on the current stream; ``stream``:
+        that ``cupy.cuda.Stream``, if the caller has it)."""
         import cupy
 
         self._token = self._token % self._TOKENS + 1
-        self._stream = cupy.cuda.get_current_stream()
+        self._stream = cupy.cuda.get_current_stream() if stream is None else stream
         return self._token
 
     def read(self) -> int:

@@ -21,27 +21,29 @@ class _KeptPerStream:
         self.keep_bytes = keep_bytes
         self._local = threading.local()
 
-    def _slot(self, kind: str):
-        """(this thread's kept workspaces, the key of ``kind`` on the current stream)."""
+    def _slot(self, kind: str, stream: int | None = None):
+        """(this thread's kept workspaces, the key of ``kind`` on the current stream, whose
+        pointer the caller may have read: ``stream``)."""
         import cupy
 
         kept = getattr(self._local, "workspaces", None)
         if kept is None:
             kept = self._local.workspaces = {}
-        return kept, (kind, cupy.cuda.get_current_stream().ptr)
+        return kept, (kind, cupy.cuda.get_current_stream().ptr if stream is None else stream)
 
 
 class ZeroedWorkspaces(_KeptPerStream):
     """A plan's zeroed workspaces, one per (kind, thread, stream); those above ``keep_bytes``
     are made zeroed at every call instead (a large batch's would stay allocated)."""
 
-    def get(self, kind: str, words: int, dtype):
+    def get(self, kind: str, words: int, dtype, stream: int | None = None):
         """A zeroed device array of ``words`` elements of ``dtype`` for ``kind``, on the
-        current device and stream; the caller's kernels must leave it zeroed. A kind has one
-        size and dtype (a plan's workspaces are the same call after call)."""
+        current device and stream (``stream``: its pointer, if the caller has read it); the
+        caller's kernels must leave it zeroed. A kind has one size and dtype (a plan's
+        workspaces are the same call after call)."""
         import cupy
 
-        kept, key = self._slot(kind)
+        kept, key = self._slot(kind, stream)
         ws = kept.get(key)
         if ws is not None and ws.size == words:  # kept, so within keep_bytes: the usual case
             return ws
@@ -110,15 +112,16 @@ class MadeAhead:
 
         return cupy.cuda.get_current_stream().ptr
 
-    def take(self, owner, kind):
+    def take(self, owner, kind, stream: int | None = None):
         """The arrays made for ``owner``'s call of ``kind`` (hashable, compared with ==) on the
-        current stream, or None (then the caller makes them); handed out once."""
+        current stream (``stream``: its pointer, if the caller has read it), or None (then the
+        caller makes them); handed out once."""
         held = getattr(self._local, "held", None)
         if held is None:
             return None
         self._local.held = None
         key, arrays = held
-        return arrays if key == (owner, kind, self._stream()) else None
+        return arrays if key == (owner, kind, self._stream() if stream is None else stream) else None
 
     def make_next(self, owner, kind, make) -> None:
         """Make ``make()`` (a tuple of arrays, None where there is none) for the next call of
