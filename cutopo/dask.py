@@ -493,8 +493,9 @@ class _Counts(da.Array):
         scheduler straight, as ``dask.compute`` did before Dask's expression layer. That layer
         (the collection wrapped into expressions, tokenised and optimised, a finalising task
         added) reorders nothing in a graph that is minimal as built, and costs ~0.4 ms a compute
-        on the build machine, ~1 ms on the device machines' hosts: a fifth of a 1024^3 uint8
-        ECC on one GPU (benchmarks/RESULTS.md). Any other scheduler (a dask.distributed client,
+        on the build machine, 0.45-1 ms on an H100 machine's host, where a 1024^3 uint8 ECC in
+        four chunks went from 1.31-1.49x to 1.23-1.25x of the single call's time
+        (benchmarks/RESULTS.md, fifty-first session). Any other scheduler (a dask.distributed client,
         processes) goes through ``dask.compute`` as usual; so does ``dask.compute(result)``."""
         from dask.base import get_scheduler
 
