@@ -74,7 +74,8 @@ import numpy as np
 
 try:
     import dask.array as da
-    from dask.base import tokenize
+    from dask import local, threaded
+    from dask.base import get_scheduler, tokenize
     from dask.blockwise import Blockwise
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
     from dask.sizeof import sizeof
@@ -471,12 +472,9 @@ def _optimize(dsk, keys, **kwargs):
     return da.Array.__dask_optimize__(dsk, keys, **kwargs)
 
 
-def _local_schedulers():
-    """Dask's schedulers that run the graph in this process: the synchronous and the threaded
-    one (get_scheduler's results for "sync" and "threads")."""
-    from dask import local, threaded
-
-    return local.get_sync, threaded.get
+# Dask's schedulers that run the graph in this process: get_scheduler's results for "sync"
+# and "threads" (_Counts.compute hands its graph straight to them)
+_LOCAL_SCHEDULERS = (local.get_sync, threaded.get)
 
 
 class _Counts(da.Array):
@@ -497,11 +495,9 @@ class _Counts(da.Array):
         four chunks went from 1.31-1.49x to 1.23-1.25x of the single call's time
         (benchmarks/RESULTS.md, fifty-first session). Any other scheduler (a dask.distributed client,
         processes) goes through ``dask.compute`` as usual; so does ``dask.compute(result)``."""
-        from dask.base import get_scheduler
-
         if "get" not in kwargs and "traverse" not in kwargs:  # (errors of dask.compute's)
             schedule = get_scheduler(scheduler=kwargs.get("scheduler"), collections=[self])
-            if schedule in _local_schedulers():
+            if schedule in _LOCAL_SCHEDULERS:
                 rest = {k: v for k, v in kwargs.items() if k not in ("scheduler", "optimize_graph")}
                 keys = self.__dask_keys__()
                 graph = self.__dask_graph__()

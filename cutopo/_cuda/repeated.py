@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from .._array import _cupy
-from .launch import _current_device
+from .launch import _c_contiguous, _current_device
 
 # the scales whose check is their value's alone (float(scale) is exact)
 FLOAT_SCALES = (float, np.float32, np.float64)
@@ -55,9 +55,7 @@ class RepeatedCalls(dict):
         device = _current_device()
         parts = [device, scale_type, static]
         for a in arrays:
-            # _c_contiguous written out (CuPy's internal flag, else the public one)
-            flag = getattr(a, "_c_contiguous", None)
-            if a.data.device_id != device or not (a.flags.c_contiguous if flag is None else flag):
+            if a.data.device_id != device or not _c_contiguous(a):
                 return None
             parts.append(a.shape)
             parts.append(a.dtype)
