@@ -177,8 +177,10 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     cfg = _device_call(image, thresholds, scale, ndim, connectivity, boundary)
     if type(cfg) is tuple:  # a repeated call: straight to the launches, the _Config after them
         kept, lam, w = cfg
-        out, residual, word = _soft_ecc_cupy.planned_forward(kept.plan, image, thresholds, lam, w,
-                                                             _keep)
+        # (the host time before the first launch is time that a per-call timing pays in full,
+        # most of it cold: each call of the path costs; straight to the plan's launches)
+        out, residual, word = kept.plan.launch_forward(image, thresholds, image.shape, lam, w, True,
+                                                       _keep)
         # made while the kernel starts (the host waits for block 0's check word next)
         cfg = _Config(image, thresholds, lam, *kept[3:12], w, kept.plan, residual)
         raise_failed_thresholds(word.read())
@@ -186,8 +188,8 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
     if cfg is None:
         cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     if cfg.plan is not None:  # a planned device call: its arguments are as the plan takes them
-        out, kept, word = _soft_ecc_cupy.planned_forward(cfg.plan, cfg.image, cfg.t, cfg.scale,
-                                                         cfg.w, _keep)
+        out, kept, word = cfg.plan.launch_forward(cfg.image, cfg.t, cfg.image.shape, cfg.scale,
+                                                  cfg.w, True, _keep)
         raise_failed_thresholds(word.read())
         return out, (cfg if kept is None else cfg._replace(kept=kept))
     if is_cupy_array(cfg.image):

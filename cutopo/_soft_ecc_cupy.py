@@ -378,6 +378,13 @@ class SoftEccPlan:
         return (kept, out, d_image, device_empty(self.T, dtype=self.real),
                 device_empty((), dtype=self.real))
 
+    def _forward_arrays(self, shape, keep: bool, stream: int | None = None):
+        """(this plan's forward workspace on the current stream (``stream``: its pointer, if
+        read), then :meth:`_arrays`): what a forward takes from made_ahead. The workspace
+        travels with the arrays made ahead, which are made and taken on one stream, so that a
+        repeated call skips its lookup before its first launch."""
+        return (self._workspaces.get("forward", self.words, np.uint64, stream),) + self._arrays(shape, keep)
+
     def launch_forward(self, x, t, shape, lam, w, check: bool, keep: bool = False):
         """Launch the forward of images of ``shape`` (batch and spatial axes) and return (the
         curve (*batch, T) in the computation dtype, a :class:`Residual` for :meth:`backward`
@@ -389,26 +396,32 @@ class SoftEccPlan:
         overflowed; its list holds every critical pixel (band or not) and is the kept entries,
         and with ``keep`` its sweep zeroes the backward's d_image (zeroes_d_image).
 
-        The arrays (the curve, the kept entries, with ``keep`` the backward's outputs, which
-        the Residual holds) are those that the previous call of the same kind made for this
+        The arrays (the workspace, the curve, the kept entries, with ``keep`` the backward's
+        outputs, which the Residual holds) are those that the previous call of the same kind made for this
         one (made_ahead), else made here. The next call's are made once this call's launches
         are queued (the host waits for block 0's check word next), or, for a forward with a
         Residual, by its first backward once that one's are (Residual.make_next).
 
-        ``x`` (the plan's input dtype as the kernels view it), ``t`` and ``lam`` (the plan's
-        computation dtype) come from soft_ecc_forward, contiguous and on the current device;
-        the workspace is this plan's. So after the first call, whose launch checks every
-        argument, the launch skips the checks (PreparedLaunch.call_checked_once)."""
+        ``x`` (the plan's input dtype, or already as the kernels view it: bool as uint8, float16
+        as uint16), ``t`` and ``lam`` (the plan's computation dtype) come from
+        soft_ecc_forward or a planned device call (cutopo._soft_ecc._device_call, whose
+        thresholds block 0 checks), contiguous and on the current device; the workspace is
+        this plan's. So after the first call, whose launch checks every argument, the launch
+        skips the checks (PreparedLaunch.call_checked_once)."""
         import cupy
 
+        view = _ecc_cupy._INPUT_VIEW.get(x.dtype)  # (_ecc_cupy._image_view, without its call)
+        if view is not None:
+            x = x.view(view)
         stream = cupy.cuda.get_current_stream()  # read once for all of the call (~0.3 us a read)
         ptr = stream.ptr
-        ws = self._workspaces.get("forward", self.words, np.uint64, ptr)  # (self.workspace's)
         word = check_word() if check else NULL
         token = word.arm(stream) if check else 0
         kind = (shape, bool(keep))
         arrays = made_ahead.take(self, kind, ptr)
-        kept, out, d_image, d_t, d_scale = arrays if arrays is not None else self._arrays(shape, keep)
+        if arrays is None:
+            arrays = self._forward_arrays(shape, keep, ptr)
+        ws, kept, out, d_image, d_t, d_scale = arrays
         zeroed = self.zeroes_d_image and d_image is not None
         if self._list is not None:  # the listed forward: its list is the kept entries
             self._list.call_checked_once(x, t, ws, word, token, kept, d_image if zeroed else NULL,
@@ -419,7 +432,7 @@ class SoftEccPlan:
             self._forward.call_checked_once(x, t, ws, out, word, token,
                                             NULL if kept is None else kept, lam, w, stream=ptr)
         def make_next():
-            made_ahead.make_next(self, kind, lambda: self._arrays(shape, keep))
+            made_ahead.make_next(self, kind, lambda: self._forward_arrays(shape, keep))
 
         residual = None
         if keep and kept is not None:
@@ -515,16 +528,6 @@ def _plan_and_view(image, ndim, tconn, periodic, T, real, plan=None):
     if not _c_contiguous(image):
         image = cupy.ascontiguousarray(image)
     return plan, _ecc_cupy._image_view(image)
-
-
-def planned_forward(plan, image, t, lam, w, keep=False):
-    """SoftEccPlan.launch_forward for a planned device call (cutopo._soft_ecc._device_call):
-    ``image`` C-contiguous on the current device, ``t`` the device thresholds in the
-    computation dtype, C-contiguous there too, whose values block 0 checks. Straight to the
-    plan's launches (the host time before the first launch is time that a per-call timing pays
-    in full): (the curve, the Residual or None, the check word, which the caller reads before
-    it returns: raise_failed_thresholds(word.read()))."""
-    return plan.launch_forward(_ecc_cupy._image_view(image), t, image.shape, lam, w, True, keep)
 
 
 def soft_ecc_forward(image, t, lam, w, ndim, tconn, periodic=False, check=False, plan=None,

@@ -178,20 +178,15 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
 
     cp = _cp()
     events = []
-    real_read, real_forward = deferred.PinnedWord.read, _soft_ecc_cupy.soft_ecc_forward
-    real_planned = _soft_ecc_cupy.planned_forward
+    real_read, real_forward = deferred.PinnedWord.read, _soft_ecc_cupy.SoftEccPlan.launch_forward
 
     def read(self):
         events.append("read")
         return real_read(self)
 
-    def forward(*args, **kwargs):
+    def forward(*args, **kwargs):  # every forward's launches, planned calls' and others'
         events.append("forward")
         return real_forward(*args, **kwargs)
-
-    def planned(*args, **kwargs):  # a planned call (thresholds in the computation dtype)
-        events.append("forward")
-        return real_planned(*args, **kwargs)
 
     def no_host_check(*args, **kwargs):
         raise AssertionError("float CuPy thresholds reached the host check")
@@ -202,8 +197,7 @@ def test_soft_ecc_device_thresholds_are_checked_on_the_device(monkeypatch, rng):
         want = cutopo.soft_ecc(cp.asarray(img), t, 25.0, ndim=2)          # host thresholds
         monkeypatch.setattr(_soft_ecc, "check_thresholds", no_host_check)
         monkeypatch.setattr(deferred.PinnedWord, "read", read)
-        monkeypatch.setattr(_soft_ecc_cupy, "soft_ecc_forward", forward)
-        monkeypatch.setattr(_soft_ecc_cupy, "planned_forward", planned)
+        monkeypatch.setattr(_soft_ecc_cupy.SoftEccPlan, "launch_forward", forward)
         events.clear()
         got, pullback = cutopo.vjp(cutopo.soft_ecc, cp.asarray(img), cp.asarray(t), 25.0, ndim=2)
         assert events == ["forward", "read"]
@@ -777,9 +771,10 @@ def test_soft_ecc_made_ahead_arrays_are_fresh(rng, monkeypatch, force_listed_for
     def take(owner, kind, *stream):
         arrays = real_take(owner, kind, *stream)
         taken.append(arrays is not None)
+        kept_zeroed = [id(ws) for ws in owner._workspaces.kept()]  # (they travel along, zeroed)
         for a in arrays or ():
-            if a is not None:  # (reshape: a 0-d array takes no view of another itemsize)
-                a.reshape(-1).view(cp.uint8).fill(255)
+            if a is not None and id(a) not in kept_zeroed:  # (reshape: a 0-d array takes no
+                a.reshape(-1).view(cp.uint8).fill(255)  # view of another itemsize)
         return arrays
 
     monkeypatch.setattr(made_ahead, "take", take)

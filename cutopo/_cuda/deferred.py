@@ -107,10 +107,12 @@ class PinnedWord:
     def arm(self, stream=None) -> int:
         """The token of the next launch that writes this word (on the current stream; ``stream``:
         that ``cupy.cuda.Stream``, if the caller has it)."""
-        import cupy
+        if stream is None:
+            import cupy
 
+            stream = cupy.cuda.get_current_stream()
         self._token = self._token % self._TOKENS + 1
-        self._stream = cupy.cuda.get_current_stream() if stream is None else stream
+        self._stream = stream
         return self._token
 
     def read(self) -> int:

@@ -173,7 +173,9 @@ def device_zeros(shape, dtype):
 
 
 def _current_device() -> int:
-    return _cupy().cuda.runtime.getDevice()
+    import cupy  # (_cupy()'s import without its call: read before first launches)
+
+    return cupy.cuda.runtime.getDevice()
 
 
 # on_device_of's context on the current device (a nullcontext has no state: one serves all)
@@ -475,6 +477,7 @@ class PreparedLaunch:
                 template.write(i, k, a)
         self._template = template.u64
         self._function = self.kernel.kernel.ptr if self.kernel is not None else 0
+        self._launch_kernel = _cupy().cuda.driver.launchKernel if self.kernel is not None else None
         self._write = slots_writer(tuple((i, kind) for i, _, kind in self._slot_kinds))
         self._local = threading.local()
         self._checked_once = False  # call_checked_once has checked one call
@@ -487,11 +490,10 @@ class PreparedLaunch:
         return block
 
     def _launch(self, block: ParameterBlock, stream: int | None = None) -> None:
-        cupy = _cupy()
-        cupy.cuda.driver.launchKernel(self._function, self.grid, 1, 1, self.block, 1, 1,
-                                      self.shared_mem,
-                                      cupy.cuda.get_current_stream().ptr if stream is None else stream,
-                                      block.address, 0)
+        if stream is None:
+            stream = _cupy().cuda.get_current_stream().ptr
+        self._launch_kernel(self._function, self.grid, 1, 1, self.block, 1, 1, self.shared_mem,
+                            stream, block.address, 0)
         if SYNC:
             _after_launch(self.sig)
 
@@ -541,8 +543,11 @@ class PreparedLaunch:
         checks its arrays itself), whose first call still checks them all. ``stream``: the
         current stream's pointer, where the caller has read it for several launches (~0.3 us
         a read on the device machines' hosts), else read here."""
-        if self._checked_once:
-            self._write_and_launch(values, stream)
+        if self._checked_once:  # _write_and_launch's work, one call fewer (see there)
+            block = getattr(self._local, "block", None) or self._block()
+            self._write(block, values)
+            if self.kernel is not None:
+                self._launch(block, stream)
         else:
             self(*values)
             self._checked_once = True

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from .._array import _cupy
-from .launch import _c_contiguous, _current_device
+from .launch import _current_device
 
 # the scales whose check is their value's alone (float(scale) is exact)
 FLOAT_SCALES = (float, np.float32, np.float64)
@@ -55,7 +55,10 @@ class RepeatedCalls(dict):
         device = _current_device()
         parts = [device, scale_type, static]
         for a in arrays:
-            if a.data.device_id != device or not _c_contiguous(a):
+            # (launch._c_contiguous inline: this runs before a repeated call's first launch,
+            # where each Python call costs more than its time in a loop)
+            flag = getattr(a, "_c_contiguous", None)
+            if a.data.device_id != device or not (a.flags.c_contiguous if flag is None else flag):
                 return None
             parts.append(a.shape)
             parts.append(a.dtype)

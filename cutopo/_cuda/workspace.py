@@ -43,7 +43,11 @@ class ZeroedWorkspaces(_KeptPerStream):
         workspaces are the same call after call)."""
         import cupy
 
-        kept, key = self._slot(kind, stream)
+        # (_slot inline: this runs before a repeated call's first launch)
+        kept = getattr(self._local, "workspaces", None)
+        if kept is None:
+            kept = self._local.workspaces = {}
+        key = (kind, cupy.cuda.get_current_stream().ptr if stream is None else stream)
         ws = kept.get(key)
         if ws is not None and ws.size == words:  # kept, so within keep_bytes: the usual case
             return ws
@@ -98,8 +102,9 @@ class MadeAhead:
     making its own. Only one set is held per thread (a call of another plan or kind replaces
     it) and only up to ``max_bytes``, so what stays allocated between calls is at most one
     call's arrays, made on the stream that will use them (the memory pool orders their reuse
-    by that stream). The arrays are unwritten
-    (``cupy.ndarray``): the caller's kernels write every element that it hands back.
+    by that stream). The arrays are what ``make`` returns: unwritten ones (``cupy.ndarray``)
+    that the caller's kernels write in full, or objects it keeps anyway (the soft ECC passes its
+    zeroed workspace of that stream along, so that its next call skips the lookup).
     """
 
     def __init__(self, max_bytes: int):
