@@ -68,7 +68,7 @@ def install(probes, cp, detailed):
     launch.PreparedLaunch._launch = probed_launch
     if not detailed:
         return
-    for module, names in ((_soft_ecc, ("_device_call",)),
+    for module, names in ((_soft_ecc, ("_first_device_call",)),
                           (_soft_ecc_cupy, ("soft_ecc_forward", "soft_ecc_backward", "_plan_and_view",
                                             "device_empty")),
                           (_ect, ("_device_arguments", "_soft_forward_device", "_soft_backward_cupy")),
@@ -79,7 +79,8 @@ def install(probes, cp, detailed):
                                              "theta_cotangent", "_ell_product", "launch")),
                           (cpab_integrate, ("check_points_theta", "_points_cotangent"))):
         for name in names:
-            probes.wrap(module, name, name)
+            if hasattr(module, name):  # (an older tree's functions may differ)
+                probes.wrap(module, name, name)
     for cls, names in ((_soft_ecc_cupy.SoftEccPlan, ("launch_forward", "backward")),
                        (_band_cupy.SoftEctPlan, ("arguments", "forward", "backward"))):
         for name in names:

@@ -41,7 +41,7 @@ class _Config(NamedTuple):
     t_dtype: np.dtype | None = None      # the thresholds argument's dtype (None: a count)
     scale_dtype: np.dtype | None = None  # the scale argument's (None: a Python number)
     w: float = 0.0      # the band half-width B / scale (band_halfwidth)
-    plan: object = None  # the CuPy path's SoftEccPlan, when _device_call made this
+    plan: object = None  # the CuPy path's SoftEccPlan, when _first_device_call made this
     kept: object = None  # the CuPy forward's _soft_ecc_cupy.Residual for the backward, or None
 
 
@@ -116,30 +116,19 @@ def _lambda_and_halfwidth(dtype: np.dtype, value: float):
     return lam, band_halfwidth(dtype, lam)
 
 
-def _device_call(image, thresholds, scale, ndim, connectivity, boundary):
-    """A repeated CuPy call's (the first call's _Config, without arrays; this call's lambda
-    and band half-width): a plain tuple, told from a _Config by its type (see _DEVICE_CALLS);
-    the _Config of a first one (_prepare's, with its plan when kept for the next), or None:
-    _prepare's turn. A first call is kept when the kernels check the thresholds' values
-    (float CuPy thresholds used as they are) and the batch is not empty."""
-    key = _DEVICE_CALLS.key((image, thresholds), (ndim, connectivity, boundary), scale)
-    if key is None:
-        return None
-    kept = _DEVICE_CALLS.get(key)
-    if kept is None:
-        cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
-        if cfg.check and cfg.t is thresholds:
-            plan = _soft_ecc_cupy.device_plan(image, cfg.ndim, cfg.tconn, cfg.periodic,
-                                              cfg.t.size, cfg.dtype)
-            if plan is not None:
-                cfg = cfg._replace(plan=plan)
-                _DEVICE_CALLS.keep(key, cfg._replace(image=None, t=None))  # no array kept
-        return cfg
-    value = float(scale)
-    if not 0.0 < value < math.inf:  # NaN fails too: _prepare raises
-        return None
-    lam, w = _lambda_and_halfwidth(kept.dtype, value)
-    return (kept, lam, w)
+def _first_device_call(key, image, thresholds, scale, ndim, connectivity, boundary):
+    """The _Config of a CuPy call whose key (``_DEVICE_CALLS.key``) has no entry yet:
+    _prepare's, with its plan, and kept (without arrays) for the calls after it when the
+    kernels check the thresholds' values (float CuPy thresholds used as they are) and the
+    batch is not empty. A repeated call takes the entry in _forward."""
+    cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
+    if cfg.check and cfg.t is thresholds:
+        plan = _soft_ecc_cupy.device_plan(image, cfg.ndim, cfg.tconn, cfg.periodic, cfg.t.size,
+                                          cfg.dtype)
+        if plan is not None:
+            cfg = cfg._replace(plan=plan)
+            _DEVICE_CALLS.keep(key, cfg._replace(image=None, t=None))  # no array kept
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,17 +163,25 @@ def _forward(image, thresholds, scale, *, ndim=None, connectivity=1, boundary="b
              _keep=True):
     """(curve, residuals); ``_keep=False`` (the plain call, which has no backward) keeps no
     entries on the GPU."""
-    cfg = _device_call(image, thresholds, scale, ndim, connectivity, boundary)
-    if type(cfg) is tuple:  # a repeated call: straight to the launches, the _Config after them
-        kept, lam, w = cfg
-        # (the host time before the first launch is time that a per-call timing pays in full,
-        # most of it cold: each call of the path costs; straight to the plan's launches)
-        out, residual, word = kept.plan.launch_forward(image, thresholds, image.shape, lam, w, True,
-                                                       _keep)
-        # made while the kernel starts (the host waits for block 0's check word next)
-        cfg = _Config(image, thresholds, lam, *kept[3:12], w, kept.plan, residual)
-        raise_failed_thresholds(word.read())
-        return out, cfg
+    key = _DEVICE_CALLS.key((image, thresholds), (ndim, connectivity, boundary), scale)
+    kept = None if key is None else _DEVICE_CALLS.get(key)
+    cfg = None
+    if kept is not None:
+        value = float(scale)
+        if 0.0 < value < math.inf:  # (NaN fails too: _prepare raises below)
+            # A repeated call: straight to the plan's launches, the _Config after them. What
+            # runs before the first launch is host time that a per-call timing pays in full,
+            # and a single pass of it costs 2-3x its steps' times in a loop (benchmarks/
+            # RESULTS.md, fifty-second session): each Python call on the way counts.
+            lam, w = _lambda_and_halfwidth(kept.dtype, value)
+            out, residual, word = kept.plan.launch_forward(image, thresholds, image.shape, lam, w,
+                                                           True, _keep)
+            # made while the kernel starts (the host waits for block 0's check word next)
+            cfg = _Config(image, thresholds, lam, *kept[3:12], w, kept.plan, residual)
+            raise_failed_thresholds(word.read())
+            return out, cfg
+    elif key is not None:
+        cfg = _first_device_call(key, image, thresholds, scale, ndim, connectivity, boundary)
     if cfg is None:
         cfg = _prepare(image, thresholds, scale, ndim, connectivity, boundary)
     if cfg.plan is not None:  # a planned device call: its arguments are as the plan takes them

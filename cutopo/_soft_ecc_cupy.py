@@ -404,7 +404,7 @@ class SoftEccPlan:
 
         ``x`` (the plan's input dtype, or already as the kernels view it: bool as uint8, float16
         as uint16), ``t`` and ``lam`` (the plan's computation dtype) come from
-        soft_ecc_forward or a planned device call (cutopo._soft_ecc._device_call, whose
+        soft_ecc_forward or a planned device call (cutopo._soft_ecc._forward, whose
         thresholds block 0 checks), contiguous and on the current device; the workspace is
         this plan's. So after the first call, whose launch checks every argument, the launch
         skips the checks (PreparedLaunch.call_checked_once)."""
@@ -518,7 +518,7 @@ def device_plan(image, ndim, tconn, periodic, T, real):
 
 def _plan_and_view(image, ndim, tconn, periodic, T, real, plan=None):
     """(the plan, or None for an empty batch; the image as the kernels read it). ``plan``: the
-    image's plan, already looked up (cutopo._soft_ecc._device_call)."""
+    image's plan, already looked up (cutopo._soft_ecc._first_device_call)."""
     import cupy
 
     if plan is None:

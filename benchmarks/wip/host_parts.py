@@ -46,7 +46,6 @@ def m(name, stmt, n=20000):
 m("python: empty function call", "(lambda: None)()", 200000)
 m("key", "D.key((image, t), (3, 1, 'box'), 40.0)")
 m("get", "D.get(key)")
-m("_device_call", "_soft_ecc._device_call(image, t, 40.0, 3, 1, 'box')")
 m("lambda_and_halfwidth", "_soft_ecc._lambda_and_halfwidth(kept.dtype, 40.0)")
 m("_image_view", "_ecc_cupy._image_view(image)")
 m("cupy.cuda.get_current_stream()", "cupy.cuda.get_current_stream()")
