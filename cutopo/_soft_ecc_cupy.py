@@ -383,7 +383,8 @@ class SoftEccPlan:
         read), then :meth:`_arrays`): what a forward takes from made_ahead. The workspace
         travels with the arrays made ahead, which are made and taken on one stream, so that a
         repeated call skips its lookup before its first launch."""
-        return (self._workspaces.get("forward", self.words, np.uint64, stream),) + self._arrays(shape, keep)
+        ws = self._workspaces.get("forward", self.words, np.uint64, stream)
+        return (ws,) + self._arrays(shape, keep)
 
     def launch_forward(self, x, t, shape, lam, w, check: bool, keep: bool = False):
         """Launch the forward of images of ``shape`` (batch and spatial axes) and return (the
@@ -397,10 +398,10 @@ class SoftEccPlan:
         and with ``keep`` its sweep zeroes the backward's d_image (zeroes_d_image).
 
         The arrays (the workspace, the curve, the kept entries, with ``keep`` the backward's
-        outputs, which the Residual holds) are those that the previous call of the same kind made for this
-        one (made_ahead), else made here. The next call's are made once this call's launches
-        are queued (the host waits for block 0's check word next), or, for a forward with a
-        Residual, by its first backward once that one's are (Residual.make_next).
+        outputs, which the Residual holds) are those that the previous call of the same kind
+        made for this one (made_ahead), else made here. The next call's are made once this
+        call's launches are queued (the host waits for block 0's check word next), or, for a
+        forward with a Residual, by its first backward once that one's are (Residual.make_next).
 
         ``x`` (the plan's input dtype, or already as the kernels view it: bool as uint8, float16
         as uint16), ``t`` and ``lam`` (the plan's computation dtype) come from
