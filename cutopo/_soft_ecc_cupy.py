@@ -411,9 +411,7 @@ class SoftEccPlan:
         skips the checks (PreparedLaunch.call_checked_once)."""
         import cupy
 
-        view = _ecc_cupy._INPUT_VIEW.get(x.dtype)  # (_ecc_cupy._image_view, without its call)
-        if view is not None:
-            x = x.view(view)
+        x = _ecc_cupy._image_view(x)  # (idempotent: a viewed image keeps its view)
         stream = cupy.cuda.get_current_stream()  # read once for all of the call (~0.3 us a read)
         ptr = stream.ptr
         word = check_word() if check else NULL

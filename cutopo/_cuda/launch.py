@@ -543,11 +543,8 @@ class PreparedLaunch:
         checks its arrays itself), whose first call still checks them all. ``stream``: the
         current stream's pointer, where the caller has read it for several launches (~0.3 us
         a read on the device machines' hosts), else read here."""
-        if self._checked_once:  # _write_and_launch's work, one call fewer (see there)
-            block = getattr(self._local, "block", None) or self._block()
-            self._write(block, values)
-            if self.kernel is not None:
-                self._launch(block, stream)
+        if self._checked_once:
+            self._write_and_launch(values, stream)
         else:
             self(*values)
             self._checked_once = True

@@ -43,11 +43,7 @@ class ZeroedWorkspaces(_KeptPerStream):
         workspaces are the same call after call)."""
         import cupy
 
-        # (_slot inline: this runs before a repeated call's first launch)
-        kept = getattr(self._local, "workspaces", None)
-        if kept is None:
-            kept = self._local.workspaces = {}
-        key = (kind, cupy.cuda.get_current_stream().ptr if stream is None else stream)
+        kept, key = self._slot(kind, stream)
         ws = kept.get(key)
         if ws is not None and ws.size == words:  # kept, so within keep_bytes: the usual case
             return ws
