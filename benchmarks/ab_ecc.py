@@ -57,9 +57,14 @@ MID += [(f"2d {b}x1024^2 float32", (b, 1024, 1024), 2, "float32", False) for b i
 
 
 def old_family(rev: str) -> str:
-    """The ecc family's source at git revision ``rev``, its headers inlined (the loader's way)."""
+    """The ecc family's source at git revision ``rev``, or in the tree ``rev`` names (a directory
+    holding cuda_src/, e.g. a `git archive` unpacked where the device has no .git), its headers
+    inlined (the loader's way)."""
     from cutopo._cuda import source
 
+    if Path(rev, "cuda_src", "ecc.cu").is_file():
+        path = Path(rev, "cuda_src", "ecc.cu").resolve()
+        return source._inline(path, {path})
     root = Path(__file__).resolve().parents[1]
     names = subprocess.run(["git", "ls-tree", "--name-only", rev, "cuda_src/"], cwd=root, check=True,
                            capture_output=True, text=True).stdout.split()
@@ -113,7 +118,7 @@ def main(argv=None):
     p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS (space-separated -D options)")
     p.add_argument("--setting", action="append", default=[],
                    help="NAME=ATTR=VALUE (a constant of cutopo._ecc_cupy, an int)")
-    p.add_argument("--against", help="a git revision whose kernel sources form one more variant")
+    p.add_argument("--against", help="a git revision (or a tree with cuda_src/) whose kernel sources form one more variant")
     p.add_argument("--small", action="store_true", help="the one-wave cases instead of the large ones")
     p.add_argument("--mid", action="store_true", help="2D sizes around the 64-row tiles' threshold")
     p.add_argument("--only", help="run the cases whose name contains this")

@@ -528,6 +528,19 @@ __device__ __forceinline__ void store_keys(const KeyOf& key_of, uint4 raw, unsig
     }
 }
 
+// The OUTSIDE keys of store_keys' VEC pixels (a row above or below the image).
+template <int VEC>
+__device__ __forceinline__ void store_outside(unsigned* plane, int ly, int v) {
+    constexpr unsigned W = OUTSIDE | (OUTSIDE << 16);
+    unsigned* row = plane + ly * ROWW + 2 + v * (VEC / 2);
+    if constexpr (VEC == 2) {
+        row[0] = W;
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC / 2; k += 2) *reinterpret_cast<uint2*>(row + k) = make_uint2(W, W);
+    }
+}
+
 template <int NDIM>
 __device__ constexpr int level(int j) {
     int k = 0;
@@ -697,16 +710,26 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
         const i64 z0 = NDIM == 3 ? w.z() * zchunk : 0;
         const i64 z1 = NDIM == 3 ? min(z0 + (i64)zchunk, nz) : 1;
 
-        // Keys of plane z into dst. Tiles away from the image border skip the bounds checks and,
-        // when rows are 16-byte aligned, read 16 bytes per thread and store packed keys.
-        // (Prefetching the next plane into registers was measured slower: 1.19 -> 1.93 ms at
-        // 512^3 float32, from register pressure; see benchmarks/RESULTS.md.)
-        const bool interior_yx = x0 >= 1 && x0 + TXP + 1 <= nx && y0 >= 1 && y0 + TY + 1 <= ny;
+        // Keys of plane z into dst. Tiles whose 64 columns lie in the image (every tile but a
+        // last one that overhangs nx) read their rows whole, by 16 bytes per thread where rows
+        // are 16-byte aligned, and test only each row (gy in the image) and the two halo keys
+        // of each row end; the others take every key with its bounds test. (Tiles at the y and
+        // x edges took that slow path too, ~40 instructions a key against ~17: a third of the
+        // tiles at 512^3, which runs 15 % faster so, 256^3 26 %, 64 x 1024^2 11 %; 8192^2
+        // float64 8 % slower, benchmarks/RESULTS.md, fifty-third session.) (Prefetching the next
+        // plane into registers was measured slower: 1.19 -> 1.93 ms at 512^3 float32, from
+        // register pressure; see benchmarks/RESULTS.md.)
+        const bool columns_inside = x0 + TXP <= nx;
+        const bool left_inside = x0 >= 1, right_inside = x0 + TXP < nx;
+        auto row_inside = [&](int ly) { return (u64)(y0 + ly - 1) < (u64)ny; };  // halo row ly
         auto load_plane = [&](i64 z, unsigned* dst) {
             unsigned short* keys = reinterpret_cast<unsigned short*>(dst);
             const bool plane_inside = z >= 0 && z < nz;
             const i64 corner = image_base + (z * ny + y0 - 1) * nx + x0 - 1;  // halo (0, 0)
-            if (plane_inside && interior_yx) {
+            if (plane_inside && columns_inside) {
+                // The keys at the two ends of halo row ly (column 0 or TXP + 1), which may lie
+                // outside the image.
+                auto end_inside = [&](int ly, int ex) { return row_inside(ly) && (ex ? right_inside : left_inside); };
                 if (key_of.vector_rows(nx)) {
                     constexpr int VEC = KeyOf::VEC;  // pixels per 16-byte load
                     constexpr int PER_ROW = TXP / VEC;
@@ -724,10 +747,10 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         constexpr int ROUNDS = (VECTORS + THREADS - 1) / THREADS;
                         constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
                         static_assert(2 * ROWS <= THREADS, "one thread per row end");
-                        const bool end_thread = threadIdx.x < 2 * ROWS;
                         const int ey = threadIdx.x >> 1, ex = (threadIdx.x & 1) ? TXP + 1 : 0;
+                        const bool end_read = threadIdx.x < 2 * ROWS && end_inside(ey, ex);
                         typename KeyOf::In end_value{};
-                        if (end_thread) end_value = key_of.load(corner + (i64)ey * nx + ex);
+                        if (end_read) end_value = key_of.load(corner + (i64)ey * nx + ex);
                         // Round u reads row r0 + u RSTEP of the thread's column v (as below).
                         static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
                         constexpr int RSTEP = THREADS / PER_ROW;
@@ -739,16 +762,22 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                             uint4 raw[GROUP];
 #pragma unroll
                             for (int u = 0; u < GROUP; ++u) {
-                                if (g + u < ROUNDS && r0 + (g + u) * RSTEP < ROWS)
+                                const int r = r0 + (g + u) * RSTEP;
+                                if (g + u < ROUNDS && r < ROWS && row_inside(r))
                                     raw[u] = key_of.load16(at + (g + u) * stride);
                             }
 #pragma unroll
                             for (int u = 0; u < GROUP; ++u) {
-                                if (g + u < ROUNDS && r0 + (g + u) * RSTEP < ROWS)
-                                    store_keys(key_of, raw[u], dst, r0 + (g + u) * RSTEP, v);
+                                const int r = r0 + (g + u) * RSTEP;
+                                if (g + u < ROUNDS && r < ROWS) {
+                                    if (row_inside(r)) store_keys(key_of, raw[u], dst, r, v);
+                                    else store_outside<VEC>(dst, r, v);
+                                }
                             }
                         }
-                        if (end_thread) keys[ey * ROWK + KEY0 + ex] = (unsigned short)key_of.of_value(end_value);
+                        if (threadIdx.x < 2 * ROWS)
+                            keys[ey * ROWK + KEY0 + ex] =
+                                end_read ? (unsigned short)key_of.of_value(end_value) : (unsigned short)OUTSIDE;
                         return;
                     } else {
                         // A thread reads one column v of the rows r0, r0 + RSTEP, ...: its index
@@ -758,18 +787,22 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         const int v = threadIdx.x % PER_ROW;
                         const i64 stride = (i64)RSTEP * nx;
                         i64 at = corner + (i64)(threadIdx.x / PER_ROW) * nx + 1 + v * VEC;
-                        for (int r = threadIdx.x / PER_ROW; r < ROWS; r += RSTEP, at += stride)
-                            store_keys(key_of, key_of.load16(at), dst, r, v);
+                        for (int r = threadIdx.x / PER_ROW; r < ROWS; r += RSTEP, at += stride) {
+                            if (row_inside(r)) store_keys(key_of, key_of.load16(at), dst, r, v);
+                            else store_outside<VEC>(dst, r, v);
+                        }
                     }
                 } else {
                     for (int i = threadIdx.x; i < ROWS * TXP; i += THREADS) {
                         const int ly = i / TXP, lx = i % TXP + 1;
-                        keys[ly * ROWK + KEY0 + lx] = (unsigned short)key_of(corner + (i64)ly * nx + lx);
+                        keys[ly * ROWK + KEY0 + lx] = row_inside(ly)
+                            ? (unsigned short)key_of(corner + (i64)ly * nx + lx) : (unsigned short)OUTSIDE;
                     }
                 }
                 for (int i = threadIdx.x; i < 2 * ROWS; i += THREADS) {
-                    const int ly = i >> 1, lx = (i & 1) ? TXP + 1 : 0;
-                    keys[ly * ROWK + KEY0 + lx] = (unsigned short)key_of(corner + (i64)ly * nx + lx);
+                    const int ly = i >> 1, ex = (i & 1) ? TXP + 1 : 0;
+                    keys[ly * ROWK + KEY0 + ex] = end_inside(ly, ex)
+                        ? (unsigned short)key_of(corner + (i64)ly * nx + ex) : (unsigned short)OUTSIDE;
                 }
                 return;
             }

@@ -43,6 +43,10 @@ CASES = [
     ((70, 130), "float64", 2, False, 100, 1, 2),
     ((5, 66, 136), "float16", 3, False, 40, 2, 2),
     ((50, 70), "float32", 2, False, 5000, 1, 3),  # the scalar sweep, a global histogram
+    # Images that tiles fit exactly (nx a multiple of 64, ny of 32): the last tiles read their
+    # rows whole, their right halo column and the row below lie outside.
+    ((64, 128), "float32", 2, False, 64, 1, 2),
+    ((6, 64, 128), "uint8", 3, True, 30, 2, 2),
 ]
 # 2D tiles of 64 rows (HIST_TALL_ROWS rows per thread; _ecc_cupy takes them for large images):
 # every read path (vector rows of 1, 2, 4 and 8 bytes, rows not 16-byte multiples, float16's
@@ -55,6 +59,7 @@ TALL_CASES = [
     ((133, 160), "float16", 2, False, 40, 1, 2),
     ((140, 136), "int16", 2, False, "random", 1, 3),
     ((131, 141), "bool", 2, True, 2, 1, 1),
+    ((128, 192), "float32", 2, True, 64, 1, 2),  # tiles fit exactly
 ]
 
 
