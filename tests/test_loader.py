@@ -506,10 +506,11 @@ def test_registered_instances_cover_every_input_type(ecc_cupy):
 
 
 @pytest.mark.nvrtc
-def test_ab_ecc_builds_a_revisions_family_without_a_gpu(monkeypatch, capsys):
-    """benchmarks/ab_ecc.py: a git revision's ecc.cu with its headers inlined (a self-contained
-    source that compiles for sm_90), and no GPU: nothing compared, exit 0."""
+def test_ab_ecc_builds_a_revisions_family_without_a_gpu(monkeypatch, capsys, tmp_path):
+    """benchmarks/ab_ecc.py: a git revision's ecc.cu (or a tree's) with its headers inlined (a
+    self-contained source that compiles for sm_90), and no GPU: nothing compared, exit 0."""
     import pathlib
+    import shutil
     import subprocess
     import sys
 
@@ -521,6 +522,13 @@ def test_ab_ecc_builds_a_revisions_family_without_a_gpu(monkeypatch, capsys):
 
     src = ab_ecc.old_family("HEAD")
     assert '#include "' not in src and "ecc_histogram" in src and "finite_range" in src
+    # a tree in place of a revision (the device machines have no .git): its own sources
+    tree = tmp_path / "old"
+    shutil.copytree(root / "cuda_src", tree / "cuda_src")
+    ecc_cu = tree / "cuda_src" / "ecc.cu"
+    ecc_cu.write_text("// the old tree's\n" + ecc_cu.read_text())
+    tree_src = ab_ecc.old_family(str(tree))
+    assert "// the old tree's" in tree_src and '#include "' not in tree_src and "finite_range" in tree_src
     from cutopo._cuda import compile as compile_
 
     monkeypatch.setattr(compile_, "family_source",
