@@ -12,9 +12,10 @@ replay between two events (us), its ratio to the first variant and whether every
 curves equal the first's.
 
 Variants: "base" (the working tree) always, then each --variant NAME=FLAGS, FLAGS being
-space-separated -D options of ecc.cu (e.g. --variant "4 blocks=-DCUTOPO_ECC_MIN_BLOCKS=4"),
-each --setting NAME=ATTR=VALUE a plan built with a constant of cutopo._ecc_cupy set to an int
-(e.g. --setting "2 waves=HIST_WAVES_2D=2"), and with --against REV the kernel sources of that
+space-separated -D options of ecc.cu (e.g. --variant "4 blocks=-DCUTOPO_ECC_MIN_BLOCKS=4") and
+ATTR=VALUE settings as below (e.g. --variant "both=-DCUTOPO_ECC_PLANE_RING=4
+HIST_TALL_ROWS_3D=8"), each --setting NAME=ATTR=VALUE a plan built with a constant of
+cutopo._ecc_cupy set to an int (e.g. --setting "2 waves=HIST_WAVES_2D=2"), and with --against REV the kernel sources of that
 revision (git show REV:cuda_src/...; or of a tree REV holding cuda_src/, e.g. unpacked by git
 archive where there is no .git), compiled as a family of their own and launched with this
 tree's geometry and arguments (a revision whose ecc_histogram takes this tree's parameters).
@@ -91,7 +92,8 @@ def capture(cp, fn):
 
 
 def plan_for(variant, image, t, ndim, tconn):
-    """variant: ("flags", options) or ("family", name): the plan, built as that variant."""
+    """variant: ("flags", options), ("setting", {attr: value}), ("both", (options, {attr: value}))
+    or ("family", name): the plan, built as that variant."""
     from cutopo import _ecc_cupy
 
     kind, value = variant
@@ -100,7 +102,9 @@ def plan_for(variant, image, t, ndim, tconn):
     try:
         if kind == "family":
             _ecc_cupy.FAMILY = value
-        elif kind == "setting":
+        elif kind in ("setting", "both"):
+            if kind == "both":
+                _ecc_cupy.PROFILE_OPTIONS, value = value
             for attr, v in value.items():
                 saved[attr] = getattr(_ecc_cupy, attr)
                 setattr(_ecc_cupy, attr, v)
@@ -140,7 +144,10 @@ def main(argv=None):
     variants = {"base": ("flags", ())}
     for item in args.variant:
         name, _, flags = item.partition("=")
-        variants[name] = ("flags", tuple(flags.split()))
+        options = tuple(f for f in flags.split() if f.startswith("-"))
+        settings = dict(f.split("=") for f in flags.split() if not f.startswith("-"))
+        variants[name] = (("both", (options, {a: int(v) for a, v in settings.items()})) if settings
+                          else ("flags", options))
     for item in args.setting:
         name, attr, value = item.split("=")
         variants[name] = ("setting", {attr: int(value)})

@@ -401,14 +401,16 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
         }
         for (i64 z = z0; z < z1; ++z) {
             after.step_begin();
-            // Planes z-1, z, z+1 sit in ring slots (z-z0), (z-z0+1), (z-z0+2) mod 3.
-            const int s = (int)((z - z0) % 3);
+            // Planes z-1, z, z+1 sit in ring slots (z-z0), (z-z0+1), (z-z0+2) mod 3, taken in
+            // 32 bits (in 64 bits ~20 instructions a plane step and warp, the packed sweep's by
+            // Nsight Compute).
+            const unsigned s = (unsigned)(z - z0) % 3u, s1 = s == 2 ? 0 : s + 1, s2 = s == 0 ? 2 : s - 1;
             const K* planes[NP];
             if constexpr (NDIM == 3) {
-                load_plane(z + 1, tile[(s + 2) % 3]);
+                load_plane(z + 1, tile[s2]);
                 planes[0] = tile[s];
-                planes[NP - 2] = tile[(s + 1) % 3];
-                planes[NP - 1] = tile[(s + 2) % 3];
+                planes[NP - 2] = tile[s1];
+                planes[NP - 1] = tile[s2];
             } else {
                 load_plane(0, tile[0]);
                 planes[0] = tile[0];
@@ -527,6 +529,9 @@ __device__ __forceinline__ void store_keys(const KeyOf& key_of, uint4 raw, unsig
             *reinterpret_cast<uint2*>(row + k) = make_uint2(packed[k], packed[k + 1]);
     }
 }
+
+// A tile's place as a type, for two instances of its row reads: at an image edge or not.
+template <bool E> struct Edge { static constexpr bool value = E; };
 
 // The OUTSIDE keys of store_keys' VEC pixels (a row above or below the image).
 template <int VEC>
@@ -716,20 +721,19 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
         // of each row end; the others take every key with its bounds test. (Tiles at the y and
         // x edges took that slow path too, ~40 instructions a key against ~17: a third of the
         // tiles at 512^3, which runs 15 % faster so, 256^3 26 %, 64 x 1024^2 11 %; 8192^2
-        // float64 8 % slower, benchmarks/RESULTS.md, fifty-third session.) (Prefetching the next
-        // plane into registers was measured slower: 1.19 -> 1.93 ms at 512^3 float32, from
-        // register pressure; see benchmarks/RESULTS.md.)
-        const bool columns_inside = x0 + TXP <= nx;
-        const bool left_inside = x0 >= 1, right_inside = x0 + TXP < nx;
+        // float64 8 % slower until 2D tiles away from the y edges read their rows without a
+        // test again, below; benchmarks/RESULTS.md, fifty-third and fifty-fourth sessions.)
+        // (Prefetching the next plane into registers was measured slower: 1.19 -> 1.93 ms at
+        // 512^3 float32, from register pressure; see benchmarks/RESULTS.md.)
         auto row_inside = [&](int ly) { return (u64)(y0 + ly - 1) < (u64)ny; };  // halo row ly
         auto load_plane = [&](i64 z, unsigned* dst) {
             unsigned short* keys = reinterpret_cast<unsigned short*>(dst);
             const bool plane_inside = z >= 0 && z < nz;
             const i64 corner = image_base + (z * ny + y0 - 1) * nx + x0 - 1;  // halo (0, 0)
-            if (plane_inside && columns_inside) {
+            if (plane_inside && x0 + TXP <= nx) {  // the tile's columns lie in the image
                 // The keys at the two ends of halo row ly (column 0 or TXP + 1), which may lie
                 // outside the image.
-                auto end_inside = [&](int ly, int ex) { return row_inside(ly) && (ex ? right_inside : left_inside); };
+                auto end_inside = [&](int ly, int ex) { return row_inside(ly) && (ex ? x0 + TXP < nx : x0 >= 1); };
                 if (key_of.vector_rows(nx)) {
                     constexpr int VEC = KeyOf::VEC;  // pixels per 16-byte load
                     constexpr int PER_ROW = TXP / VEC;
@@ -747,37 +751,50 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         constexpr int ROUNDS = (VECTORS + THREADS - 1) / THREADS;
                         constexpr int GROUP = ROUNDS < LOADS_IN_FLIGHT ? ROUNDS : LOADS_IN_FLIGHT;
                         static_assert(2 * ROWS <= THREADS, "one thread per row end");
+                        const bool end_thread = threadIdx.x < 2 * ROWS;
                         const int ey = threadIdx.x >> 1, ex = (threadIdx.x & 1) ? TXP + 1 : 0;
-                        const bool end_read = threadIdx.x < 2 * ROWS && end_inside(ey, ex);
+                        // A row end outside the image reads pixel (y0, x0) instead, which is
+                        // inside: the read stays as unconditional as the tile's row reads.
+                        const bool end_in = end_inside(ey, ex);
                         typename KeyOf::In end_value{};
-                        if (end_read) end_value = key_of.load(corner + (i64)ey * nx + ex);
+                        if (end_thread) end_value = key_of.load(corner + (end_in ? (i64)ey * nx + ex : nx + 1));
                         // Round u reads row r0 + u RSTEP of the thread's column v (as below).
                         static_assert(THREADS % PER_ROW == 0, "a thread keeps its column");
                         constexpr int RSTEP = THREADS / PER_ROW;
                         const int v = threadIdx.x % PER_ROW, r0 = threadIdx.x / PER_ROW;
                         const i64 stride = (i64)RSTEP * nx;
                         const i64 at = corner + (i64)r0 * nx + 1 + v * VEC;
+                        // EDGE: test each row (a tile at the top or bottom edge); without, the
+                        // reads of the middle rounds go unpredicated. 2D takes both instances
+                        // (8192^2 float64 19 % faster than with one, float32 5 %, uint8 1 %
+                        // slower); 3D one, two measured no faster there (256^3 float32 +3.5 %,
+                        // 512^3 -1.4 %; H200, benchmarks/RESULTS.md, fifty-fourth session).
+                        auto rows = [&](auto edge) {
+                            constexpr bool EDGE = decltype(edge)::value;
 #pragma unroll
-                        for (int g = 0; g < ROUNDS; g += GROUP) {
-                            uint4 raw[GROUP];
+                            for (int g = 0; g < ROUNDS; g += GROUP) {
+                                uint4 raw[GROUP];
 #pragma unroll
-                            for (int u = 0; u < GROUP; ++u) {
-                                const int r = r0 + (g + u) * RSTEP;
-                                if (g + u < ROUNDS && r < ROWS && row_inside(r))
-                                    raw[u] = key_of.load16(at + (g + u) * stride);
-                            }
+                                for (int u = 0; u < GROUP; ++u) {
+                                    const int r = r0 + (g + u) * RSTEP;
+                                    if (g + u < ROUNDS && r < ROWS && (!EDGE || row_inside(r)))
+                                        raw[u] = key_of.load16(at + (g + u) * stride);
+                                }
 #pragma unroll
-                            for (int u = 0; u < GROUP; ++u) {
-                                const int r = r0 + (g + u) * RSTEP;
-                                if (g + u < ROUNDS && r < ROWS) {
-                                    if (row_inside(r)) store_keys(key_of, raw[u], dst, r, v);
-                                    else store_outside<VEC>(dst, r, v);
+                                for (int u = 0; u < GROUP; ++u) {
+                                    const int r = r0 + (g + u) * RSTEP;
+                                    if (g + u < ROUNDS && r < ROWS) {
+                                        if (!EDGE || row_inside(r)) store_keys(key_of, raw[u], dst, r, v);
+                                        else store_outside<VEC>(dst, r, v);
+                                    }
                                 }
                             }
-                        }
-                        if (threadIdx.x < 2 * ROWS)
+                        };
+                        if (NDIM == 2 && y0 >= 1 && y0 + TY + 1 <= ny) rows(Edge<false>());
+                        else rows(Edge<true>());
+                        if (end_thread)
                             keys[ey * ROWK + KEY0 + ex] =
-                                end_read ? (unsigned short)key_of.of_value(end_value) : (unsigned short)OUTSIDE;
+                                end_in ? (unsigned short)key_of.of_value(end_value) : (unsigned short)OUTSIDE;
                         return;
                     } else {
                         // A thread reads one column v of the rows r0, r0 + RSTEP, ...: its index
@@ -831,13 +848,18 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
             load_plane(z0, tile[1]);
         }
         for (i64 z = z0; z < z1; ++z) {
-            const int s = (int)((z - z0) % 3);
             const unsigned* planes[NP];
             if constexpr (NDIM == 3) {
-                load_plane(z + 1, tile[(s + 2) % 3]);
+                // Planes z-1, z, z+1 sit in ring slots s, s+1, s+2 (mod 3), s taken in 32 bits
+                // (the 64-bit (z - z0) % 3 took ~20 instructions a plane step and warp).
+                // (A ring of four planes, plane z+2 loaded while the window reads z-1..z+1 and
+                // one barrier a step, measured 2-7 % slower: benchmarks/RESULTS.md,
+                // fifty-fourth session.)
+                const unsigned s = (unsigned)(z - z0) % 3u, s1 = s == 2 ? 0 : s + 1, s2 = s == 0 ? 2 : s - 1;
+                load_plane(z + 1, tile[s2]);
                 planes[0] = tile[s];
-                planes[1] = tile[(s + 1) % 3];
-                planes[2] = tile[(s + 2) % 3];
+                planes[1] = tile[s1];
+                planes[2] = tile[s2];
             } else {
                 load_plane(0, tile[0]);
                 planes[0] = tile[0];
