@@ -13,12 +13,13 @@ curves equal the first's.
 
 Variants: "base" (the working tree) always, then each --variant NAME=FLAGS, FLAGS being
 space-separated -D options of ecc.cu (e.g. --variant "4 blocks=-DCUTOPO_ECC_MIN_BLOCKS=4") and
-ATTR=VALUE settings as below (e.g. --variant "both=-DCUTOPO_ECC_PLANE_RING=4
-HIST_TALL_ROWS_3D=8"), each --setting NAME=ATTR=VALUE a plan built with a constant of
-cutopo._ecc_cupy set to an int (e.g. --setting "2 waves=HIST_WAVES_2D=2"), and with --against REV the kernel sources of that
-revision (git show REV:cuda_src/...; or of a tree REV holding cuda_src/, e.g. unpacked by git
-archive where there is no .git), compiled as a family of their own and launched with this
-tree's geometry and arguments (a revision whose ecc_histogram takes this tree's parameters).
+ATTR=VALUE settings as below (e.g. --variant "both=-DCUTOPO_ECC_MIN_BLOCKS_3D=4
+HIST_ZCHUNK_MAX=32"), each --setting NAME=ATTR=VALUE a plan built with a constant of
+cutopo._ecc_cupy set to an int (e.g. --setting "2 waves=HIST_WAVES_2D=2"), and with --against
+REV the kernel sources of that revision (git show REV:cuda_src/...; or of a tree REV holding
+cuda_src/, e.g. unpacked by git archive where there is no .git), compiled as a family of their
+own and launched with this tree's geometry and arguments (a revision whose ecc_histogram takes
+this tree's parameters).
 --small: one-wave cases (128^2 to 2048^2, bool too, 64^3 and 128^3) instead of the large ones;
 --mid: 2D sizes from 2048 x 4096 to 4096 x 8192 and batches of 8-32 x 1024^2 (the 64-row tiles'
 threshold).
