@@ -93,8 +93,8 @@ def capture(cp, fn):
 
 
 def plan_for(variant, image, t, ndim, tconn):
-    """variant: ("flags", options), ("setting", {attr: value}), ("both", (options, {attr: value}))
-    or ("family", name): the plan, built as that variant."""
+    """variant: ("build", (options, {attr: value})), the -D options and the constants of
+    cutopo._ecc_cupy to build with, or ("family", name): the plan, built as that variant."""
     from cutopo import _ecc_cupy
 
     kind, value = variant
@@ -103,14 +103,11 @@ def plan_for(variant, image, t, ndim, tconn):
     try:
         if kind == "family":
             _ecc_cupy.FAMILY = value
-        elif kind in ("setting", "both"):
-            if kind == "both":
-                _ecc_cupy.PROFILE_OPTIONS, value = value
-            for attr, v in value.items():
+        else:
+            _ecc_cupy.PROFILE_OPTIONS, settings = value
+            for attr, v in settings.items():
                 saved[attr] = getattr(_ecc_cupy, attr)
                 setattr(_ecc_cupy, attr, v)
-        else:
-            _ecc_cupy.PROFILE_OPTIONS = value
         return _ecc_cupy.HistogramPlan(tuple(image.shape[-ndim:]), int(np.prod(image.shape[:-ndim])),
                                        image.dtype, t, ndim, tconn)
     finally:
@@ -121,7 +118,8 @@ def plan_for(variant, image, t, ndim, tconn):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", action="append", default=[], help="NAME=FLAGS (space-separated -D options)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=FLAGS (space-separated -D options and ATTR=VALUE settings)")
     p.add_argument("--setting", action="append", default=[],
                    help="NAME=ATTR=VALUE (a constant of cutopo._ecc_cupy, an int)")
     p.add_argument("--against", help="a git revision (or a tree with cuda_src/) whose kernel sources form one more variant")
@@ -142,16 +140,15 @@ def main(argv=None):
         print("# no GPU: nothing to compare")
         return 0
     launch.PREPARE_REPEATS = False  # every plan launches its own kernel
-    variants = {"base": ("flags", ())}
+    variants = {"base": ("build", ((), {}))}
     for item in args.variant:
         name, _, flags = item.partition("=")
         options = tuple(f for f in flags.split() if f.startswith("-"))
-        settings = dict(f.split("=") for f in flags.split() if not f.startswith("-"))
-        variants[name] = (("both", (options, {a: int(v) for a, v in settings.items()})) if settings
-                          else ("flags", options))
+        settings = (f.split("=") for f in flags.split() if not f.startswith("-"))
+        variants[name] = ("build", (options, {attr: int(v) for attr, v in settings}))
     for item in args.setting:
         name, attr, value = item.split("=")
-        variants[name] = ("setting", {attr: int(value)})
+        variants[name] = ("build", ((), {attr: int(value)}))
     if args.against:
         source = old_family(args.against)
         own = compile_.family_source
