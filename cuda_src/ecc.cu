@@ -305,6 +305,16 @@ __device__ __forceinline__ void plane_slot(int i, int& ly, int& lx) {
     }
 }
 
+// The slots of planes z-1, z, z+1 in a 3D sweep's ring of three shared planes, `step` = z - z0
+// plane steps after the tile's first (z0-1 in slot 0, z0 in slot 1): step, step + 1, step + 2
+// mod 3, taken in 32 bits (in 64 bits ~20 instructions a plane step and warp, by Nsight
+// Compute of the packed sweep).
+struct RingSlots {
+    unsigned below, at, above;
+    __device__ __forceinline__ explicit RingSlots(i64 step)
+        : below((unsigned)step % 3u), at(below == 2 ? 0 : below + 1), above(below == 0 ? 2 : below - 1) {}
+};
+
 // Sweep the tiles [first, first + step, ...) of one image. KeyOf(i) gives the key of element i;
 // Sink(c, key, i) consumes the contribution of element i when Region(z, y, x) holds for it
 // (each thread at most PY times per plane, once per row it owns); every thread calls
@@ -401,16 +411,13 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
         }
         for (i64 z = z0; z < z1; ++z) {
             after.step_begin();
-            // Planes z-1, z, z+1 sit in ring slots (z-z0), (z-z0+1), (z-z0+2) mod 3, taken in
-            // 32 bits (in 64 bits ~20 instructions a plane step and warp, the packed sweep's by
-            // Nsight Compute).
-            const unsigned s = (unsigned)(z - z0) % 3u, s1 = s == 2 ? 0 : s + 1, s2 = s == 0 ? 2 : s - 1;
             const K* planes[NP];
             if constexpr (NDIM == 3) {
-                load_plane(z + 1, tile[s2]);
-                planes[0] = tile[s];
-                planes[NP - 2] = tile[s1];
-                planes[NP - 1] = tile[s2];
+                const RingSlots slot(z - z0);
+                load_plane(z + 1, tile[slot.above]);
+                planes[0] = tile[slot.below];
+                planes[NP - 2] = tile[slot.at];
+                planes[NP - 1] = tile[slot.above];
             } else {
                 load_plane(0, tile[0]);
                 planes[0] = tile[0];
@@ -850,16 +857,14 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
         for (i64 z = z0; z < z1; ++z) {
             const unsigned* planes[NP];
             if constexpr (NDIM == 3) {
-                // Planes z-1, z, z+1 sit in ring slots s, s+1, s+2 (mod 3), s taken in 32 bits
-                // (the 64-bit (z - z0) % 3 took ~20 instructions a plane step and warp).
                 // (A ring of four planes, plane z+2 loaded while the window reads z-1..z+1 and
                 // one barrier a step, measured 2-7 % slower: benchmarks/RESULTS.md,
                 // fifty-fourth session.)
-                const unsigned s = (unsigned)(z - z0) % 3u, s1 = s == 2 ? 0 : s + 1, s2 = s == 0 ? 2 : s - 1;
-                load_plane(z + 1, tile[s2]);
-                planes[0] = tile[s];
-                planes[1] = tile[s1];
-                planes[2] = tile[s2];
+                const RingSlots slot(z - z0);
+                load_plane(z + 1, tile[slot.above]);
+                planes[0] = tile[slot.below];
+                planes[1] = tile[slot.at];
+                planes[2] = tile[slot.above];
             } else {
                 load_plane(0, tile[0]);
                 planes[0] = tile[0];
