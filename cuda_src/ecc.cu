@@ -957,35 +957,41 @@ struct ThresholdBins {
     double t0, inv_dt;          // the estimate (k - 1 < (v - t0) inv_dt <= k) in double
     float offset, inv_dt_f;     // and in float: 0.5 - t0 inv_dt, inv_dt
     static constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    static constexpr int ROUND_BITS = 0x4B400000;  // its bits, whose low 16 are zero
 
     __device__ __forceinline__ ThresholdBins(const Bounds<Cmp>* b, int T_, int estimate_, double t0_,
                                              double inv_dt_)
         : bounds(b), first(b[0].hi), last(b[T_ - 1].hi), T(T_), estimate(estimate_), t0(t0_),
           inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_) {}
 
+    // LOW16: only the result's low 16 bits need be the bin (16-bit keys).
+    template <bool LOW16 = false>
     __device__ __forceinline__ int operator()(Cmp v) const {
         int k;
         if constexpr (sizeof(Cmp) == 4) {  // float32, or int32 (16-bit integer images)
             if (estimate) {
                 // round((v - t0) / dt + 1/2), i.e. about ceil, clamped to [0, T] in float (NaN
-                // to T: fminf returns the other operand), then checked against the entry's
-                // bounds: no early outs, no order keys (the comparisons are exact, le/gt). The
-                // host takes the estimate only where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so
-                // its float errors stay below 1/4 bin for v in [t_0, t_{T-1}]
-                // (_ecc_cupy._uniform_estimate). In the sm_90 SASS a float32 value's common
-                // path took 26 instructions with order keys and early outs, 15 now; a 16-bit
-                // integer's took a float64 conversion, comparisons and rounding (three
-                // conversions on the slow pipe) (benchmarks/RESULTS.md, thirtieth session).
+                // to T: fminf returns the other operand), then one step to the bin the entry's
+                // bounds name: no early outs, no order keys, no loop (the comparisons are
+                // exact, le/gt). The guess is never more than one bin off: the host takes the
+                // estimate only where every t_k lies within dt/4 of t_0 + k dt, so a v of bin
+                // k (t_{k-1} < v <= t_k) has (v - t0) / dt + 1/2 in (k - 3/4, k + 3/4], and
+                // where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so the float errors stay below
+                // 1/4 bin and the rounding lands in [k - 1, k + 1]; values beyond either end
+                // land at or beside their bin, 0 or T, or are clamped to it
+                // (_ecc_cupy._uniform_estimate; a 16-bit integer v is in bin k of the integer
+                // table exactly when t_{k-1} < v <= t_k). In the sm_90 SASS a float32 value
+                // took 26 instructions with order keys and early outs, 15 with a loop each way
+                // and a generic load, 12 now (with the table's shared load and the key's low
+                // bits taken from y's); a 16-bit integer's took a float64 conversion,
+                // comparisons and rounding (three conversions on the slow pipe)
+                // (benchmarks/RESULTS.md, thirtieth and fifty-fifth sessions).
                 float y = __fadd_rn(__fmaf_rn(estimate_arg(v), inv_dt_f, offset), ROUND);
                 y = fmaxf(fminf(y, ROUND + (float)T), ROUND);
-                k = __float_as_int(y) - __float_as_int(ROUND);
-                const Bounds<Cmp> b = bounds[k];
-                if (le(v, b.lo)) {
-                    do --k; while (le(v, bounds[k].lo));
-                } else if (gt(v, b.hi)) {
-                    do ++k; while (gt(v, bounds[k].hi));
-                }
-                return k;
+                const int bits = __float_as_int(y);  // ROUND_BITS + the guess
+                const Bounds<Cmp> b = bounds[bits - ROUND_BITS];
+                k = step_bin(bits, v, b.lo, b.hi);
+                return LOW16 ? k : k - ROUND_BITS;
             }
         }
         if (!le(v, last)) return T;
@@ -1056,7 +1062,7 @@ struct BinKey : Reads16<In_> {
         if constexpr (sizeof(In) == 1) {
             return byte_bins[(unsigned char)v];
         } else {
-            return (K)bins(convert<Cmp>(v));
+            return (K)bins.template operator()<sizeof(K) == 2>(convert<Cmp>(v));
         }
     }
     __device__ __forceinline__ K operator()(i64 i) const { return of_value(image[i]); }
@@ -1172,10 +1178,17 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
                 const Region& counts, unsigned* __restrict__ done, bool block_prefix = false) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
+    // The packed sweep's tables of 4-byte comparison values (at most PACKED_MAX_BINS + 1
+    // entries, 32 KB) are always in shared memory (_ecc_cupy.threshold_table_in_shared), known
+    // here at compile time: the bins' reads are then shared loads, not generic ones with 64-bit
+    // addresses (with the estimate's one step, float32 volumes 3-9 % faster, 2D float32 images
+    // 3-10 %, float16 17 %, uint16 volumes 10 %; H100, benchmarks/RESULTS.md, fifty-fifth
+    // session). Larger tables (8-byte values) stay where the host puts them.
+    constexpr bool TABLE_IN_SMEM = sizeof(K) == 2 && sizeof(Cmp) == 4;
     const Bounds<Cmp>* tab = thresholds;
     int* hist_s = nullptr;
     size_t offset = 0;
-    if (table_in_smem) {
+    if (TABLE_IN_SMEM || table_in_smem) {
         Bounds<Cmp>* t = reinterpret_cast<Bounds<Cmp>*>(dynamic_smem);
         for (int i = threadIdx.x; i <= T; i += THREADS) t[i] = thresholds[i];
         tab = t;

@@ -110,6 +110,15 @@ def histogram_key_ctype(T: int) -> str:
     return "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
 
 
+def threshold_table_in_shared(table_bytes: int, key_ctype: str, cmp_ctype: str) -> bool:
+    """Whether ecc_histogram reads the threshold table from shared memory: up to
+    TABLE_SMEM_MAX bytes, and always for the packed sweep's (16-bit keys) tables of 4-byte
+    comparison values, which the kernel takes there at compile time (32 KB at most, at
+    PACKED_MAX_BINS)."""
+    packed_4_bytes = key_ctype == "unsigned short" and cmp_ctype in ("float", "int")
+    return packed_4_bytes or table_bytes <= TABLE_SMEM_MAX
+
+
 def histogram_bin_arguments(dtype: np.dtype, thresholds: np.ndarray):
     """(comparison C type, (T + 1, 2) table of bin bounds, estimate (t0, 1/dt) or None) with
     which ecc_histogram bins images of ``dtype`` against ``thresholds`` (in the comparison
@@ -281,11 +290,14 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TIL
 
 
 def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
-    """(t0, 1/dt) when thresholds are close enough to evenly spaced for the O(1) bin guess.
+    """(t0, 1/dt) when thresholds are close enough to evenly spaced for the O(1) bin guess:
+    every t_k within dt/4 of t_0 + k dt.
 
     Guesses in float32 (``float_guess``; by default for float16 and float32 thresholds, which
     compare in float32) also need (|t_0| + |t_{T-1}|) / dt + T <= 2^21: the guess's rounding
-    errors (about 2^-24 times those magnitudes each) then stay below 1/4 bin."""
+    errors (about 2^-24 times those magnitudes each) then stay below 1/4 bin, and the guess
+    within one bin of the answer, which ecc.cu's ThresholdBins takes in one step, without a
+    loop: these conditions are what makes its bins exact."""
     T = t.size
     if T < 3:
         return None
@@ -318,7 +330,7 @@ class HistogramPlan:
         cmp_ctype, table, estimate = histogram_bin_arguments(dtype, thresholds)
         self.table = tables.upload(table)  # any stream reads it
         table_bytes = self.table.nbytes
-        table_in_smem = table_bytes <= TABLE_SMEM_MAX
+        table_in_smem = threshold_table_in_shared(table_bytes, key_ctype, cmp_ctype)
         hist_in_smem = T <= HIST_SMEM_MAX_BINS
         self.shared_mem = (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
                            + (4 * T if hist_in_smem else 0))

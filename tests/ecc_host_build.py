@@ -37,6 +37,9 @@ _PTX = {
         "r = a <= b;",
     'asm("{.reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));':
         "r = a > b;",
+    'asm("{.reg .pred p, q; setp.gt.f32 p, %1, %3; setp.le.f32 q, %1, %2;"\n'
+    '        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "f"(v), "f"(lo), "f"(hi));':
+        "k += (v > hi) - (v <= lo);",
     'asm("{.reg .u32 s; add.cc.u32 s, %1, %2; addc.u32 %0, %3, %3;}" : "=r"(r) : "r"(a), "r"(b), "r"(acc));':
         "r = acc + acc + (unsigned)(a + b < a);",
 }

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import cutopo
-from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, HIST_TALL_ROWS, PACKED_MAX_BINS, TABLE_SMEM_MAX,
-                              _key_value, histogram_bin_arguments, histogram_key_ctype)
+from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, HIST_TALL_ROWS, PACKED_MAX_BINS, _key_value,
+                              histogram_bin_arguments, histogram_key_ctype, threshold_table_in_shared)
 from cutopo._checks import check_thresholds
 from ecc_host_build import build
 
@@ -290,7 +290,7 @@ VARIANTS = ["-DCUTOPO_ECC_NO_CUBE_PAIRS", "-DCUTOPO_ECC_NO_GROUP_READS_3D"]
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def variant_emulator(request, tmp_path_factory):
-    return build(tmp_path_factory, "ecc_emulated", _driver(), request.param)
+    return build(tmp_path_factory, "ecc_emulated", _driver(), *request.param.split())
 
 
 def _run(emulator, head, floats, *arrays):
@@ -320,7 +320,8 @@ def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumu
     assert instance in INSTANCES, f"{instance} is not compiled into the emulator"
     nimg, (nz, ny, nx) = _geometry(image, ndim)
     head = [masks is not None, INSTANCES.index(instance), nimg, nz, ny, nx, zchunk, blocks_per_image, T,
-            estimate is not None, table.nbytes <= TABLE_SMEM_MAX, T <= PACKED_MAX_BINS, cumulate]
+            estimate is not None, threshold_table_in_shared(table.nbytes, instance[2], instance[1]),
+            T <= PACKED_MAX_BINS, cumulate]
     out = _run(emulator, head, estimate if estimate is not None else (0.0, 0.0), table, _pixels(image),
                *(masks or ()))
     return np.frombuffer(out, np.int64).reshape(image.shape[:image.ndim - ndim] + (T,))
@@ -419,6 +420,59 @@ def test_emulated_variants_equal_numpy(variant_emulator, case, rng):
     tc, _ = check_thresholds(t, image)
     got = _kernel_rows(variant_emulator, image, tc, ndim, tconn, zchunk, bpi, 1)
     np.testing.assert_array_equal(got, want)
+
+
+# Instances of CASES (so compiled into the emulators) that bin through the float estimate.
+# "far": float32 thresholds 1 apart near 2^20, where the estimate's float errors are largest
+# ((|t_0| + |t_{T-1}|) / dt + T just under the host's 2^21).
+ESTIMATE_CASES = [((70, 196), "float32", 2, "near"), ((20, 40, 70), "float32", 3, "near"),
+                  ((70, 200), "int16", 2, "near"), ((5, 66, 136), "float16", 3, "near"),
+                  ((2, 5, 66, 136), "uint16", 3, "near"), ((70, 196), "float32", 2, "far"),
+                  ((20, 40, 70), "float32", 3, "far")]
+
+
+def _jittered_thresholds(rng, dtype, where="near", T=41):
+    """Thresholds that the host still bins by estimate (each within 0.2 spacings of the line
+    through the first and the last): the estimate then lands a bin off near many of them.
+    Integer images get real thresholds under 4 apart, so that floor(t) moves them further."""
+    lo, span = (-3.0, 6.0) if dtype.kind == "f" else (-40.0, 80.0)
+    if where == "far":
+        lo, span = 2.0 ** 20 - 100, T - 1.0
+    dt = span / (T - 1)
+    t = lo + dt * np.arange(T) + rng.uniform(-0.2, 0.2, T) * dt * (np.arange(T) % (T - 1) != 0)
+    t = t.astype(np.float32 if dtype.kind == "f" else np.float64)
+    assert histogram_bin_arguments(dtype, t)[2] is not None, "the host no longer takes the estimate"
+    return t
+
+
+def _values_at_thresholds(rng, shape, dtype, t):
+    """Pixels at the thresholds, one float step either side, beyond both ends, random and NaN."""
+    if dtype.kind == "f":
+        near = np.concatenate([t, np.nextafter(t, -np.inf), np.nextafter(t, np.inf),
+                               [t[0] - 5, t[-1] + 5, np.inf, -np.inf, np.nan, 0.0]]).astype(dtype)
+    else:
+        info = np.iinfo(dtype)
+        whole = np.floor(t).astype(np.int64)
+        near = np.clip(np.concatenate([whole - 1, whole, whole + 1, [-60, 60]]), info.min, info.max)
+    pool = np.concatenate([near, rng.uniform(t[0] - 1, t[-1] + 1, near.size)]).astype(dtype)
+    return rng.choice(pool, size=shape)
+
+
+@pytest.mark.parametrize("case", ESTIMATE_CASES, ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[3]}")
+def test_emulated_bins_at_jittered_thresholds(emulator, variant_emulator, case, rng):
+    """The estimate's bins (an O(1) guess made exact by the table) at and beside every
+    threshold, with thresholds uneven enough that the guess is often a bin off: the kernel's
+    curve equals cutopo.ecc's, with and without each compile-time variant."""
+    shape, dtype, ndim, where = case
+    dtype = np.dtype(dtype)
+    t = _jittered_thresholds(rng, dtype, where)
+    image = _values_at_thresholds(rng, shape, dtype, t)
+    want = cutopo.ecc(image, t, ndim=ndim)
+    tc, _ = check_thresholds(t, image)
+    zchunk = 3 if ndim == 3 else 1
+    for emu in (emulator, variant_emulator):
+        got = _kernel_rows(emu, image, tc, ndim, False, zchunk, 2, 1)
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", RANGE_DTYPES)
