@@ -46,7 +46,9 @@ CASES += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8")
 # in float32), uint16 (microscopy; float64 thresholds over its range compare in float64).
 CASES += [("2d 8192^2 float16", (8192, 8192), 2, "float16", False),
           ("2d 8192^2 uint16", (8192, 8192), 2, "uint16", False),
-          ("3d 512^3 uint16", (512,) * 3, 3, "uint16", False)]
+          ("3d 512^3 uint16", (512,) * 3, 3, "uint16", False),
+          ("3d 256^3 float64", (256,) * 3, 3, "float64", False),
+          ("3d 512^3 float64", (512,) * 3, 3, "float64", False)]
 # --small: one-wave launches, where the blocks' final atomics weigh
 SMALL = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8", "bool")
          for n in (128, 512, 1024, 2048)]
