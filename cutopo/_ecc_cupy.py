@@ -8,8 +8,8 @@ import numpy as np
 
 from ._cuda import tables
 from ._cuda.compile import register_instances
-from ._cuda.launch import (PreparedLaunch, Signature, as_c_contiguous, device_zeros, launch,
-                           on_device_of, resident_blocks)
+from ._cuda.launch import (PreparedLaunch, Signature, as_c_contiguous, device_attribute, device_zeros,
+                           launch, on_device_of, resident_blocks)
 from ._cuda.repeated import RepeatedCalls
 from ._cuda.workspace import ZeroedWorkspaces
 
@@ -22,6 +22,8 @@ HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
 # The packed sweep (15-bit keys, below packed::OUTSIDE = 0x7fff) adds into the shared
 # histogram only (ecc.cu's HistSink): it takes T <= HIST_SMEM_MAX_BINS, more bins the scalar one.
 PACKED_MAX_BINS = HIST_SMEM_MAX_BINS
+PACKED_STATIC_SMEM = 16 * 1024  # the packed sweep's shared planes (14.7 KB in 3D), at most
+PACKED_SHARED_TABLE_CMP = ("float", "int")  # its tables always in shared memory (4-byte values)
 MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from overflowing
 # How a call makes its histogram rows cumulative. By default every block adds its own prefix
 # sums (one atomic per bin from the block's first non-zero bin on): no block waits for another,
@@ -105,9 +107,19 @@ def _integer_threshold_table(t: np.ndarray) -> np.ndarray:
     return _bounds(keys, info.min, info.max)
 
 
-def histogram_key_ctype(T: int) -> str:
-    """The histogram kernels' key type: 16-bit keys (the packed sweep) up to PACKED_MAX_BINS."""
-    return "unsigned short" if T <= PACKED_MAX_BINS else "unsigned int"
+def histogram_key_ctype(T: int, cmp_ctype: str | None = None, smem_optin: int | None = None) -> str:
+    """The histogram kernels' key type: 16-bit keys (the packed sweep) up to PACKED_MAX_BINS,
+    where the packed sweep's shared memory fits a block of the device (``smem_optin``: the
+    bytes a block may take). Its tables of 4-byte comparison values are always in shared memory
+    (threshold_table_in_shared): with the histogram and the planes, ~64 KB at PACKED_MAX_BINS,
+    more than the 48 KB of a block on devices before Volta."""
+    if T > PACKED_MAX_BINS:
+        return "unsigned int"
+    if smem_optin is not None and cmp_ctype in PACKED_SHARED_TABLE_CMP:
+        table = ((T + 1) * 8 + 15) // 16 * 16
+        if PACKED_STATIC_SMEM + table + 4 * T > smem_optin:
+            return "unsigned int"
+    return "unsigned short"
 
 
 def threshold_table_in_shared(table_bytes: int, key_ctype: str, cmp_ctype: str) -> bool:
@@ -115,8 +127,8 @@ def threshold_table_in_shared(table_bytes: int, key_ctype: str, cmp_ctype: str) 
     TABLE_SMEM_MAX bytes, and always for the packed sweep's (16-bit keys) tables of 4-byte
     comparison values, which the kernel takes there at compile time (32 KB at most, at
     PACKED_MAX_BINS)."""
-    packed_4_bytes = key_ctype == "unsigned short" and cmp_ctype in ("float", "int")
-    return packed_4_bytes or table_bytes <= TABLE_SMEM_MAX
+    always = key_ctype == "unsigned short" and cmp_ctype in PACKED_SHARED_TABLE_CMP
+    return always or table_bytes <= TABLE_SMEM_MAX
 
 
 def histogram_bin_arguments(dtype: np.dtype, thresholds: np.ndarray):
@@ -326,8 +338,8 @@ class HistogramPlan:
         T = self.T
         in_ctype = _INPUT_CTYPE[dtype]
         view = _INPUT_VIEW.get(dtype, dtype)
-        key_ctype = histogram_key_ctype(T)
         cmp_ctype, table, estimate = histogram_bin_arguments(dtype, thresholds)
+        key_ctype = histogram_key_ctype(T, cmp_ctype, device_attribute("MaxSharedMemoryPerBlockOptin"))
         self.table = tables.upload(table)  # any stream reads it
         table_bytes = self.table.nbytes
         table_in_smem = threshold_table_in_shared(table_bytes, key_ctype, cmp_ctype)

@@ -486,6 +486,26 @@ def test_integer_threshold_table_keeps_every_comparison(ecc_cupy, rng, image_dty
     np.testing.assert_array_equal(got, want)
 
 
+def test_packed_keys_only_where_their_shared_memory_fits_the_device(ecc_cupy):
+    """The packed sweep keeps 4-byte tables in shared memory whatever T: a device that gives a
+    block 48 KB (before Volta) takes 32-bit keys for the largest T, one of 99 KB or more the
+    packed sweep up to PACKED_MAX_BINS; 8-byte tables (float64 comparisons) may stay in global
+    memory, so no device limit moves their keys."""
+    key = ecc_cupy.histogram_key_ctype
+    T = ecc_cupy.PACKED_MAX_BINS
+    for cmp in ("float", "int"):
+        assert key(256, cmp, 48 * 1024) == "unsigned short"
+        assert key(T, cmp, 48 * 1024) == "unsigned int"
+        assert key(T, cmp, 99 * 1024) == key(T, cmp, 227 * 1024) == "unsigned short"
+        assert key(T + 1, cmp, 227 * 1024) == "unsigned int"
+        assert ecc_cupy.threshold_table_in_shared((T + 1) * 8, "unsigned short", cmp)
+        fits = [n for n in range(1, T + 1) if key(n, cmp, 48 * 1024) == "unsigned short"]
+        assert fits == list(range(1, fits[-1] + 1)) and 2048 < fits[-1] < T
+    assert key(T, "double", 48 * 1024) == "unsigned short"
+    assert not ecc_cupy.threshold_table_in_shared((T + 1) * 16, "unsigned short", "double")
+    assert ecc_cupy.threshold_table_in_shared(1024 * 16, "unsigned short", "double")
+
+
 def test_registered_instances_cover_every_input_type(ecc_cupy):
     from cutopo._cuda.compile import registered_instances
 

@@ -605,6 +605,9 @@ def _resident_blocks(device_id, sig, block, shared_mem, options):
     import cupy
 
     kernel = get_function(sig.family, sig.name, options)
+    if 48 * 1024 < shared_mem <= _device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]:
+        # as the launch will (_checked_kernel): else the query counts no block resident
+        kernel.max_dynamic_shared_size_bytes = shared_mem
     per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
         kernel.kernel.ptr, block, shared_mem)
     return max(1, per_sm) * device_attribute("MultiProcessorCount")
