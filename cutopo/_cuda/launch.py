@@ -606,7 +606,7 @@ def _resident_blocks(device_id, sig, block, shared_mem, options):
 
     kernel = get_function(sig.family, sig.name, options)
     if 48 * 1024 < shared_mem <= _device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]:
-        # as the launch will (_checked_kernel): else the query counts no block resident
+        # as the launch will (_checked_kernel): else the query may count no block resident
         kernel.max_dynamic_shared_size_bytes = shared_mem
     per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
         kernel.kernel.ptr, block, shared_mem)
