@@ -107,7 +107,8 @@ def _integer_threshold_table(t: np.ndarray) -> np.ndarray:
     return _bounds(keys, info.min, info.max)
 
 
-def histogram_key_ctype(T: int, cmp_ctype: str | None = None, smem_optin: int | None = None) -> str:
+def histogram_key_ctype(T: int, cmp_ctype: str | None = None, table_bytes: int = 0,
+                        smem_optin: int | None = None) -> str:
     """The histogram kernels' key type: 16-bit keys (the packed sweep) up to PACKED_MAX_BINS,
     where the packed sweep's shared memory fits a block of the device (``smem_optin``: the
     bytes a block may take). Its tables of 4-byte comparison values are always in shared memory
@@ -115,11 +116,19 @@ def histogram_key_ctype(T: int, cmp_ctype: str | None = None, smem_optin: int | 
     more than the 48 KB of a block on devices before Volta."""
     if T > PACKED_MAX_BINS:
         return "unsigned int"
-    if smem_optin is not None and cmp_ctype in PACKED_SHARED_TABLE_CMP:
-        table = ((T + 1) * 8 + 15) // 16 * 16
-        if PACKED_STATIC_SMEM + table + 4 * T > smem_optin:
+    if smem_optin is not None:
+        key = "unsigned short"
+        dynamic = histogram_shared_bytes(T, table_bytes, threshold_table_in_shared(table_bytes, key, cmp_ctype))
+        if PACKED_STATIC_SMEM + dynamic > smem_optin:
             return "unsigned int"
     return "unsigned short"
+
+
+def histogram_shared_bytes(T: int, table_bytes: int, table_in_smem: bool) -> int:
+    """The histogram kernels' dynamic shared memory: the threshold table where it is there
+    (16-byte aligned), then the per-block histogram (T <= HIST_SMEM_MAX_BINS)."""
+    return (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
+            + (4 * T if T <= HIST_SMEM_MAX_BINS else 0))
 
 
 def threshold_table_in_shared(table_bytes: int, key_ctype: str, cmp_ctype: str) -> bool:
@@ -339,13 +348,13 @@ class HistogramPlan:
         in_ctype = _INPUT_CTYPE[dtype]
         view = _INPUT_VIEW.get(dtype, dtype)
         cmp_ctype, table, estimate = histogram_bin_arguments(dtype, thresholds)
-        key_ctype = histogram_key_ctype(T, cmp_ctype, device_attribute("MaxSharedMemoryPerBlockOptin"))
+        key_ctype = histogram_key_ctype(T, cmp_ctype, table.nbytes,
+                                        device_attribute("MaxSharedMemoryPerBlockOptin"))
         self.table = tables.upload(table)  # any stream reads it
         table_bytes = self.table.nbytes
         table_in_smem = threshold_table_in_shared(table_bytes, key_ctype, cmp_ctype)
         hist_in_smem = T <= HIST_SMEM_MAX_BINS
-        self.shared_mem = (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
-                           + (4 * T if hist_in_smem else 0))
+        self.shared_mem = histogram_shared_bytes(T, table_bytes, table_in_smem)
         # masked: the per-axis masks; else the per-image counters and the cumulate flag
         tail = ("ptr:uint8",) * 3 if masked else ("ptr:uint32", "int32")
         params = ((f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",

@@ -491,7 +491,9 @@ def test_packed_keys_only_where_their_shared_memory_fits_the_device(ecc_cupy):
     block 48 KB (before Volta) takes 32-bit keys for the largest T, one of 99 KB or more the
     packed sweep up to PACKED_MAX_BINS; 8-byte tables (float64 comparisons) may stay in global
     memory, so no device limit moves their keys."""
-    key = ecc_cupy.histogram_key_ctype
+    def key(T, cmp, optin):  # with the table of T thresholds the host makes (Bounds: two values)
+        return ecc_cupy.histogram_key_ctype(T, cmp, (T + 1) * (16 if cmp == "double" else 8), optin)
+
     T = ecc_cupy.PACKED_MAX_BINS
     for cmp in ("float", "int"):
         assert key(256, cmp, 48 * 1024) == "unsigned short"

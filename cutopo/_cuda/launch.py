@@ -234,13 +234,20 @@ def _checked_kernel(sig: Signature, grid: int, block: int, shared_mem: int,
         raise LaunchError(f"{sig.name}: grid of {grid} blocks exceeds the device limit")
     if sig.fit_shared:
         _fit_shared_carveout(device, sig, options, int(block), int(shared_mem))
-    if shared_mem <= 48 * 1024:
-        return _kernel(device, sig, options)
-    if shared_mem > _device_attributes(device)["MaxSharedMemoryPerBlockOptin"]:
-        raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
     kernel = _kernel(device, sig, options)
-    kernel.max_dynamic_shared_size_bytes = shared_mem
+    _allow_shared_memory(kernel, sig, device, shared_mem)
     return kernel
+
+
+def _allow_shared_memory(kernel, sig: Signature, device_id: int, shared_mem: int) -> None:
+    """Opts ``kernel`` into ``shared_mem`` bytes of dynamic shared memory above the default
+    48 KB (a launch needs it, and so does the occupancy query: without it the query may count
+    no block resident). LaunchError past the device's limit."""
+    if shared_mem <= 48 * 1024:
+        return
+    if shared_mem > _device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]:
+        raise LaunchError(f"{sig.name}: {shared_mem} bytes of shared memory exceed the device limit")
+    kernel.max_dynamic_shared_size_bytes = shared_mem
 
 
 @functools.lru_cache(maxsize=None)
@@ -605,9 +612,7 @@ def _resident_blocks(device_id, sig, block, shared_mem, options):
     import cupy
 
     kernel = get_function(sig.family, sig.name, options)
-    if 48 * 1024 < shared_mem <= _device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]:
-        # as the launch will (_checked_kernel): else the query may count no block resident
-        kernel.max_dynamic_shared_size_bytes = shared_mem
+    _allow_shared_memory(kernel, sig, device_id, shared_mem)
     per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
         kernel.kernel.ptr, block, shared_mem)
     return max(1, per_sm) * device_attribute("MultiProcessorCount")
