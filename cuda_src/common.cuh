@@ -100,7 +100,7 @@ __device__ __forceinline__ bool gt<float>(float a, float b) {
     asm("{.reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));
     return r != 0u;
 }
-// k + (v > hi) - (v <= lo), the comparisons as le and gt make them; for float32 as two
+// k + (v > hi) - (v <= lo), the comparisons as le and gt make them; for floats as two
 // predicated adds (the compiler's own form of it took a select and a move more).
 template <typename T>
 __device__ __forceinline__ int step_bin(int k, T v, T lo, T hi) {
@@ -110,6 +110,12 @@ template <>
 __device__ __forceinline__ int step_bin<float>(int k, float v, float lo, float hi) {
     asm("{.reg .pred p, q; setp.gt.f32 p, %1, %3; setp.le.f32 q, %1, %2;"
         " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "f"(v), "f"(lo), "f"(hi));
+    return k;
+}
+template <>
+__device__ __forceinline__ int step_bin<double>(int k, double v, double lo, double hi) {
+    asm("{.reg .pred p, q; setp.gt.f64 p, %1, %3; setp.le.f64 q, %1, %2;"
+        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "d"(v), "d"(lo), "d"(hi));
     return k;
 }
 

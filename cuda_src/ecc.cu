@@ -947,6 +947,9 @@ __device__ __forceinline__ float estimate_arg(int v) {
     return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
 }
 
+template <typename T> constexpr bool IS_DOUBLE = false;
+template <> constexpr bool IS_DOUBLE<double> = true;
+
 // Threshold bin of a value: the first k with v <= t_k (T when there is none, NaN included).
 // Most values need one table read (with an estimate).
 template <typename Cmp>
@@ -958,11 +961,14 @@ struct ThresholdBins {
     float offset, inv_dt_f;     // and in float: 0.5 - t0 inv_dt, inv_dt
     static constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
     static constexpr int ROUND_BITS = 0x4B400000;  // its bits, whose low 16 are zero
+    static constexpr double ROUND_D = 6755399441055744.0;  // 1.5 * 2^52, for float64
+    double offset_d;            // 0.5 - t0 inv_dt in float64
 
     __device__ __forceinline__ ThresholdBins(const Bounds<Cmp>* b, int T_, int estimate_, double t0_,
                                              double inv_dt_)
         : bounds(b), first(b[0].hi), last(b[T_ - 1].hi), T(T_), estimate(estimate_), t0(t0_),
-          inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_) {}
+          inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_),
+          offset_d(0.5 - t0_ * inv_dt_) {}
 
     // LOW16: only the result's low 16 bits need be the bin (16-bit keys).
     template <bool LOW16 = false>
@@ -993,14 +999,27 @@ struct ThresholdBins {
                 k = step_bin(bits, v, b.lo, b.hi);
                 return LOW16 ? k : k - ROUND_BITS;
             }
+        } else if constexpr (IS_DOUBLE<Cmp>) {
+            if (estimate) {
+                // The same in float64 (float64 images, or float64 thresholds), where the host
+                // asks (|t_0| + |t_{T-1}|) / dt + T <= 2^50 for errors below 1/4 bin; y's low
+                // word is the guess (ROUND_D's is zero), clamped to [0, T] by two comparisons
+                // (NaN to T; fmin and fmax took ~7 instructions each). The table's rows 0 and
+                // T hold NaN outside t_0 and t_{T-1}, as float32's: no early outs.
+                const double y = __dadd_rn(__fma_rn(v, inv_dt, offset_d), ROUND_D);
+                k = y >= ROUND_D ? __double2loint(y) : 0;
+                k = y <= ROUND_D + (double)T ? k : T;
+                const Bounds<Cmp> b = bounds[k];
+                return step_bin(k, v, b.lo, b.hi);
+            }
         }
         if (!le(v, last)) return T;
         if (le(v, first)) return 0;
         // Now t_0 < v <= t_{T-1}: the answer k lies in [1, T-1].
         if (estimate) {
-            // Evenly spaced thresholds, the 8-byte comparison types: an O(1) guess in float64,
-            // made exact by the comparisons below (the host allows this only when the guess is
-            // within a bin or so of the answer).
+            // Evenly spaced thresholds, the 8-byte integer comparison types: an O(1) guess in
+            // float64, made exact by the comparisons below (the host allows this only when the
+            // guess is within a bin or so of the answer).
             k = (int)fmin(ceil(((double)v - t0) * inv_dt), (double)T);
             k = min(max(k, 1), T - 1);
             const Bounds<Cmp> b = bounds[k];

@@ -70,10 +70,11 @@ def _compare_type(dtype: np.dtype) -> tuple[str, np.dtype]:
 
 def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
     """(T + 1, 2) bounds of the bins in the comparison type (ecc.cu's Bounds): row k is
-    (t_{k-1}, t_k); rows 0 and T are (t_0, t_0) and (t_{T-1}, t_{T-1}), in float32 (NaN, t_0)
-    and (t_{T-1}, NaN)."""
+    (t_{k-1}, t_k); rows 0 and T are (NaN, t_0) and (t_{T-1}, NaN) in float types (no value
+    is <= NaN or > NaN: the estimate's one step stays at 0 and T), (t_0, t_0) and
+    (t_{T-1}, t_{T-1}) in integer ones."""
     keys = t.astype(cmp_dtype)
-    if cmp_dtype == np.float32:
+    if cmp_dtype.kind == "f":
         return _bounds(keys, np.nan, np.nan)
     return _bounds(keys, keys[0], keys[-1])
 
@@ -315,10 +316,11 @@ def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
     every t_k within dt/4 of t_0 + k dt.
 
     Guesses in float32 (``float_guess``; by default for float16 and float32 thresholds, which
-    compare in float32) also need (|t_0| + |t_{T-1}|) / dt + T <= 2^21: the guess's rounding
-    errors (about 2^-24 times those magnitudes each) then stay below 1/4 bin, and the guess
-    within one bin of the answer, which ecc.cu's ThresholdBins takes in one step, without a
-    loop: these conditions are what makes its bins exact."""
+    compare in float32) also need (|t_0| + |t_{T-1}|) / dt + T <= 2^21, those in float64
+    <= 2^50: the guess's rounding errors (about 2^-24, 2^-53 times those magnitudes each)
+    then stay below 1/4 bin, and the guess within one bin of the answer, which ecc.cu's
+    ThresholdBins takes in one step, without a loop, for float32 and float64 comparisons:
+    these conditions are what makes its bins exact."""
     T = t.size
     if T < 3:
         return None
@@ -330,7 +332,7 @@ def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
         if not np.max(np.abs(tt - (tt[0] + dt * np.arange(T)))) <= 0.25 * dt:
             return None
         in_float32 = (t.dtype.kind == "f" and t.dtype.itemsize <= 4) if float_guess is None else float_guess
-        if in_float32 and (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** 21:
+        if (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** (21 if in_float32 else 50):
             return None
     return float(tt[0]), float(1.0 / dt)
 

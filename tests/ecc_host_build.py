@@ -40,6 +40,9 @@ _PTX = {
     'asm("{.reg .pred p, q; setp.gt.f32 p, %1, %3; setp.le.f32 q, %1, %2;"\n'
     '        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "f"(v), "f"(lo), "f"(hi));':
         "k += (v > hi) - (v <= lo);",
+    'asm("{.reg .pred p, q; setp.gt.f64 p, %1, %3; setp.le.f64 q, %1, %2;"\n'
+    '        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "d"(v), "d"(lo), "d"(hi));':
+        "k += (v > hi) - (v <= lo);",
     'asm("{.reg .u32 s; add.cc.u32 s, %1, %2; addc.u32 %0, %3, %3;}" : "=r"(r) : "r"(a), "r"(b), "r"(acc));':
         "r = acc + acc + (unsigned)(a + b < a);",
 }
@@ -328,6 +331,7 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 inline double __dsub_rn(double a, double b) { return a - b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __ddiv_rn(double a, double b) { return a / b; }

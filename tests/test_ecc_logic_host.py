@@ -262,10 +262,10 @@ def test_tile_walk_visits_the_tiles_of_the_division(harness, ndim, rng):
 
 
 def _off(estimate, rng):
-    """A wrong estimate (t0 a few bins off, 1/dt scaled): for 8-byte comparisons the kernel
-    checks every guess against the table and walks to the right bin, so any guess gives the
-    same bins. (Float32 and 16-bit integer bins take one step from the guess, which the host's
-    conditions keep within one bin: only its own estimate is theirs.)"""
+    """A wrong estimate (t0 a few bins off, 1/dt scaled): for 8-byte integer comparisons the
+    kernel checks every guess against the table and walks to the right bin, so any guess gives
+    the same bins. (Float and 16-bit integer bins take one step from the guess, which the
+    host's conditions keep within one bin: only its own estimate is theirs.)"""
     if estimate is None:
         return None
     t0, inv_dt = estimate
@@ -300,8 +300,8 @@ def _threshold_sets(rng, dtype, lo=None, hi=None):
         kind = rng.choice(5, p=[0.35, 0.25, 0.15, 0.15, 0.1])
         if kind == 4 and lo is None and dtype.kind == "f" and T >= 3:
             # At the host's limits for the estimate: t_0 so far from 0 that
-            # (|t_0| + |t_{T-1}|) / dt + T is just under 2^21 (float32; float64 has no such
-            # limit, 2^50 here), and every t_k up to dt/4 off the line.
+            # (|t_0| + |t_{T-1}|) / dt + T is just under 2^21 (float32) or 2^50 (float64), and
+            # every t_k up to dt/4 off the line.
             dt = scale / (T - 1)
             limit = 2.0 ** (21 if dtype.itemsize <= 4 else 50)
             t0 = rng.choice([-1, 1]) * (limit * rng.uniform(0.97, 0.995) - 2 * T) * dt / 2
@@ -351,8 +351,8 @@ def test_threshold_bins_equal_searchsorted(harness, dtype, code, rng):
         estimate = _uniform_estimate(t)
         estimated += estimate is not None
         want = np.searchsorted(t, values, side="left")  # NaN sorts last: T
-        guesses = (estimate, _off(estimate, rng)) if dtype.itemsize == 8 else (estimate,)
-        for guess in guesses:  # 8-byte types: the walk from a guess bins away, too
+        guesses = (estimate, _off(estimate, rng)) if dtype.kind in "iu" else (estimate,)
+        for guess in guesses:  # 8-byte integers: the walk from a guess bins away, too
             got = _run_bins(harness, code, dtype, _threshold_table(t, dtype), guess, values)
             bad = np.flatnonzero(got != want)
             assert bad.size == 0, (t[:5], t.size, guess, values[bad[:5]], got[bad[:5]], want[bad[:5]])

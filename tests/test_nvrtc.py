@@ -50,10 +50,11 @@ _PROPS = re.compile(r"Function properties for (\S+)\s*\n[^\n]*?(\d+) bytes stack
 # loads on sm_90 (176 B without the offsets) and ran 1-4 % faster so on the H100 and H200
 # (thirty-fifth session); the 3D float32 histograms (48 registers) spill up to ~140 B of loads
 # with the estimate's one-step bins and shared table loads (48 B before, with a loop each way
-# and generic loads) and ran 3-9 % faster so on the H100 (fifty-fifth session). Anything past
+# and generic loads) and ran 3-9 % faster so on the H100 (fifty-fifth session); the float64
+# ones ~190 B with the float64 estimate's one step. Anything past
 # these budgets is a real regression.
 _TOLERATED_SPILL = re.compile(r"17ecc_contributionsI(?:[a-z]|NS_4halfE)y|12warp_forwardIf\w*?Li3ELb[01]ELb0E"
-                              r"|(?:13ecc_histogram|20ecc_histogram_masked)IhxtLi3E|13ecc_histogramIfftLi3E"
+                              r"|(?:13ecc_histogram|20ecc_histogram_masked)IhxtLi3E|13ecc_histogramI[fd][fd]tLi3E"
                               r"|22soft_ecc_fused_forwardI\w*?Li[23]ELb[01]ELb0E"
                               r"|22soft_ecc_fused_forwardI[di]ydLi3ELb1ELb1E"
                               r"|23soft_ecc_fused_backwardI[hst]jfLi2ELb0ELb0ELb0E"
