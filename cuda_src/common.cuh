@@ -119,6 +119,17 @@ __device__ __forceinline__ int step_bin<double>(int k, double v, double lo, doub
     return k;
 }
 
+// A 32-bit address in the shared window, and a load of two words there: for loads whose address
+// the caller computes (ecc.cu's ThresholdBins), where the compiler's own arithmetic for a
+// biased index added the bias once a load. Host forms in tests/ecc_host_build.py.
+typedef unsigned smem_addr;
+__device__ __forceinline__ smem_addr shared_address(const void* p) {
+    return (smem_addr)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void load_shared_u32x2(smem_addr a, unsigned& lo, unsigned& hi) {
+    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(a));
+}
+
 // 2 acc + (the carry out of a + b), unsigned 32-bit: an add that keeps only its carry, then an
 // add of acc to itself with carry in (two instructions; a compare and select needs a predicate
 // register and one more).

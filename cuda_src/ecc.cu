@@ -929,14 +929,19 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
 // One entry of the threshold table: bin k's bounds lo = t_{k-1} and hi = t_k, in the comparison
 // type; checking an estimate of the bin then reads one 8- or 16-byte entry instead of two
 // dependent thresholds. Entry 0 and entry T: (t_0, t_0) and (t_{T-1}, t_{T-1}), so that an
-// estimate of 0 or T walks into [1, T-1]; in the 4-byte types bounds that every value passes,
-// so that an estimate checks without early outs: float32 (NaN, t_0) and (t_{T-1}, NaN) (a NaN
-// compares false), int32 (INT_MIN, t_0) and (t_{T-1}, INT_MAX) (the int32 table of 16-bit
-// integer images holds floor(t), clipped to just beyond their range: _ecc_cupy).
+// estimate of 0 or T walks into [1, T-1]; in the float and int32 types bounds that every value
+// passes, so that an estimate checks without early outs: float32 and float64 (NaN, t_0) and
+// (t_{T-1}, NaN) (a NaN compares false), int32 (INT_MIN, t_0) and (t_{T-1}, INT_MAX) (the int32
+// table of 16-bit integer images holds floor(t), clipped to just beyond their range: _ecc_cupy).
 template <typename Tab>
 struct alignas(2 * sizeof(Tab)) Bounds {
     Tab lo, hi;
 };
+
+// The packed sweep's tables of 4-byte comparison values (16-bit keys: at most PACKED_MAX_BINS + 1
+// entries, 32 KB) always lie in shared memory (_ecc_cupy.threshold_table_in_shared).
+template <typename Cmp, typename K>
+constexpr bool TABLE_ALWAYS_IN_SMEM = sizeof(K) == 2 && sizeof(Cmp) == 4;
 
 // A 4-byte comparison value as the float the bin estimate starts from: a float32 itself; an
 // int32 (a pixel of a 16-bit integer image, |v| < 2^22) exactly, as the float whose bits are
@@ -950,9 +955,15 @@ __device__ __forceinline__ float estimate_arg(int v) {
 template <typename T> constexpr bool IS_DOUBLE = false;
 template <> constexpr bool IS_DOUBLE<double> = true;
 
+// A 4-byte comparison value from its bits.
+template <typename Cmp> __device__ __forceinline__ Cmp from_bits(unsigned u);
+template <> __device__ __forceinline__ float from_bits<float>(unsigned u) { return __int_as_float((int)u); }
+template <> __device__ __forceinline__ int from_bits<int>(unsigned u) { return (int)u; }
+
 // Threshold bin of a value: the first k with v <= t_k (T when there is none, NaN included).
-// Most values need one table read (with an estimate).
-template <typename Cmp>
+// Most values need one table read (with an estimate). SHARED_TABLE: the table lies in shared
+// memory (known at compile time).
+template <typename Cmp, bool SHARED_TABLE = false>
 struct ThresholdBins {
     const Bounds<Cmp>* bounds;  // T + 1 entries, shared or global memory
     Cmp first, last;            // t_0, t_{T-1}
@@ -963,12 +974,21 @@ struct ThresholdBins {
     static constexpr int ROUND_BITS = 0x4B400000;  // its bits, whose low 16 are zero
     static constexpr double ROUND_D = 6755399441055744.0;  // 1.5 * 2^52, for float64
     double offset_d;            // 0.5 - t0 inv_dt in float64
+    // With SHARED_TABLE and the estimate, row k's shared address is table_from_bits + 8
+    // (ROUND_BITS + k): the 4-byte estimate's y indexes the table by its bits (the 32-bit
+    // address arithmetic wraps). The compiler's own address of bounds[bits - ROUND_BITS] added
+    // the bias to each key (a VIADD in the sm_90 SASS), and so did ptxas to an address
+    // computed here, as long as the bias was a constant: it depends on estimate for that.
+    smem_addr table_from_bits;
 
     __device__ __forceinline__ ThresholdBins(const Bounds<Cmp>* b, int T_, int estimate_, double t0_,
                                              double inv_dt_)
         : bounds(b), first(b[0].hi), last(b[T_ - 1].hi), T(T_), estimate(estimate_), t0(t0_),
           inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_),
-          offset_d(0.5 - t0_ * inv_dt_) {}
+          offset_d(0.5 - t0_ * inv_dt_),
+          table_from_bits(SHARED_TABLE ? shared_address(b) - (estimate_ ? (smem_addr)ROUND_BITS : 0u)
+                                                                 * (smem_addr)sizeof(Bounds<Cmp>)
+                                       : 0u) {}
 
     // LOW16: only the result's low 16 bits need be the bin (16-bit keys).
     template <bool LOW16 = false>
@@ -988,14 +1008,21 @@ struct ThresholdBins {
                 // (_ecc_cupy._uniform_estimate; a 16-bit integer v is in bin k of the integer
                 // table exactly when t_{k-1} < v <= t_k). In the sm_90 SASS a float32 value
                 // took 26 instructions with order keys and early outs, 15 with a loop each way
-                // and a generic load, 12 now (with the table's shared load and the key's low
-                // bits taken from y's); a 16-bit integer's took a float64 conversion,
-                // comparisons and rounding (three conversions on the slow pipe)
-                // (benchmarks/RESULTS.md, thirtieth and fifty-fifth sessions).
+                // and a generic load, 11 now (with the table's shared load at an address
+                // biased once, and the key's low bits taken from y's); a 16-bit integer's took
+                // a float64 conversion, comparisons and rounding (three conversions on the slow
+                // pipe) (benchmarks/RESULTS.md, thirtieth, fifty-fifth and fifty-sixth sessions).
                 float y = __fadd_rn(__fmaf_rn(estimate_arg(v), inv_dt_f, offset), ROUND);
                 y = fmaxf(fminf(y, ROUND + (float)T), ROUND);
                 const int bits = __float_as_int(y);  // ROUND_BITS + the guess
-                const Bounds<Cmp> b = bounds[bits - ROUND_BITS];
+                Bounds<Cmp> b;
+                if constexpr (SHARED_TABLE) {
+                    unsigned lo, hi;
+                    load_shared_u32x2(table_from_bits + (smem_addr)bits * sizeof(Bounds<Cmp>), lo, hi);
+                    b = {from_bits<Cmp>(lo), from_bits<Cmp>(hi)};
+                } else {
+                    b = bounds[bits - ROUND_BITS];
+                }
                 k = step_bin(bits, v, b.lo, b.hi);
                 return LOW16 ? k : k - ROUND_BITS;
             }
@@ -1075,7 +1102,7 @@ struct BinKey : Reads16<In_> {
     using Reads16<In>::VEC;
     using Reads16<In>::image;
     static constexpr bool GROUP_READS = true;  // packed::sweep's 2D plane reads
-    ThresholdBins<Cmp> bins;
+    ThresholdBins<Cmp, TABLE_ALWAYS_IN_SMEM<Cmp, K>> bins;
     const K* byte_bins;  // one-byte inputs only
     __device__ __forceinline__ K of_value(In v) const {
         if constexpr (sizeof(In) == 1) {
@@ -1203,7 +1230,7 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     // addresses (with the estimate's one step, float32 volumes 3-9 % faster, 2D float32 images
     // 3-10 %, float16 17 %, uint16 volumes 10 %; H100, benchmarks/RESULTS.md, fifty-fifth
     // session). Larger tables (8-byte values) stay where the host puts them.
-    constexpr bool TABLE_IN_SMEM = sizeof(K) == 2 && sizeof(Cmp) == 4;
+    constexpr bool TABLE_IN_SMEM = TABLE_ALWAYS_IN_SMEM<Cmp, K>;
     const Bounds<Cmp>* tab = thresholds;
     int* hist_s = nullptr;
     size_t offset = 0;
@@ -1219,7 +1246,7 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     }
     __shared__ K byte_bins[sizeof(In) == 1 ? 256 : 1];
     __syncthreads();  // the table must be complete
-    const ThresholdBins<Cmp> bins(tab, T, estimate, t0, inv_dt);
+    const ThresholdBins<Cmp, TABLE_IN_SMEM> bins(tab, T, estimate, t0, inv_dt);
     if constexpr (sizeof(In) == 1) {
         for (int i = threadIdx.x; i < 256; i += THREADS) byte_bins[i] = (K)bins(convert<Cmp>((In)i));
         __syncthreads();

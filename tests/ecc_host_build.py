@@ -8,9 +8,9 @@ fibers of one host thread (``emu::run_block_fibers``, much faster where warps sy
 often); ``threadIdx`` is thread-local (a fiber's is set when it runs), ``__syncthreads`` a
 barrier, a warp's shuffles, votes and reductions an exchange between its 32 threads and
 ``__syncwarp`` their barrier (full masks only, every lane calling), ``__shared__`` variables
-statics (one block at a time), atomics host atomics, and the four inline-PTX statements of
-common.cuh are replaced by their host forms (IEEE comparisons and conversions: the host
-flushes no denormals, as the kernels' non-.ftz instructions do not; float arithmetic
+statics (one block at a time), atomics host atomics, and the inline PTX of common.cuh is
+replaced by its host forms (shared addresses as pointers; IEEE comparisons and conversions:
+the host flushes no denormals, as the kernels' non-.ftz instructions do not; float arithmetic
 elsewhere differs from the kernels' -ftz=true only for denormal operands). The soft kernels'
 ``expf``/``exp`` are the host's (glibc's, within an ulp; CUDA's are within 2) and the host
 makes no fused multiply-adds where nvcc contracts: their results differ from the GPU's in
@@ -43,6 +43,10 @@ _PTX = {
     'asm("{.reg .pred p, q; setp.gt.f64 p, %1, %3; setp.le.f64 q, %1, %2;"\n'
     '        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "d"(v), "d"(lo), "d"(hi));':
         "k += (v > hi) - (v <= lo);",
+    'typedef unsigned smem_addr;': "typedef unsigned long long smem_addr;",
+    'return (smem_addr)__cvta_generic_to_shared(p);': "return (smem_addr)p;",
+    'asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(a));':
+        "std::memcpy(&lo, (const void*)a, 4); std::memcpy(&hi, (const void*)(a + 4), 4);",
     'asm("{.reg .u32 s; add.cc.u32 s, %1, %2; addc.u32 %0, %3, %3;}" : "=r"(r) : "r"(a), "r"(b), "r"(acc));':
         "r = acc + acc + (unsigned)(a + b < a);",
 }
