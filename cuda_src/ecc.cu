@@ -715,6 +715,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
     const i64 ntx = (nx + TXP - 1) / TXP;
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
+    const i64 plane_px = ny * nx;
 
     for (TileWalk<NDIM> w(ntx, nty, ntz, first, step); w.valid(); w.next()) {
         const i64 x0 = w.x() * TXP;
@@ -733,10 +734,14 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
         // (Prefetching the next plane into registers was measured slower: 1.19 -> 1.93 ms at
         // 512^3 float32, from register pressure; see benchmarks/RESULTS.md.)
         auto row_inside = [&](int ly) { return (u64)(y0 + ly - 1) < (u64)ny; };  // halo row ly
+        // Plane z's corner from the tile's and the plane size: one multiply a plane step, not
+        // two (3D uint8 3-4 % faster, float32 0-0.5 %; H100, benchmarks/RESULTS.md, fifty-sixth
+        // session).
+        const i64 tile_corner = image_base + (y0 - 1) * nx + x0 - 1;  // halo (0, 0) of plane 0
         auto load_plane = [&](i64 z, unsigned* dst) {
             unsigned short* keys = reinterpret_cast<unsigned short*>(dst);
             const bool plane_inside = z >= 0 && z < nz;
-            const i64 corner = image_base + (z * ny + y0 - 1) * nx + x0 - 1;  // halo (0, 0)
+            const i64 corner = tile_corner + z * plane_px;  // halo (0, 0)
             if (plane_inside && x0 + TXP <= nx) {  // the tile's columns lie in the image
                 // The keys at the two ends of halo row ly (column 0 or TXP + 1), which may lie
                 // outside the image.
