@@ -1201,9 +1201,11 @@ struct HistSink {
 // Blocks per multiprocessor the histogram kernel's register budget is sized for. Left to
 // itself ptxas gave the 3D kernels ~108 registers (2 blocks/SM), too few warps to hide the
 // tile loads; capping at 64 (4 blocks/SM) measured 1.86 -> 1.28 ms at 512^3 float32 despite
-// a few bytes of spill, and 48 (5 blocks/SM) 5-12 % less again from 256^3 up (uint8 to
-// float64; the uint8 T-construction instance then spills 164 bytes and is still faster;
-// benchmarks/RESULTS.md, ninth session). 2D kernels: 40 registers (6 blocks/SM; the grouped
+// a few bytes of spill, and 48 (5 blocks/SM) 5-12 % less again from 256^3 up (ninth
+// session). Since the packed sweep and the one-step bins, 48 registers spill 92/120 B in the
+// window's loop (float32) and 64 none: 4 blocks/SM measured 1.5-2 % faster for float32 and
+// uint8 volumes from 512^3 (float64 +0.9 %, 256^3 equal; H100, benchmarks/RESULTS.md,
+// fifty-sixth session). 2D kernels: 40 registers (6 blocks/SM; the grouped
 // plane reads spill a few bytes) measured 3-10 % faster than 4 or 5 blocks/SM (twenty-fourth
 // session). The masked kernels (halo planes and blocks of streamed volumes) keep 4: at 5 the
 // uint8 one spills 260 bytes and was not measured.
@@ -1211,7 +1213,7 @@ struct HistSink {
 #define CUTOPO_ECC_MIN_BLOCKS 6
 #endif
 #ifndef CUTOPO_ECC_MIN_BLOCKS_3D
-#define CUTOPO_ECC_MIN_BLOCKS_3D 5
+#define CUTOPO_ECC_MIN_BLOCKS_3D 4
 #endif
 #ifndef CUTOPO_ECC_MIN_BLOCKS_MASKED
 #define CUTOPO_ECC_MIN_BLOCKS_MASKED 4
