@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import cutopo
-from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, HIST_TALL_ROWS, PACKED_MAX_BINS, _key_value,
-                              histogram_bin_arguments, histogram_key_ctype, threshold_table_in_shared)
+from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, HIST_TALL_ROWS, PACKED_MAX_BINS, THREADS,
+                              _key_value, histogram_bin_arguments, histogram_key_ctype,
+                              threshold_table_in_shared)
 from cutopo._checks import check_thresholds
 from ecc_host_build import build
 
@@ -50,16 +51,18 @@ CASES = [
 ]
 # 2D tiles of 64 rows (HIST_TALL_ROWS rows per thread; _ecc_cupy takes them for large images):
 # every read path (vector rows of 1, 2, 4 and 8 bytes, rows not 16-byte multiples, float16's
-# float32 comparisons, binary search) with a tile away from every edge (y0 = 64, 129 <= ny).
+# float32 comparisons, binary search) with a tile away from every edge (_TWO_TILES = 128 rows:
+# y0 = 64, 129 <= ny; the heights follow HIST_TALL_ROWS).
+_TWO_TILES = 2 * HIST_TALL_ROWS * (THREADS // 32)
 TALL_CASES = [
-    ((140, 200), "float32", 2, False, 64, 1, 3),
-    ((2, 200, 144), "uint8", 2, True, 12, 1, 2),
-    ((150, 136), "float64", 2, False, 100, 1, 2),
-    ((130, 200), "uint16", 2, True, 40, 1, 2),
-    ((133, 160), "float16", 2, False, 40, 1, 2),
-    ((140, 136), "int16", 2, False, "random", 1, 3),
-    ((131, 141), "bool", 2, True, 2, 1, 1),
-    ((128, 192), "float32", 2, True, 64, 1, 2),  # tiles fit exactly
+    ((_TWO_TILES + 12, 200), "float32", 2, False, 64, 1, 3),
+    ((2, _TWO_TILES + 72, 144), "uint8", 2, True, 12, 1, 2),
+    ((_TWO_TILES + 22, 136), "float64", 2, False, 100, 1, 2),
+    ((_TWO_TILES + 2, 200), "uint16", 2, True, 40, 1, 2),
+    ((_TWO_TILES + 5, 160), "float16", 2, False, 40, 1, 2),
+    ((_TWO_TILES + 12, 136), "int16", 2, False, "random", 1, 3),
+    ((_TWO_TILES + 3, 141), "bool", 2, True, 2, 1, 1),
+    ((_TWO_TILES, 192), "float32", 2, True, 64, 1, 2),  # tiles fit exactly
 ]
 
 
