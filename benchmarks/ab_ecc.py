@@ -15,7 +15,8 @@ Variants: "base" (the working tree) always, then each --variant NAME=FLAGS, FLAG
 space-separated -D options of ecc.cu (e.g. --variant "4 blocks=-DCUTOPO_ECC_MIN_BLOCKS=4") and
 ATTR=VALUE settings as below (e.g. --variant "both=-DCUTOPO_ECC_MIN_BLOCKS_3D=4
 HIST_ZCHUNK_MAX=32"), each --setting NAME=ATTR=VALUE a plan built with a constant of
-cutopo._ecc_cupy set to an int (e.g. --setting "2 waves=HIST_WAVES_2D=2"), and with --against
+cutopo._ecc_cupy set to a Python literal (e.g. --setting "2 waves=HIST_WAVES_2D=2" or
+--setting "64 rows=HIST_TALL_ROWS={1: 8, 2: 8, 4: 8, 8: 8}"), and with --against
 REV the kernel sources of that revision (git show REV:cuda_src/...; or of a tree REV holding
 cuda_src/, e.g. unpacked by git archive where there is no .git), compiled as a family of their
 own and launched with this tree's geometry and arguments (a revision whose ecc_histogram takes
@@ -27,6 +28,7 @@ threshold).
 from __future__ import annotations
 
 import argparse
+import ast
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,9 @@ CASES += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8")
 # in float32), uint16 (microscopy; float64 thresholds over its range compare in float64).
 CASES += [("2d 8192^2 float16", (8192, 8192), 2, "float16", False),
           ("2d 8192^2 uint16", (8192, 8192), 2, "uint16", False),
+          ("2d 8192^2 int16", (8192, 8192), 2, "int16", False),
+          ("2d 8192^2 int32", (8192, 8192), 2, "int32", False),
+          ("2d 8192^2 bool", (8192, 8192), 2, "bool", False),
           ("3d 512^3 uint16", (512,) * 3, 3, "uint16", False),
           ("3d 256^3 float64", (256,) * 3, 3, "float64", False),
           ("3d 512^3 float64", (512,) * 3, 3, "float64", False)]
@@ -123,7 +128,7 @@ def main(argv=None):
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=FLAGS (space-separated -D options and ATTR=VALUE settings)")
     p.add_argument("--setting", action="append", default=[],
-                   help="NAME=ATTR=VALUE (a constant of cutopo._ecc_cupy, an int)")
+                   help="NAME=ATTR=VALUE (a constant of cutopo._ecc_cupy, a Python literal)")
     p.add_argument("--against", help="a git revision (or a tree with cuda_src/) whose kernel sources form one more variant")
     p.add_argument("--small", action="store_true", help="the one-wave cases instead of the large ones")
     p.add_argument("--mid", action="store_true", help="2D sizes around the 64-row tiles' threshold")
@@ -147,10 +152,10 @@ def main(argv=None):
         name, _, flags = item.partition("=")
         options = tuple(f for f in flags.split() if f.startswith("-"))
         settings = (f.split("=") for f in flags.split() if not f.startswith("-"))
-        variants[name] = ("build", (options, {attr: int(v) for attr, v in settings}))
+        variants[name] = ("build", (options, {attr: ast.literal_eval(v) for attr, v in settings}))
     for item in args.setting:
-        name, attr, value = item.split("=")
-        variants[name] = ("build", ((), {attr: int(value)}))
+        name, attr, value = item.split("=", 2)
+        variants[name] = ("build", ((), {attr: ast.literal_eval(value)}))
     if args.against:
         source = old_family(args.against)
         own = compile_.family_source
@@ -168,7 +173,7 @@ def main(argv=None):
         if dtype == "uint16":
             image = (image.astype(cp.uint16) << 8) | make_image(cp, shape, "uint8", seed + 1)
         image = image > 127 if dtype == "bool" else image.astype(dtype)
-        top = {"uint8": 255, "uint16": 65535}.get(dtype, 1)
+        top = {"uint8": 255, "uint16": 65535, "int16": 255, "int32": 255}.get(dtype, 1)
         t = np.linspace(0, top, T)
         t, _ = check_thresholds(t.astype(np.float32) if dtype in ("float32", "float16") else t,
                                 np.empty(0, dtype=image.dtype))  # as cutopo.ecc compares

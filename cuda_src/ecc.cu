@@ -993,7 +993,13 @@ struct ThresholdBins {
           offset_d(0.5 - t0_ * inv_dt_),
           table_from_bits(SHARED_TABLE ? shared_address(b) - (estimate_ ? (smem_addr)ROUND_BITS : 0u)
                                                                  * (smem_addr)sizeof(Bounds<Cmp>)
-                                       : 0u) {}
+                                       : 0u) {
+        // 1/dt held in a general register: a key's FFMA takes one operand from a uniform
+        // register (the offset) and the other from a general one, into which the compiler
+        // otherwise moved 1/dt before every key (an IMAD.U32 a key in the sm_90 SASS).
+        // inv_dt_f + 0 x threadIdx.x is inv_dt_f exactly, but no longer uniform to ptxas.
+        inv_dt_f = __fmaf_rn(0.0f, (float)threadIdx.x, inv_dt_f);
+    }
 
     // LOW16: only the result's low 16 bits need be the bin (16-bit keys).
     template <bool LOW16 = false>
@@ -1013,10 +1019,11 @@ struct ThresholdBins {
                 // (_ecc_cupy._uniform_estimate; a 16-bit integer v is in bin k of the integer
                 // table exactly when t_{k-1} < v <= t_k). In the sm_90 SASS a float32 value
                 // took 26 instructions with order keys and early outs, 15 with a loop each way
-                // and a generic load, 11 now (with the table's shared load at an address
-                // biased once, and the key's low bits taken from y's); a 16-bit integer's took
-                // a float64 conversion, comparisons and rounding (three conversions on the slow
-                // pipe) (benchmarks/RESULTS.md, thirtieth, fifty-fifth and fifty-sixth sessions).
+                // and a generic load, 10 now (with the table's shared load at an address
+                // biased once, 1/dt in a register, and the key's low bits taken from y's); a
+                // 16-bit integer's took a float64 conversion, comparisons and rounding (three
+                // conversions on the slow pipe) (benchmarks/RESULTS.md, thirtieth, fifty-fifth
+                // and fifty-sixth sessions).
                 float y = __fadd_rn(__fmaf_rn(estimate_arg(v), inv_dt_f, offset), ROUND);
                 y = fmaxf(fminf(y, ROUND + (float)T), ROUND);
                 const int bits = __float_as_int(y);  // ROUND_BITS + the guess

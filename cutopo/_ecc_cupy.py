@@ -41,11 +41,13 @@ HIST_MIN_TILES_2D = 2    # with at least this many tiles per block
 HIST_WAVES_3D = 16       # 3D blocks: up to this many times the resident ones (~1 tile each)
 HIST_BLOCK_PLANES = 2    # a 3D block's fixed cost, in plane loads (the chunk-length model)
 HIST_ZCHUNK_MAX = 64     # planes per 3D tile at most
-# 2D histograms of 16-bit keys take tiles of HIST_TALL_ROWS rows per thread (64 rows: half the
-# fixed work per tile of 32 rows, ecc.cu's packed::sweep) where the image has at least
-# HIST_TALL_MIN_TILES such tiles per resident block; smaller images keep 32 rows, which give
-# their one wave twice the blocks.
-HIST_TALL_ROWS = 8
+# 2D histograms of 16-bit keys take tall tiles, HIST_TALL_ROWS[itemsize] rows per thread (80
+# rows for 2- and 4-byte images, 96 for 1-byte ones, 64 for 8-byte ones: the fixed work per
+# tile of 32 rows, ecc.cu's packed::sweep, spread over more rows; measured against 64, 80, 96
+# and 128 rows on the H100, benchmarks/RESULTS.md, fifty-seventh session) where the image has
+# at least HIST_TALL_MIN_TILES such tiles per resident block; smaller images keep 32 rows,
+# which give their one wave more blocks.
+HIST_TALL_ROWS = {1: 12, 2: 10, 4: 10, 8: 8}
 HIST_TALL_MIN_TILES = 2
 
 # Storage dtype -> C type of the kernel's input (bool is one byte, read as unsigned char).
@@ -160,6 +162,11 @@ def histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn, rows=None) -
             f"{'true' if tconn else 'false'}{tail}>")
 
 
+def tall_rows(dtype) -> int:
+    """Rows per thread of the 2D histograms' tall tiles for an image of ``dtype`` (0: none)."""
+    return HIST_TALL_ROWS.get(np.dtype(dtype).itemsize, 0)
+
+
 def masked_histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn) -> str:
     """The histogram kernel that counts only the pixels marked in per-axis masks (blocks of a
     larger volume swept with their halo: cutopo/_stream.py, cutopo/dask.py)."""
@@ -193,8 +200,10 @@ def _instances():
             for tconn in (False, True):
                 yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim, tconn)
                 if ndim == 2:
-                    yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim, tconn,
-                                             HIST_TALL_ROWS)
+                    rows = {tall_rows(d) for d, c in _INPUT_CTYPE.items() if c == in_ctype}
+                    for r in sorted(rows - {0}):
+                        yield histogram_instance(in_ctype, natural_cmp[in_ctype], "unsigned short", ndim,
+                                                 tconn, r)
                 yield contributions_instance(in_ctype, ndim, tconn)
                 yield contributions_instance(in_ctype, ndim, tconn, periodic=True)
     yield histogram_instance("float", "double", "unsigned int", 3, False)
@@ -364,14 +373,15 @@ class HistogramPlan:
         instance = masked_histogram_instance if masked else histogram_instance
         self.sig = Signature(FAMILY, instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn), params)
         tile_y = TILE_Y
-        if not masked and ndim == 2 and key_ctype == "unsigned short" and HIST_TALL_ROWS:
-            tall_y = HIST_TALL_ROWS * (THREADS // 32)
+        rows = tall_rows(dtype)
+        if not masked and ndim == 2 and key_ctype == "unsigned short" and rows:
+            tall_y = rows * (THREADS // 32)
             tall_tiles = nimg * math.ceil(spatial[0] / tall_y) * math.ceil(spatial[1] / TILE_X[key_ctype])
             if tall_tiles >= HIST_TALL_MIN_TILES * resident_blocks(self.sig, THREADS, self.shared_mem,
                                                                   PROFILE_OPTIONS):
                 tile_y = tall_y
                 self.sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn,
-                                                                HIST_TALL_ROWS), params)
+                                                                rows), params)
         (nz, ny, nx), zchunk, per_image = _histogram_geometry(
             self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype], tile_y,
             np.dtype(dtype).itemsize)

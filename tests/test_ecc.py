@@ -720,12 +720,12 @@ def test_docstring_examples():
 
 
 @pytest.mark.parametrize("slots", [1, 132, 792])
-@pytest.mark.parametrize("tile_y", [32, 64])
+@pytest.mark.parametrize("tile_y", [32, 64, 80, 96])
 def test_histogram_geometry_covers_every_image_within_the_kernels_bounds(monkeypatch, slots, tile_y):
     """The launch geometry (no GPU: the device's resident blocks are stubbed): at least one
     block per image and at most one per tile, chunks of 2..64 planes, and few enough pixels per
     block for its int32 shared histogram; 3D volumes of under two waves take _plan's geometry.
-    Tiles of 32 rows and of 64 (2D histograms of many tiles, _ecc_cupy.HIST_TALL_ROWS)."""
+    Tiles of 32 rows and of 64 to 96 (2D histograms of many tiles, _ecc_cupy.tall_rows)."""
     from cutopo import _ecc_cupy
 
     monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: slots)

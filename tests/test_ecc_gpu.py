@@ -285,23 +285,23 @@ def test_large_2d(rng):
 
 @pytest.mark.parametrize("tall", [False, True])
 def test_2d_tiles_of_32_and_64_rows(rng, monkeypatch, tall):
-    """2D histograms take tiles of 64 rows where an image has many (_ecc_cupy.HIST_TALL_ROWS),
-    else 32: both kernels, forced here on small images (every dtype, vector rows and odd
+    """2D histograms take tall tiles (64 to 96 rows, _ecc_cupy.tall_rows) where an image has
+    many, else 32: both kernels, forced here on small images (every dtype, vector rows and odd
     widths, interior tiles, a batch, V and T), equal the NumPy path."""
     from cutopo import _ecc_cupy
 
     names = []
 
     class Recorded(_ecc_cupy.HistogramPlan):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            names.append(self.sig.name)
+        def __init__(self, spatial, nimg, dtype, *args, **kw):
+            super().__init__(spatial, nimg, dtype, *args, **kw)
+            names.append((np.dtype(dtype), self.sig.name))
 
     monkeypatch.setattr(_ecc_cupy, "HistogramPlan", Recorded)
     if tall:  # one resident block: every image of two or more tiles is "large"
         monkeypatch.setattr(_ecc_cupy, "resident_blocks", lambda *args, **kw: 1)
     else:
-        monkeypatch.setattr(_ecc_cupy, "HIST_TALL_ROWS", 0)
+        monkeypatch.setattr(_ecc_cupy, "HIST_TALL_ROWS", {})
     _ecc_cupy.clear_plans()  # plans choose their tiles when they are made
     try:
         for dtype in DTYPES:
@@ -311,7 +311,9 @@ def test_2d_tiles_of_32_and_64_rows(rng, monkeypatch, tall):
                     assert_same_ecc(img, 97, ndim=2, connectivity=connectivity)
     finally:
         _ecc_cupy.clear_plans()
-    assert names and all(name.endswith(f", {_ecc_cupy.HIST_TALL_ROWS}>") == tall for name in names), names
+    assert {dtype.name for dtype, _ in names} == set(DTYPES), names
+    for dtype, name in names:  # each dtype's own rows per thread (an itemsize's)
+        assert name.endswith(f", {_ecc_cupy.tall_rows(dtype)}>") == tall, (dtype, name)
 
 
 def test_large_3d(rng):

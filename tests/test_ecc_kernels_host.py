@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cutopo
-from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, HIST_TALL_ROWS, PACKED_MAX_BINS, THREADS,
+from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, PACKED_MAX_BINS, THREADS, tall_rows,
                               _key_value, histogram_bin_arguments, histogram_key_ctype,
                               threshold_table_in_shared)
 from cutopo._checks import check_thresholds
@@ -49,20 +49,24 @@ CASES = [
     ((64, 128), "float32", 2, False, 64, 1, 2),
     ((6, 64, 128), "uint8", 3, True, 30, 2, 2),
 ]
-# 2D tiles of 64 rows (HIST_TALL_ROWS rows per thread; _ecc_cupy takes them for large images):
-# every read path (vector rows of 1, 2, 4 and 8 bytes, rows not 16-byte multiples, float16's
-# float32 comparisons, binary search) with a tile away from every edge (_TWO_TILES = 128 rows:
-# y0 = 64, 129 <= ny; the heights follow HIST_TALL_ROWS).
-_TWO_TILES = 2 * HIST_TALL_ROWS * (THREADS // 32)
+# 2D tall tiles (_ecc_cupy.tall_rows(dtype) rows per thread, 64 to 96 rows; _ecc_cupy takes them
+# for large images): every read path (vector rows of 1, 2, 4 and 8 bytes, rows not 16-byte
+# multiples, float16's float32 comparisons, binary search) with a tile away from every edge
+# (_two_tiles: y0 = one tile, 2 tiles + 1 <= ny; the heights follow the dtype's rows).
+def _two_tiles(dtype):
+    return 2 * tall_rows(dtype) * (THREADS // 32)
+
+
 TALL_CASES = [
-    ((_TWO_TILES + 12, 200), "float32", 2, False, 64, 1, 3),
-    ((2, _TWO_TILES + 72, 144), "uint8", 2, True, 12, 1, 2),
-    ((_TWO_TILES + 22, 136), "float64", 2, False, 100, 1, 2),
-    ((_TWO_TILES + 2, 200), "uint16", 2, True, 40, 1, 2),
-    ((_TWO_TILES + 5, 160), "float16", 2, False, 40, 1, 2),
-    ((_TWO_TILES + 12, 136), "int16", 2, False, "random", 1, 3),
-    ((_TWO_TILES + 3, 141), "bool", 2, True, 2, 1, 1),
-    ((_TWO_TILES, 192), "float32", 2, True, 64, 1, 2),  # tiles fit exactly
+    ((_two_tiles("float32") + 12, 200), "float32", 2, False, 64, 1, 3),
+    ((2, _two_tiles("uint8") + 72, 144), "uint8", 2, True, 12, 1, 2),
+    ((_two_tiles("float64") + 22, 136), "float64", 2, False, 100, 1, 2),
+    ((_two_tiles("uint16") + 2, 200), "uint16", 2, True, 40, 1, 2),
+    ((_two_tiles("float16") + 5, 160), "float16", 2, False, 40, 1, 2),
+    ((_two_tiles("int16") + 12, 136), "int16", 2, False, "random", 1, 3),
+    ((_two_tiles("bool") + 3, 141), "bool", 2, True, 2, 1, 1),
+    ((_two_tiles("float32"), 192), "float32", 2, True, 64, 1, 2),  # tiles fit exactly
+    ((_two_tiles("int32") + 7, 72), "int32", 2, False, 30, 1, 2),
 ]
 
 
@@ -81,8 +85,8 @@ def _threshold_dtype(dtype, thresholds):
 
 INSTANCES = sorted({_instance(np.dtype(d), _threshold_dtype(np.dtype(d), th),
                               th if isinstance(th, int) else 45, nd, tc, rows)
-                    for cases, rows in ((CASES, 4), (TALL_CASES, HIST_TALL_ROWS))
-                    for _, d, nd, tc, th, _, _ in cases})
+                    for cases, tall in ((CASES, False), (TALL_CASES, True))
+                    for _, d, nd, tc, th, _, _ in cases for rows in [tall_rows(d) if tall else 4]})
 
 CONTRIBUTION_CASES = [
     # shape, dtype, ndim, tconn, periodic, zchunk, blocks per image
@@ -359,7 +363,7 @@ def _thresholds(rng, image, thresholds):
 
 # cumulate 0: rows added (cumulated here), 1: the last block cumulates, 2: every block adds
 # its own prefix (the host takes 2 only with the shared histogram, T <= 4096)
-RUNS = [(case, cumulate, rows) for cases, rows in ((CASES, 4), (TALL_CASES, HIST_TALL_ROWS))
+RUNS = [(case, cumulate, tall_rows(case[1]) if tall else 4) for cases, tall in ((CASES, False), (TALL_CASES, True))
         for case in cases for cumulate in (0, 1, 2) if not (cumulate == 2 and case[4] == 5000)]
 
 
