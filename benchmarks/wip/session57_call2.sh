@@ -3,7 +3,7 @@
 # _ecc_cupy.tall_rows) -- the ECC family's GPU tests, then ab_ecc.py: the tree against its
 # kernels with HEAD's 64-row tiles (r8) and against HEAD's kernels with the tree's tiles
 # (ab/old), then bench_ecc.py --no-cpu.
-#   here:   rm -rf ab && mkdir -p ab/old && git archive HEAD~1 cuda_src | tar -x -C ab/old
+#   here:   rm -rf ab && mkdir -p ab/old && git archive 14fc45c cuda_src | tar -x -C ab/old
 #   device: bash benchmarks/wip/session57_call2.sh        (carry .whl and ab)
 source benchmarks/wip/device_setup.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
