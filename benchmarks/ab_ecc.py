@@ -60,7 +60,7 @@ SMALL = [(f"2d {n}^2 {d}", (n, n), 2, d, False) for d in ("float32", "uint8", "b
 SMALL += [("2d 8x256^2 float32", (8, 256, 256), 2, "float32", False),
           ("2d 1024^2 float32 T", (1024, 1024), 2, "float32", True)]
 SMALL += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8") for n in (64, 128)]
-# --mid: 2D sizes around the choice of 64-row tiles (HIST_TALL_MIN_TILES)
+# --mid: 2D sizes around the choice of tall tiles (HIST_TALL_MIN_TILES)
 MID = [(f"2d {ny}x{nx} {d}", (ny, nx), 2, d, False) for d in ("float32", "uint8")
        for ny, nx in ((2048, 4096), (4096, 4096), (2048, 8192), (6144, 6144), (4096, 8192))]
 MID += [(f"2d {b}x1024^2 float32", (b, 1024, 1024), 2, "float32", False) for b in (8, 16, 32)]
@@ -131,7 +131,7 @@ def main(argv=None):
                    help="NAME=ATTR=VALUE (a constant of cutopo._ecc_cupy, a Python literal)")
     p.add_argument("--against", help="a git revision (or a tree with cuda_src/) whose kernel sources form one more variant")
     p.add_argument("--small", action="store_true", help="the one-wave cases instead of the large ones")
-    p.add_argument("--mid", action="store_true", help="2D sizes around the 64-row tiles' threshold")
+    p.add_argument("--mid", action="store_true", help="2D sizes around the tall tiles' threshold")
     p.add_argument("--only", help="run the cases whose name contains this")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
