@@ -285,11 +285,11 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TIL
     Measured on the H200 (benchmarks/RESULTS.md, twenty-fourth session; 7-22 % less than
     _plan's two waves from 4096^2 and 512^3 up). 2D: up to HIST_WAVES_2D waves of blocks, but
     at least HIST_MIN_TILES_2D tiles per block (of 32 rows; of the tall tiles, 64-96 rows, one
-    for images of ``itemsize`` 2 or more): every block ends with up to T global atomics, which one 32-row tile
-    per block did not repay (2048^2). 3D: the chunk length z (planes per tile) that minimises
-    (tiles x the planes each loads) / resident blocks + one tile's planes, a balance between the
-    two planes of halo that every chunk loads (and a block's fixed cost, HIST_BLOCK_PLANES) and
-    the last wave's tail; then about one tile per block, so that the hardware balances the
+    for images of ``itemsize`` 2 or more): every block ends with up to T global atomics, which
+    one 32-row tile per block did not repay (2048^2). 3D: the chunk length z (planes per tile)
+    that minimises (tiles x the planes each loads) / resident blocks + one tile's planes, a
+    balance between the two planes of halo that every chunk loads (and a block's fixed cost,
+    HIST_BLOCK_PLANES) and the last wave's tail; then about one tile per block, so that the hardware balances the
     blocks (the kernel's static tile-stride split left 5-10 % idle).
     """
     nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
@@ -299,11 +299,11 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TIL
     zchunk = 1
     if ndim == 2:
         # HIST_MIN_TILES_2D counts tiles of TILE_Y rows: a block of an image of 2 bytes or more
-        # per pixel takes one tall tile (64 rows then, 80 now) where it took two of 32 (3-12 % faster from
-        # 2048 x 4096 to 4096^2 and at 8 x 1024^2, float32 on the H100, thirty-third session);
-        # one-byte images keep two tall tiles (96 rows now; one 64-row tile was 6-7 % slower at 2048 x 4096 uint8, the
-        # fixed work of a block weighing more beside their cheaper reads), and 32-row tiles keep
-        # two (one was 19-32 % slower at 2048^2).
+        # per pixel takes one tall tile (64 rows then, 80 now) where it took two of 32 (3-12 %
+        # faster from 2048 x 4096 to 4096^2 and at 8 x 1024^2, float32 on the H100, thirty-third
+        # session); one-byte images keep two tall tiles (96 rows now; one 64-row tile was 6-7 %
+        # slower at 2048 x 4096 uint8, the fixed work of a block weighing more beside their
+        # cheaper reads), and 32-row tiles keep two (one was 19-32 % slower at 2048^2).
         min_tiles = HIST_MIN_TILES_2D * TILE_Y // tile_y if itemsize > 1 else HIST_MIN_TILES_2D
         min_tiles = max(1, min_tiles)
         blocks = max(math.ceil(slots / nimg),

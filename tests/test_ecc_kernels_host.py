@@ -363,8 +363,9 @@ def _thresholds(rng, image, thresholds):
 
 # cumulate 0: rows added (cumulated here), 1: the last block cumulates, 2: every block adds
 # its own prefix (the host takes 2 only with the shared histogram, T <= 4096)
-RUNS = [(case, cumulate, tall_rows(case[1]) if tall else 4) for cases, tall in ((CASES, False), (TALL_CASES, True))
-        for case in cases for cumulate in (0, 1, 2) if not (cumulate == 2 and case[4] == 5000)]
+RUNS = [(case, cumulate, tall_rows(case[1]) if tall else 4)
+        for cases, tall in ((CASES, False), (TALL_CASES, True)) for case in cases
+        for cumulate in (0, 1, 2) if not (cumulate == 2 and case[4] == 5000)]
 
 
 @pytest.mark.parametrize("case, cumulate, rows", RUNS,
