@@ -122,7 +122,8 @@ def histogram_key_ctype(T: int, cmp_ctype: str | None = None, table_bytes: int =
         return "unsigned int"
     if smem_optin is not None:
         key = "unsigned short"
-        dynamic = histogram_shared_bytes(T, table_bytes, threshold_table_in_shared(table_bytes, key, cmp_ctype))
+        in_smem = threshold_table_in_shared(table_bytes, key, cmp_ctype)
+        dynamic = histogram_shared_bytes(T, table_bytes, in_smem)
         if PACKED_STATIC_SMEM + dynamic > smem_optin:
             return "unsigned int"
     return "unsigned short"
@@ -289,8 +290,8 @@ def _histogram_geometry(sig, nimg, spatial, ndim, shared_mem, tile_x, tile_y=TIL
     one 32-row tile per block did not repay (2048^2). 3D: the chunk length z (planes per tile)
     that minimises (tiles x the planes each loads) / resident blocks + one tile's planes, a
     balance between the two planes of halo that every chunk loads (and a block's fixed cost,
-    HIST_BLOCK_PLANES) and the last wave's tail; then about one tile per block, so that the hardware balances the
-    blocks (the kernel's static tile-stride split left 5-10 % idle).
+    HIST_BLOCK_PLANES) and the last wave's tail; then about one tile per block, so that the
+    hardware balances the blocks (the kernel's static tile-stride split left 5-10 % idle).
     """
     nz, ny, nx = (1,) + tuple(spatial) if ndim == 2 else tuple(spatial)
     slots = resident_blocks(sig, THREADS, shared_mem, PROFILE_OPTIONS)
