@@ -5,7 +5,7 @@
 source benchmarks/wip/device_setup.sh
 { date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } \
     | tee "$OUT/env.txt"
-for m in 2 1; do timeout 45 python3 benchmarks/wip/plan_diag.py $m; done > "$OUT/plan_diag.log" 2>&1
+for m in 2 1; do timeout 60 python3 benchmarks/wip/plan_diag.py $m; done > "$OUT/plan_diag.log" 2>&1
 stamp plan_diag; cut -c1-400 "$OUT/plan_diag.log"
 timeout 160 python3 -m pytest -q -p no:cacheprovider -n 12 -m "gpu and not slow" tests \
     --ignore=tests/test_soft_ecc_kernels_host.py > "$OUT/gpu_suite.log" 2>&1
