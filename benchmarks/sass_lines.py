@@ -3,6 +3,7 @@
     python benchmarks/sass_lines.py ecc \
         "cutopo::ecc::band::soft_ecc_fused_forward<float, unsigned int, float, 3, false, false>"
     python benchmarks/sass_lines.py ecc "..." --arch 80 --top 60 --listing sass.txt
+    python benchmarks/sass_lines.py ecc "..." -D CUTOPO_ECC_SINK_DUMP     (a compile variant)
 
 Compiles the instance with the offline compile (NVRTC, the runtime's options plus ptxas -v:
 registers and spills), disassembles it with ``nvdisasm`` (not in CUDA's pip compilers: ``pip
@@ -94,9 +95,12 @@ def main() -> None:
     ap.add_argument("--arch", default="90")
     ap.add_argument("--top", type=int, default=40, help="source lines to print")
     ap.add_argument("--listing", help="also write the disassembly with line marks here")
+    ap.add_argument("-D", dest="defines", action="append", default=[],
+                    help="a macro for the compile (a variant's -D flag, e.g. -D CUTOPO_ECC_NO_CUBE_PAIRS)")
     args = ap.parse_args()
 
-    cubin, log = compile_offline(args.family, [args.name], args.arch, ("--ptxas-options=-v",))
+    options = ("--ptxas-options=-v",) + tuple(f"-D{d}" for d in args.defines)
+    cubin, log = compile_offline(args.family, [args.name], args.arch, options)
     # the instance's entry: its template's name, mangled (the family's plain kernels compile too)
     base = args.name.split("<", 1)[0].rsplit("::", 1)[-1]
     entries = [e for e in _ENTRY.findall(log) if f"{len(base)}{base}I" in e]

@@ -1197,12 +1197,24 @@ struct HistSink {
     int* shared;        // the block's shared histogram (SHARED)
     long long* global;  // this image's row of the global histogram
     int T;
+#ifdef CUTOPO_ECC_SINK_DUMP
+    smem_addr dump;     // this lane's own shared word, where pixels that add nothing go
+    __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
+        if constexpr (SHARED) {
+            const smem_addr a = c != 0 && (int)key < T ? shared_address(shared) + 4u * key : dump;
+            asm volatile("red.shared.add.s32 [%0], %1;" :: "r"(a), "r"(c) : "memory");
+        } else if (c != 0 && (int)key < T) {
+            atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
+        }
+    }
+#else
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
         if (c != 0 && (int)key < T) {
             if constexpr (SHARED) atomicAdd(shared + key, c);
             else atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
         }
     }
+#endif
 };
 
 // Blocks per multiprocessor the histogram kernel's register budget is sized for. Left to
@@ -1270,7 +1282,12 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     const int chunk = blockIdx.x % blocks_per_image;
     BinKey<In, Cmp, K> key_of{{image}, bins, byte_bins};
     // 16-bit keys: T <= HIST_SMEM_MAX_BINS, so hist_in_smem (_ecc_cupy.HistogramPlan)
+#ifdef CUTOPO_ECC_SINK_DUMP
+    __shared__ int dump_s[32];
+    HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T, shared_address(dump_s + threadIdx.x % 32)};
+#else
     HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T};
+#endif
     if constexpr (sizeof(K) == 2) {
         // 16-byte aligned: load_plane stores the packed rows as uint2
         __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::Rows<RPT>::PLANEW];
