@@ -24,6 +24,9 @@ this tree's parameters).
 --small: one-wave cases (128^2 to 2048^2, bool too, 64^3 and 128^3) instead of the large ones;
 --mid: 2D sizes from 2048 x 4096 to 4096 x 8192 and batches of 8-32 x 1024^2 (the 64-row tiles'
 threshold).
+--smooth: smooth images instead of white noise (a few random plane waves per image, in [0, 1]
+or [0, 255]): most pixels contribute nothing there and neighbours share their bins, where the
+histogram's updates and their skipping weigh otherwise than on noise.
 """
 from __future__ import annotations
 
@@ -64,6 +67,21 @@ SMALL += [(f"3d {n}^3 {d}", (n,) * 3, 3, d, False) for d in ("float32", "uint8")
 MID = [(f"2d {ny}x{nx} {d}", (ny, nx), 2, d, False) for d in ("float32", "uint8")
        for ny, nx in ((2048, 4096), (4096, 4096), (2048, 8192), (6144, 6144), (4096, 8192))]
 MID += [(f"2d {b}x1024^2 float32", (b, 1024, 1024), 2, "float32", False) for b in (8, 16, 32)]
+
+
+def smooth_image(cp, shape, dtype, seed, waves=3):
+    """A smooth image of ``shape`` (float32 in [0, 1], or uint8 in [0, 255] for "uint8"): the
+    mean of ``waves`` random plane waves over the trailing spatial axes, with periods of 1/8 to
+    1/2 of the image's extent, rescaled."""
+    rs = np.random.default_rng(seed)
+    grids = cp.meshgrid(*[cp.arange(n, dtype=cp.float32) / n for n in shape], indexing="ij", sparse=True)
+    field = cp.zeros(shape, dtype=cp.float32)
+    for _ in range(waves):
+        phase = float(rs.uniform(0, 2 * np.pi))
+        arg = sum(float(rs.uniform(2, 8)) * g for g in grids)
+        field += cp.cos(2 * np.pi * arg + phase)
+    field = (field - field.min()) / (field.max() - field.min())
+    return (field * 255).astype(cp.uint8) if dtype == "uint8" else field
 
 
 def old_family(rev: str) -> str:
@@ -132,6 +150,7 @@ def main(argv=None):
     p.add_argument("--against", help="a git revision (or a tree with cuda_src/) whose kernel sources form one more variant")
     p.add_argument("--small", action="store_true", help="the one-wave cases instead of the large ones")
     p.add_argument("--mid", action="store_true", help="2D sizes around the tall tiles' threshold")
+    p.add_argument("--smooth", action="store_true", help="smooth images instead of white noise")
     p.add_argument("--only", help="run the cases whose name contains this")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -169,7 +188,8 @@ def main(argv=None):
         if args.only and args.only not in name:
             continue
         seed = np.random.SeedSequence().entropy % 2**32
-        image = make_image(cp, shape, "float32" if dtype.startswith("float") else "uint8", seed)
+        make = smooth_image if args.smooth else make_image
+        image = make(cp, shape, "float32" if dtype.startswith("float") else "uint8", seed)
         if dtype == "uint16":
             image = (image.astype(cp.uint16) << 8) | make_image(cp, shape, "uint8", seed + 1)
         image = image > 127 if dtype == "bool" else image.astype(dtype)

@@ -126,6 +126,11 @@ typedef unsigned smem_addr;
 __device__ __forceinline__ smem_addr shared_address(const void* p) {
     return (smem_addr)__cvta_generic_to_shared(p);
 }
+// atomicAdd(shared int at a, v) as a reduction (no result) at a caller's 32-bit address: one
+// unconditional instruction where a caller picks the address with a select.
+__device__ __forceinline__ void shared_add(smem_addr a, int v) {
+    asm volatile("red.shared.add.s32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
+}
 __device__ __forceinline__ void load_shared_u32x2(smem_addr a, unsigned& lo, unsigned& hi) {
     asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(a));
 }

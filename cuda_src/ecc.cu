@@ -1201,8 +1201,9 @@ struct HistSink {
     smem_addr dump;     // this lane's own shared word, where pixels that add nothing go
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
         if constexpr (SHARED) {
-            const smem_addr a = c != 0 && (int)key < T ? shared_address(shared) + 4u * key : dump;
-            asm volatile("red.shared.add.s32 [%0], %1;" :: "r"(a), "r"(c) : "memory");
+            // keys past every threshold (bin T, OUTSIDE) to slot T, one past the histogram
+            // (_ecc_cupy.histogram_shared_bytes), which no one reads
+            shared_add(c != 0 ? shared_address(shared) + 4u * min(key, (unsigned)T) : dump, c);
         } else if (c != 0 && (int)key < T) {
             atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
         }

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call (written in the fifty-eighth session, which got no device; carry .whl; timeout
+# 595): the sink's dump variant (ecc.cu CUTOPO_ECC_SINK_DUMP: the shared reduction of every
+# pixel unconditional, zero contributions to a lane's own word, keys past the thresholds to
+# slot T; sm_90 SASS: the 2D float32 plane step 560 -> 517 instructions, 3D 541 -> 528) against
+# the tree on white noise and smooth images; plan_diag.py's 2048^2 question (ab_ecc.py's 32-row
+# replay 25 us against bench_ecc.py's 21 us); the GPU suite (histogram_shared_bytes now holds
+# slot T) and bench_ecc.py --no-cpu.
+source benchmarks/wip/device_setup.sh
+{ date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } \
+    | tee "$OUT/env.txt"
+ab_cases dump_noise --variant "dump=-DCUTOPO_ECC_SINK_DUMP" --rounds 3 -- \
+  "2d 8192^2 float32" "2d 8192^2 uint8" "2d 8192^2 float64" "2d 64x1024^2 float32" \
+  "3d 256^3 float32" "3d 512^3 float32" "3d 512^3 uint8"
+ab_cases dump_smooth --variant "dump=-DCUTOPO_ECC_SINK_DUMP" --rounds 3 --smooth -- \
+  "2d 8192^2 float32" "2d 8192^2 uint8" "3d 512^3 float32" "3d 512^3 uint8"
+for m in 2 1; do timeout 60 python3 benchmarks/wip/plan_diag.py $m; done > "$OUT/plan_diag.log" 2>&1
+stamp plan_diag; cut -c1-400 "$OUT/plan_diag.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 -m "gpu and not slow" tests \
+    --ignore=tests/test_soft_ecc_kernels_host.py > "$OUT/gpu_suite.log" 2>&1
+tail -2 "$OUT/gpu_suite.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_suite.log" | head -10; stamp suite
+timeout 130 python3 benchmarks/bench_ecc.py --no-cpu > "$OUT/bench_ecc.log" 2>&1; stamp ecc
+grep -E "^\| (2d|3d)|copy|MET|MISSED|NOT MEASURED" "$OUT"/bench_ecc.log | cut -c1-220
