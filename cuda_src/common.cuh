@@ -131,6 +131,12 @@ __device__ __forceinline__ smem_addr shared_address(const void* p) {
 __device__ __forceinline__ void shared_add(smem_addr a, int v) {
     asm volatile("red.shared.add.s32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
 }
+// a - b, opaque to the compiler: it does not reassociate the sums that made a and b.
+__device__ __forceinline__ unsigned opaque_sub(unsigned a, unsigned b) {
+    unsigned r;
+    asm("sub.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
 __device__ __forceinline__ void load_shared_u32x2(smem_addr a, unsigned& lo, unsigned& hi) {
     asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(a));
 }

@@ -915,6 +915,14 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                     const unsigned keys = W[(pow3(NDIM) - 1) / 2];
 #ifdef CUTOPO_PROFILE_NO_SINK  // profiling variant: no histogram updates
                     if ((pos ^ neg ^ keys) == 0x12345678u) sink(1, 0, 0);
+#elif defined(CUTOPO_ECC_SINK_DUMP)
+                    // Both contributions in one subtraction, c = c1 2^16 + c0 with c0 the low
+                    // lane sign-extended (opaque: else the compiler subtracted each negative
+                    // cell's count on its own, a shift and an add where one LEA.HI adds).
+                    const unsigned both = opaque_sub(pos + (unsigned)BASE * 0x00010001u, neg);
+                    const int c0 = (int)(short)(both & 0xffffu);
+                    if (counts(z, gy, gx)) sink(c0, keys & 0xffffu, 0);
+                    if (counts(z, gy, gx + 1)) sink(((int)both - c0) >> 16, keys >> 16, 0);
 #else
                     // Pixels outside the image carry the OUTSIDE key, which no sink counts.
                     if (counts(z, gy, gx))

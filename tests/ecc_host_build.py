@@ -47,6 +47,7 @@ _PTX = {
     'return (smem_addr)__cvta_generic_to_shared(p);': "return (smem_addr)p;",
     'asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(a));':
         "std::memcpy(&lo, (const void*)a, 4); std::memcpy(&hi, (const void*)(a + 4), 4);",
+    'asm("sub.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));': "r = a - b;",
     'asm volatile("red.shared.add.s32 [%0], %1;" :: "r"(a), "r"(v) : "memory");':
         "atomicAdd((int*)a, v);",
     'asm("{.reg .u32 s; add.cc.u32 s, %1, %2; addc.u32 %0, %3, %3;}" : "=r"(r) : "r"(a), "r"(b), "r"(acc));':
