@@ -540,10 +540,11 @@ __device__ __forceinline__ void store_keys(const KeyOf& key_of, uint4 raw, unsig
 // A tile's place as a type, for two instances of its row reads: at an image edge or not.
 template <bool E> struct Edge { static constexpr bool value = E; };
 
-// The OUTSIDE keys of store_keys' VEC pixels (a row above or below the image).
+// The outside keys of store_keys' VEC pixels (a row above or below the image): KeyOf's, by
+// default OUTSIDE.
 template <int VEC>
-__device__ __forceinline__ void store_outside(unsigned* plane, int ly, int v) {
-    constexpr unsigned W = OUTSIDE | (OUTSIDE << 16);
+__device__ __forceinline__ void store_outside(unsigned* plane, int ly, int v, unsigned outside) {
+    const unsigned W = outside | (outside << 16);
     unsigned* row = plane + ly * ROWW + 2 + v * (VEC / 2);
     if constexpr (VEC == 2) {
         row[0] = W;
@@ -797,7 +798,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                                     const int r = r0 + (g + u) * RSTEP;
                                     if (g + u < ROUNDS && r < ROWS) {
                                         if (!EDGE || row_inside(r)) store_keys(key_of, raw[u], dst, r, v);
-                                        else store_outside<VEC>(dst, r, v);
+                                        else store_outside<VEC>(dst, r, v, key_of.outside());
                                     }
                                 }
                             }
@@ -806,7 +807,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         else rows(Edge<true>());
                         if (end_thread)
                             keys[ey * ROWK + KEY0 + ex] =
-                                end_in ? (unsigned short)key_of.of_value(end_value) : (unsigned short)OUTSIDE;
+                                end_in ? (unsigned short)key_of.of_value(end_value) : (unsigned short)key_of.outside();
                         return;
                     } else {
                         // A thread reads one column v of the rows r0, r0 + RSTEP, ...: its index
@@ -818,20 +819,20 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         i64 at = corner + (i64)(threadIdx.x / PER_ROW) * nx + 1 + v * VEC;
                         for (int r = threadIdx.x / PER_ROW; r < ROWS; r += RSTEP, at += stride) {
                             if (row_inside(r)) store_keys(key_of, key_of.load16(at), dst, r, v);
-                            else store_outside<VEC>(dst, r, v);
+                            else store_outside<VEC>(dst, r, v, key_of.outside());
                         }
                     }
                 } else {
                     for (int i = threadIdx.x; i < ROWS * TXP; i += THREADS) {
                         const int ly = i / TXP, lx = i % TXP + 1;
                         keys[ly * ROWK + KEY0 + lx] = row_inside(ly)
-                            ? (unsigned short)key_of(corner + (i64)ly * nx + lx) : (unsigned short)OUTSIDE;
+                            ? (unsigned short)key_of(corner + (i64)ly * nx + lx) : (unsigned short)key_of.outside();
                     }
                 }
                 for (int i = threadIdx.x; i < 2 * ROWS; i += THREADS) {
                     const int ly = i >> 1, ex = (i & 1) ? TXP + 1 : 0;
                     keys[ly * ROWK + KEY0 + ex] = end_inside(ly, ex)
-                        ? (unsigned short)key_of(corner + (i64)ly * nx + ex) : (unsigned short)OUTSIDE;
+                        ? (unsigned short)key_of(corner + (i64)ly * nx + ex) : (unsigned short)key_of.outside();
                 }
                 return;
             }
@@ -840,7 +841,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                 const int lx = i - ly * (TXP + 2);
                 const i64 gy = y0 + ly - 1;
                 const i64 gx = x0 + lx - 1;
-                unsigned short key = OUTSIDE;
+                unsigned short key = (unsigned short)key_of.outside();
                 if (plane_inside && (u64)gy < (u64)ny && (u64)gx < (u64)nx)
                     key = (unsigned short)key_of(corner + (i64)ly * nx + lx);
                 keys[ly * ROWK + KEY0 + lx] = key;
@@ -921,8 +922,10 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                     // cell's count on its own, a shift and an add where one LEA.HI adds).
                     const unsigned both = opaque_sub(pos + (unsigned)BASE * 0x00010001u, neg);
                     const int c0 = (int)(short)(both & 0xffffu);
-                    if (counts(z, gy, gx)) sink(c0, keys & 0xffffu, 0);
-                    if (counts(z, gy, gx + 1)) sink(((int)both - c0) >> 16, keys >> 16, 0);
+                    // Each key by a byte permute, opaque to the compiler, which otherwise
+                    // scaled the word and masked it (three instructions an address, not two).
+                    if (counts(z, gy, gx)) sink(c0, __byte_perm(keys, 0, 0x4410), 0);
+                    if (counts(z, gy, gx + 1)) sink(((int)both - c0) >> 16, __byte_perm(keys, 0, 0x4432), 0);
 #else
                     // Pixels outside the image carry the OUTSIDE key, which no sink counts.
                     if (counts(z, gy, gx))
@@ -1103,6 +1106,8 @@ struct Reads16 {
     __device__ __forceinline__ uint4 load16(i64 i) const {
         return __ldg(reinterpret_cast<const uint4*>(image + i));
     }
+    // The key of positions outside the image (packed::sweep).
+    __device__ __forceinline__ static constexpr unsigned outside() { return packed::OUTSIDE; }
     // Pixel k of a 16-byte read.
     __device__ __forceinline__ static In value_in(uint4 raw, int k) {
         union {
@@ -1132,6 +1137,11 @@ struct BinKey : Reads16<In_> {
         }
     }
     __device__ __forceinline__ K operator()(i64 i) const { return of_value(image[i]); }
+#ifdef CUTOPO_ECC_SINK_DUMP
+    // Outside the image the key T + 1, above every bin: HistSink adds such pixels (and bin T's)
+    // to slots T + 1 and T, past the histogram, without clamping their keys.
+    __device__ __forceinline__ unsigned outside() const { return (unsigned)bins.T + 1u; }
+#endif
     // The VEC keys of a 16-byte read, two per word.
     __device__ __forceinline__ void pack(uint4 raw, unsigned (&packed)[VEC / 2]) const {
 #pragma unroll
@@ -1209,9 +1219,9 @@ struct HistSink {
     smem_addr dump;     // this lane's own shared word, where pixels that add nothing go
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
         if constexpr (SHARED) {
-            // keys past every threshold (bin T, OUTSIDE) to slot T, one past the histogram
-            // (_ecc_cupy.histogram_shared_bytes), which no one reads
-            shared_add(c != 0 ? shared_address(shared) + 4u * min(key, (unsigned)T) : dump, c);
+            // keys past every threshold (bin T; outside the image T + 1, BinKey::outside) to
+            // slots T and T + 1, past the histogram (_ecc_cupy.histogram_shared_bytes)
+            shared_add(c != 0 ? shared_address(shared) + 4u * key : dump, c);
         } else if (c != 0 && (int)key < T) {
             atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
         }

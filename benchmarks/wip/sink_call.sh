@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call (written in the fifty-eighth session, which got no device; carry .whl; timeout
 # 595): the sink's dump variant (ecc.cu CUTOPO_ECC_SINK_DUMP: the shared reduction of every
-# pixel unconditional, zero contributions to a lane's own word, keys past the thresholds to
-# slot T, both contributions from one subtraction; sm_90 SASS, a thread's plane step: 2D
-# float32 560 -> 507 instructions (10 rows), uint8 668 -> 617 (12), float64 454 -> 418 (8),
-# 3D float32 541 -> 524 (4 rows), uint8 542 -> 526 (4 B of spill where none)) against
+# pixel unconditional, zero contributions to a lane's own word, bin T and the outside key
+# (T + 1 in the variant) to slots T and T + 1 past the histogram, both contributions from one
+# subtraction, keys by byte permutes; sm_90 SASS, a thread's plane step: 2D float32 560 -> 497
+# instructions (10 rows), uint8 668 -> 592 (12), float64 454 -> 408 (8), 3D float32 541 -> 515
+# (4 rows), uint8 542 -> 517 (4 B of spill where none)) against
 # the tree on white noise and smooth images; plan_diag.py's 2048^2 question (ab_ecc.py's 32-row
 # replay 25 us against bench_ecc.py's 21 us); the GPU suite (histogram_shared_bytes now holds
-# slot T) and bench_ecc.py --no-cpu.
+# slots T and T + 1) and bench_ecc.py --no-cpu.
 source benchmarks/wip/device_setup.sh
 { date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } \
     | tee "$OUT/env.txt"
