@@ -71,8 +71,8 @@ MID += [(f"2d {b}x1024^2 float32", (b, 1024, 1024), 2, "float32", False) for b i
 
 def smooth_image(cp, shape, dtype, seed, waves=3):
     """A smooth image of ``shape`` (float32 in [0, 1], or uint8 in [0, 255] for "uint8"): the
-    mean of ``waves`` random plane waves over the trailing spatial axes, with periods of 1/8 to
-    1/2 of the image's extent, rescaled."""
+    sum of ``waves`` plane waves of random phase, 2 to 8 periods along each axis, rescaled to
+    the range."""
     rs = np.random.default_rng(seed)
     grids = cp.meshgrid(*[cp.arange(n, dtype=cp.float32) / n for n in shape], indexing="ij", sparse=True)
     field = cp.zeros(shape, dtype=cp.float32)
