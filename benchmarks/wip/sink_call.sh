@@ -17,10 +17,10 @@ ab_cases dump_noise --variant "dump=-DCUTOPO_ECC_SINK_DUMP" --rounds 3 -- \
   "2d 8192^2 float32" "2d 8192^2 uint8" "2d 8192^2 float64" "3d 512^3 float32" "3d 512^3 uint8"
 ab_cases dump_smooth --variant "dump=-DCUTOPO_ECC_SINK_DUMP" --rounds 3 --smooth -- \
   "2d 8192^2 float32" "2d 8192^2 uint8" "3d 512^3 float32"
-for m in 2 1; do timeout 60 python3 benchmarks/wip/plan_diag.py $m; done > "$OUT/plan_diag.log" 2>&1
-stamp plan_diag; cut -c1-400 "$OUT/plan_diag.log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 -m "gpu and not slow" tests \
     --ignore=tests/test_soft_ecc_kernels_host.py > "$OUT/gpu_suite.log" 2>&1
 tail -2 "$OUT/gpu_suite.log"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_suite.log" | head -10; stamp suite
+for m in 2 1; do timeout 60 python3 benchmarks/wip/plan_diag.py $m; done > "$OUT/plan_diag.log" 2>&1
+stamp plan_diag; cut -c1-400 "$OUT/plan_diag.log"
 timeout 130 python3 benchmarks/bench_ecc.py --no-cpu > "$OUT/bench_ecc.log" 2>&1; stamp ecc
 grep -E "^\| (2d|3d)|copy|MET|MISSED|NOT MEASURED" "$OUT"/bench_ecc.log | cut -c1-220
