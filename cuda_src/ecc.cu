@@ -717,6 +717,11 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
     const i64 plane_px = ny * nx;
+#ifdef CUTOPO_ECC_SINK_DUMP
+    const unsigned short outside = (unsigned short)key_of.outside();  // BinKey's T + 1
+#else
+    constexpr unsigned short outside = OUTSIDE;
+#endif
 
     for (TileWalk<NDIM> w(ntx, nty, ntz, first, step); w.valid(); w.next()) {
         const i64 x0 = w.x() * TXP;
@@ -798,7 +803,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                                     const int r = r0 + (g + u) * RSTEP;
                                     if (g + u < ROUNDS && r < ROWS) {
                                         if (!EDGE || row_inside(r)) store_keys(key_of, raw[u], dst, r, v);
-                                        else store_outside<VEC>(dst, r, v, key_of.outside());
+                                        else store_outside<VEC>(dst, r, v, outside);
                                     }
                                 }
                             }
@@ -807,7 +812,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         else rows(Edge<true>());
                         if (end_thread)
                             keys[ey * ROWK + KEY0 + ex] =
-                                end_in ? (unsigned short)key_of.of_value(end_value) : (unsigned short)key_of.outside();
+                                end_in ? (unsigned short)key_of.of_value(end_value) : outside;
                         return;
                     } else {
                         // A thread reads one column v of the rows r0, r0 + RSTEP, ...: its index
@@ -819,20 +824,20 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                         i64 at = corner + (i64)(threadIdx.x / PER_ROW) * nx + 1 + v * VEC;
                         for (int r = threadIdx.x / PER_ROW; r < ROWS; r += RSTEP, at += stride) {
                             if (row_inside(r)) store_keys(key_of, key_of.load16(at), dst, r, v);
-                            else store_outside<VEC>(dst, r, v, key_of.outside());
+                            else store_outside<VEC>(dst, r, v, outside);
                         }
                     }
                 } else {
                     for (int i = threadIdx.x; i < ROWS * TXP; i += THREADS) {
                         const int ly = i / TXP, lx = i % TXP + 1;
                         keys[ly * ROWK + KEY0 + lx] = row_inside(ly)
-                            ? (unsigned short)key_of(corner + (i64)ly * nx + lx) : (unsigned short)key_of.outside();
+                            ? (unsigned short)key_of(corner + (i64)ly * nx + lx) : outside;
                     }
                 }
                 for (int i = threadIdx.x; i < 2 * ROWS; i += THREADS) {
                     const int ly = i >> 1, ex = (i & 1) ? TXP + 1 : 0;
                     keys[ly * ROWK + KEY0 + ex] = end_inside(ly, ex)
-                        ? (unsigned short)key_of(corner + (i64)ly * nx + ex) : (unsigned short)key_of.outside();
+                        ? (unsigned short)key_of(corner + (i64)ly * nx + ex) : outside;
                 }
                 return;
             }
@@ -841,7 +846,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                 const int lx = i - ly * (TXP + 2);
                 const i64 gy = y0 + ly - 1;
                 const i64 gx = x0 + lx - 1;
-                unsigned short key = (unsigned short)key_of.outside();
+                unsigned short key = outside;
                 if (plane_inside && (u64)gy < (u64)ny && (u64)gx < (u64)nx)
                     key = (unsigned short)key_of(corner + (i64)ly * nx + lx);
                 keys[ly * ROWK + KEY0 + lx] = key;
