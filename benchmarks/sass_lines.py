@@ -3,7 +3,7 @@
     python benchmarks/sass_lines.py ecc \
         "cutopo::ecc::band::soft_ecc_fused_forward<float, unsigned int, float, 3, false, false>"
     python benchmarks/sass_lines.py ecc "..." --arch 80 --top 60 --listing sass.txt
-    python benchmarks/sass_lines.py ecc "..." -D CUTOPO_ECC_SINK_DUMP     (a compile variant)
+    python benchmarks/sass_lines.py ecc "..." -D CUTOPO_ECC_NO_CUBE_PAIRS     (a compile variant)
 
 Compiles the instance with the offline compile (NVRTC, the runtime's options plus ptxas -v:
 registers and spills), disassembles it with ``nvdisasm`` (not in CUDA's pip compilers: ``pip

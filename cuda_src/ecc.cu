@@ -717,11 +717,10 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
     const i64 nty = (ny + TY - 1) / TY;
     const i64 ntz = NDIM == 3 ? (nz + zchunk - 1) / zchunk : 1;
     const i64 plane_px = ny * nx;
-#ifdef CUTOPO_ECC_SINK_DUMP
-    const unsigned short outside = (unsigned short)key_of.outside();  // BinKey's T + 1
-#else
-    constexpr unsigned short outside = OUTSIDE;
-#endif
+    // The key of positions outside the image: OUTSIDE, a constant (taken from the key type as a
+    // call, the soft ECC's kernels compiled otherwise), or the key type's (BinKey's T + 1).
+    unsigned short outside = OUTSIDE;
+    if constexpr (KeyOf::RUNTIME_OUTSIDE) outside = (unsigned short)key_of.outside();
 
     for (TileWalk<NDIM> w(ntx, nty, ntz, first, step); w.valid(); w.next()) {
         const i64 x0 = w.x() * TXP;
@@ -921,7 +920,7 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                     const unsigned keys = W[(pow3(NDIM) - 1) / 2];
 #ifdef CUTOPO_PROFILE_NO_SINK  // profiling variant: no histogram updates
                     if ((pos ^ neg ^ keys) == 0x12345678u) sink(1, 0, 0);
-#elif defined(CUTOPO_ECC_SINK_DUMP)
+#else
                     // Both contributions in one subtraction, c = c1 2^16 + c0 with c0 the low
                     // lane sign-extended (opaque: else the compiler subtracted each negative
                     // cell's count on its own, a shift and an add where one LEA.HI adds).
@@ -931,12 +930,6 @@ __device__ __forceinline__ void sweep(unsigned (*tile)[Rows<RPT>::PLANEW], i64 n
                     // scaled the word and masked it (three instructions an address, not two).
                     if (counts(z, gy, gx)) sink(c0, __byte_perm(keys, 0, 0x4410), 0);
                     if (counts(z, gy, gx + 1)) sink(((int)both - c0) >> 16, __byte_perm(keys, 0, 0x4432), 0);
-#else
-                    // Pixels outside the image carry the OUTSIDE key, which no sink counts.
-                    if (counts(z, gy, gx))
-                        sink(BASE + (int)(pos & 0xffffu) - (int)(neg & 0xffffu), keys & 0xffffu, 0);
-                    if (counts(z, gy, gx + 1))
-                        sink(BASE + (int)(pos >> 16) - (int)(neg >> 16), keys >> 16, 0);
 #endif
                 }
             }
@@ -1111,8 +1104,9 @@ struct Reads16 {
     __device__ __forceinline__ uint4 load16(i64 i) const {
         return __ldg(reinterpret_cast<const uint4*>(image + i));
     }
-    // The key of positions outside the image (packed::sweep).
-    __device__ __forceinline__ static constexpr unsigned outside() { return packed::OUTSIDE; }
+    // The key of positions outside the image (packed::sweep): OUTSIDE, unless a key type says
+    // otherwise (RUNTIME_OUTSIDE and its outside()).
+    static constexpr bool RUNTIME_OUTSIDE = false;
     // Pixel k of a 16-byte read.
     __device__ __forceinline__ static In value_in(uint4 raw, int k) {
         union {
@@ -1142,11 +1136,10 @@ struct BinKey : Reads16<In_> {
         }
     }
     __device__ __forceinline__ K operator()(i64 i) const { return of_value(image[i]); }
-#ifdef CUTOPO_ECC_SINK_DUMP
     // Outside the image the key T + 1, above every bin: HistSink adds such pixels (and bin T's)
     // to slots T + 1 and T, past the histogram, without clamping their keys.
+    static constexpr bool RUNTIME_OUTSIDE = true;
     __device__ __forceinline__ unsigned outside() const { return (unsigned)bins.T + 1u; }
-#endif
     // The VEC keys of a 16-byte read, two per word.
     __device__ __forceinline__ void pack(uint4 raw, unsigned (&packed)[VEC / 2]) const {
 #pragma unroll
@@ -1209,36 +1202,30 @@ __device__ __forceinline__ bool last_block_done(unsigned* counter, unsigned bloc
 }
 
 // Adds a pixel's contribution to the block's shared histogram (SHARED: the packed sweep, whose
-// bins always fit there) or straight to the global one (the scalar sweep's many bins). Zero
-// contributions (most of a flat image) and pixels above every threshold (or outside the image)
-// add nothing. A compile-time choice: a run-time test of the shared pointer kept both atomics
-// and their branches in the count (322 -> 234 instructions per thread and 2D float32 plane;
-// 3-6 % faster, benchmarks/RESULTS.md, twenty-fourth session).
+// bins always fit there) or straight to the global one (the scalar sweep's many bins). A
+// compile-time choice: a run-time test of the shared pointer kept both atomics and their
+// branches in the count (322 -> 234 instructions per thread and 2D float32 plane; 3-6 % faster,
+// benchmarks/RESULTS.md, twenty-fourth session).
+// The shared form is one unconditional reduction at a selected address: zero contributions go
+// to a word of the lane's own (one bank a lane), keys past every threshold (bin T; outside the
+// image T + 1, BinKey::outside) to slots T and T + 1 past the histogram
+// (_ecc_cupy.histogram_shared_bytes), which no one reads. ptxas branched around the skipped
+// atomic of the form before (BSSY, BRA, BSYNC a pixel): 2D 6-9 % faster, 3D 2-4 %, on white
+// noise and smooth images alike (H100, benchmarks/RESULTS.md, fifty-eighth session).
 template <bool SHARED>
 struct HistSink {
     static constexpr bool WORDS = false, TIES = false;  // one pixel per call (packed::sweep)
     int* shared;        // the block's shared histogram (SHARED)
     long long* global;  // this image's row of the global histogram
     int T;
-#ifdef CUTOPO_ECC_SINK_DUMP
-    smem_addr dump;     // this lane's own shared word, where pixels that add nothing go
+    smem_addr dump;     // this lane's own shared word (SHARED)
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
         if constexpr (SHARED) {
-            // keys past every threshold (bin T; outside the image T + 1, BinKey::outside) to
-            // slots T and T + 1, past the histogram (_ecc_cupy.histogram_shared_bytes)
             shared_add(c != 0 ? shared_address(shared) + 4u * key : dump, c);
         } else if (c != 0 && (int)key < T) {
             atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
         }
     }
-#else
-    __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
-        if (c != 0 && (int)key < T) {
-            if constexpr (SHARED) atomicAdd(shared + key, c);
-            else atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
-        }
-    }
-#endif
 };
 
 // Blocks per multiprocessor the histogram kernel's register budget is sized for. Left to
@@ -1306,12 +1293,8 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     const int chunk = blockIdx.x % blocks_per_image;
     BinKey<In, Cmp, K> key_of{{image}, bins, byte_bins};
     // 16-bit keys: T <= HIST_SMEM_MAX_BINS, so hist_in_smem (_ecc_cupy.HistogramPlan)
-#ifdef CUTOPO_ECC_SINK_DUMP
     __shared__ int dump_s[32];
     HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T, shared_address(dump_s + threadIdx.x % 32)};
-#else
-    HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T};
-#endif
     if constexpr (sizeof(K) == 2) {
         // 16-byte aligned: load_plane stores the packed rows as uint2
         __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::Rows<RPT>::PLANEW];

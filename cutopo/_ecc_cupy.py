@@ -132,8 +132,8 @@ def histogram_key_ctype(T: int, cmp_ctype: str | None = None, table_bytes: int =
 def histogram_shared_bytes(T: int, table_bytes: int, table_in_smem: bool) -> int:
     """The histogram kernels' dynamic shared memory: the threshold table where it is there
     (16-byte aligned), then the per-block histogram (T <= HIST_SMEM_MAX_BINS) and two slots
-    more, where ecc.cu's CUTOPO_ECC_SINK_DUMP variant adds the pixels past every threshold
-    and those outside the image."""
+    more, where ecc.cu's HistSink adds the pixels past every threshold and those outside the
+    image."""
     return (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
             + (4 * (T + 2) if T <= HIST_SMEM_MAX_BINS else 0))
 

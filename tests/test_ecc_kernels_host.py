@@ -292,7 +292,7 @@ def emulator(tmp_path_factory):
 
 # ecc.cu's compile-time variants for benchmarks/ab_ecc.py --variant: the A/B is only worth
 # running on the device if they count right.
-VARIANTS = ["-DCUTOPO_ECC_NO_CUBE_PAIRS", "-DCUTOPO_ECC_NO_GROUP_READS_3D", "-DCUTOPO_ECC_SINK_DUMP"]
+VARIANTS = ["-DCUTOPO_ECC_NO_CUBE_PAIRS", "-DCUTOPO_ECC_NO_GROUP_READS_3D"]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
