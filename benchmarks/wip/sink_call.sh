@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (written in the fifty-eighth session, which got no device; carry .whl; timeout
-# 595): the sink's dump variant (ecc.cu CUTOPO_ECC_SINK_DUMP: the shared reduction of every
+# Fifty-eighth session, call 1 (ran on 4ef35e1; the variant has been the default since ad605e8,
+# so its A/B now compares equal kernels; carry .whl; timeout 595): the sink's dump variant (ecc.cu CUTOPO_ECC_SINK_DUMP: the shared reduction of every
 # pixel unconditional, zero contributions to a lane's own word, bin T and the outside key
 # (T + 1 in the variant) to slots T and T + 1 past the histogram, both contributions from one
 # subtraction, keys by byte permutes; sm_90 SASS, a thread's plane step: 2D float32 560 -> 497
