@@ -479,10 +479,10 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Packed sweep for the histogram: two 15-bit keys (bins; 0x7fff outside the image) per 32-bit
-// word, compared with SWAR arithmetic. With H = 0x80008000 and keys below 2^15, bit 15 of each
-// 16-bit lane of (p | H) - q is [q <= p], and of (p | H) - q - 0x00010001 is [q < p]: a lane
-// never borrows from its neighbour. So one IADD3 compares two pixels with a neighbour each;
+// Packed sweep for the histogram: two 15-bit keys (bins; outside the image a key above every
+// bin) per 32-bit word, compared with SWAR arithmetic. With H = 0x80008000 and keys below
+// 2^15, bit 15 of each 16-bit lane of (p | H) - q is [q <= p], and of (p | H) - q - 0x00010001
+// is [q < p]: a lane never borrows from its neighbour. So one IADD3 compares two pixels with a neighbour each;
 // cell ownership is 3-input ANDs of those bits, and a pixel's contribution is a sum of bits
 // (lane sums stay below 2^15). The scalar sweep spends a comparison, a select and a shift per
 // neighbour and pixel, and was bound by instruction issue.
@@ -505,7 +505,8 @@ struct Rows {
 };
 constexpr int PLANEW = Rows<PY>::PLANEW;  // the soft ECC's tiles (ecc_soft.cuh)
 constexpr unsigned H = 0x80008000u;
-// Key of positions outside the image. Bins 0..T must stay below it: the host takes this kernel
+// Key of positions outside the image, unless the key type has its own (RUNTIME_OUTSIDE: the
+// histogram's BinKey takes T + 1). Bins 0..T must stay below it: the host takes this kernel
 // only for T <= _ecc_cupy.PACKED_MAX_BINS (4096, the bins of a shared histogram).
 constexpr unsigned OUTSIDE = 0x7fffu;
 // 16-byte reads a thread issues before it bins them: a plane's interior rows take 1 to 5

@@ -22,7 +22,7 @@ HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
 # The packed sweep (15-bit keys, below packed::OUTSIDE = 0x7fff) adds into the shared
 # histogram only (ecc.cu's HistSink): it takes T <= HIST_SMEM_MAX_BINS, more bins the scalar one.
 PACKED_MAX_BINS = HIST_SMEM_MAX_BINS
-PACKED_STATIC_SMEM = 16 * 1024  # the packed sweep's shared planes (14.7 KB in 3D), at most
+PACKED_STATIC_SMEM = 16 * 1024  # the packed sweep's static shared memory (14.9 KB in 3D), at most
 PACKED_SHARED_TABLE_CMP = ("float", "int")  # its tables always in shared memory (4-byte values)
 MAX_PIXELS_PER_BLOCK = 1 << 27  # keeps each block's int32 shared histogram from overflowing
 # How a call makes its histogram rows cumulative. By default every block adds its own prefix
