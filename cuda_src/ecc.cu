@@ -482,9 +482,9 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
 // Packed sweep for the histogram: two 15-bit keys (bins; outside the image a key above every
 // bin) per 32-bit word, compared with SWAR arithmetic. With H = 0x80008000 and keys below
 // 2^15, bit 15 of each 16-bit lane of (p | H) - q is [q <= p], and of (p | H) - q - 0x00010001
-// is [q < p]: a lane never borrows from its neighbour. So one IADD3 compares two pixels with a neighbour each;
-// cell ownership is 3-input ANDs of those bits, and a pixel's contribution is a sum of bits
-// (lane sums stay below 2^15). The scalar sweep spends a comparison, a select and a shift per
+// is [q < p]: a lane never borrows from its neighbour. So one IADD3 compares two pixels with a
+// neighbour each; cell ownership is 3-input ANDs of those bits, and a pixel's contribution is
+// a sum of bits (lane sums stay below 2^15). The scalar sweep spends a comparison, a select and a shift per
 // neighbour and pixel, and was bound by instruction issue.
 // ---------------------------------------------------------------------------------------------
 namespace packed {
