@@ -484,8 +484,8 @@ __device__ __forceinline__ void sweep(K (*tile)[PLANE], i64 nz, i64 ny, i64 nx, 
 // 2^15, bit 15 of each 16-bit lane of (p | H) - q is [q <= p], and of (p | H) - q - 0x00010001
 // is [q < p]: a lane never borrows from its neighbour. So one IADD3 compares two pixels with a
 // neighbour each; cell ownership is 3-input ANDs of those bits, and a pixel's contribution is
-// a sum of bits (lane sums stay below 2^15). The scalar sweep spends a comparison, a select and a shift per
-// neighbour and pixel, and was bound by instruction issue.
+// a sum of bits (lane sums stay below 2^15). The scalar sweep spends a comparison, a select
+// and a shift per neighbour and pixel, and was bound by instruction issue.
 // ---------------------------------------------------------------------------------------------
 namespace packed {
 constexpr int WORDS = 32;                // words per tile row, one per lane
