@@ -1207,27 +1207,37 @@ __device__ __forceinline__ bool last_block_done(unsigned* counter, unsigned bloc
 // compile-time choice: a run-time test of the shared pointer kept both atomics and their
 // branches in the count (322 -> 234 instructions per thread and 2D float32 plane; 3-6 % faster,
 // benchmarks/RESULTS.md, twenty-fourth session).
-// The shared form is one unconditional reduction at a selected address: zero contributions go
-// to a word of the lane's own (one bank a lane), keys past every threshold (bin T; outside the
-// image T + 1, BinKey::outside) to slots T and T + 1 past the histogram
-// (_ecc_cupy.histogram_shared_bytes), which no one reads. ptxas branched around the skipped
-// atomic of the form before (BSSY, BRA, BSYNC a pixel): 2D 6-9 % faster, 3D 2-4 %, on white
-// noise and smooth images alike (H100, benchmarks/RESULTS.md, fifty-eighth session).
+// The shared histogram is R interleaved copies (R a power of two up to 32, as many as fit
+// without fewer resident blocks: _ecc_cupy.histogram_copies): bin k of copy r is word k R + r,
+// and lane l adds to copy l % R (``lane_base``), so that lanes of different copies never meet
+// at one address and at most 32 / R lanes share a bank. Every pixel adds, zeros included, in
+// one unconditional reduction: keys past every threshold (bin T; outside the image T + 1,
+// BinKey::outside) go to slots T and T + 1 of each copy, which no one reads. The form before
+// (one copy, zeros to a word of the lane's own) took a test and a select a pixel more: a
+// thread's plane step 497 instructions in 2D float32 against 435, uint8 592 against 531, 3D
+// float32 515 against 493 (sm_90).
 template <bool SHARED>
 struct HistSink {
     static constexpr bool WORDS = false, TIES = false;  // one pixel per call (packed::sweep)
-    int* shared;        // the block's shared histogram (SHARED)
-    long long* global;  // this image's row of the global histogram
+    long long* global;    // this image's row of the global histogram
     int T;
-    smem_addr dump;     // this lane's own shared word (SHARED)
+    smem_addr lane_base;  // this lane's copy of the shared histogram (SHARED)
+    unsigned stride;      // bytes from one bin to the next: 4 R (SHARED)
     __device__ __forceinline__ void operator()(int c, unsigned key, i64) const {
         if constexpr (SHARED) {
-            shared_add(c != 0 ? shared_address(shared) + 4u * key : dump, c);
+            shared_add(lane_base + stride * key, c);
         } else if (c != 0 && (int)key < T) {
             atomicAdd(reinterpret_cast<u64*>(global + key), (u64)(i64)c);
         }
     }
 };
+
+// Bin k of a block's shared histogram: the sum of its ``copies`` copies.
+__device__ __forceinline__ int bin_total(const int* hist_s, int k, int copies) {
+    int h = 0;
+    for (int r = 0; r < copies; ++r) h += hist_s[k * copies + r];
+    return h;
+}
 
 // Blocks per multiprocessor the histogram kernel's register budget is sized for. Left to
 // itself ptxas gave the 3D kernels ~108 registers (2 blocks/SM), too few warps to hide the
@@ -1258,7 +1268,7 @@ template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, int RPT, 
 __device__ __forceinline__ void
 histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
                 long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
-                int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
+                int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_copies,
                 const Region& counts, unsigned* __restrict__ done, bool block_prefix = false) {
     extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
@@ -1278,9 +1288,9 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
         tab = t;
         offset = ((size_t)(T + 1) * sizeof(Bounds<Cmp>) + 15) & ~(size_t)15;
     }
-    if (hist_in_smem) {
+    if (hist_copies) {
         hist_s = reinterpret_cast<int*>(dynamic_smem + offset);
-        for (int i = threadIdx.x; i < T; i += THREADS) hist_s[i] = 0;
+        for (int i = threadIdx.x; i < T * hist_copies; i += THREADS) hist_s[i] = 0;
     }
     __shared__ K byte_bins[sizeof(In) == 1 ? 256 : 1];
     __syncthreads();  // the table must be complete
@@ -1293,9 +1303,10 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
     BinKey<In, Cmp, K> key_of{{image}, bins, byte_bins};
-    // 16-bit keys: T <= HIST_SMEM_MAX_BINS, so hist_in_smem (_ecc_cupy.HistogramPlan)
-    __shared__ int dump_s[32];
-    HistSink<sizeof(K) == 2> sink{hist_s, hist + img * T, T, shared_address(dump_s + threadIdx.x % 32)};
+    // 16-bit keys: T <= HIST_SMEM_MAX_BINS, so hist_copies >= 1 (_ecc_cupy.HistogramPlan)
+    HistSink<sizeof(K) == 2> sink{hist + img * T, T,
+                                  shared_address(hist_s + (threadIdx.x & 31 & (hist_copies - 1))),
+                                  4u * (unsigned)hist_copies};
     if constexpr (sizeof(K) == 2) {
         // 16-byte aligned: load_plane stores the packed rows as uint2
         __shared__ __align__(16) unsigned words[NDIM == 3 ? 3 : 1][packed::Rows<RPT>::PLANEW];
@@ -1308,7 +1319,7 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     }
 
     long long* row = hist + img * T;
-    if (hist_in_smem && block_prefix) {
+    if (hist_copies && block_prefix) {
         // Every block adds its own cumulative histogram: the sum over blocks is the curve, so
         // no block waits for the others and no last block cumulates the row afterwards (the
         // tail of a one-wave launch). Costs one atomic per bin from the block's first non-zero
@@ -1321,7 +1332,7 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
         __syncthreads();
         for (int base = 0; base < T; base += THREADS) {
             const int k = base + threadIdx.x;
-            int v = k < T ? hist_s[k] : 0;
+            int v = k < T ? bin_total(hist_s, k, hist_copies) : 0;
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
                 const int n = __shfl_up_sync(0xffffffffu, v, d);
@@ -1343,10 +1354,10 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
         }
         return;
     }
-    if (hist_in_smem) {
+    if (hist_copies) {
         __syncthreads();
         for (int k = threadIdx.x; k < T; k += THREADS) {
-            const int h = hist_s[k];
+            const int h = bin_total(hist_s, k, hist_copies);
             if (h != 0) atomicAdd(reinterpret_cast<u64*>(row + k), (u64)(i64)h);
         }
     }
@@ -1375,11 +1386,11 @@ template <typename In, typename Cmp, typename K, int NDIM, bool TCONN, int RPT =
 __global__ void __launch_bounds__(THREADS, CUTOPO_ECC_BLOCKS(NDIM))
 ecc_histogram(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ thresholds,
               long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk, int blocks_per_image,
-              int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_in_smem,
+              int T, int estimate, double t0, double inv_dt, int table_in_smem, int hist_copies,
               unsigned* __restrict__ done, int cumulate) {
     histogram_tiles<In, Cmp, K, NDIM, TCONN, RPT>(image, thresholds, hist, nz, ny, nx, zchunk,
                                                   blocks_per_image, T, estimate, t0, inv_dt,
-                                                  table_in_smem, hist_in_smem, AllPixels(),
+                                                  table_in_smem, hist_copies, AllPixels(),
                                                   cumulate == 1 ? done : nullptr, cumulate == 2);
 }
 
@@ -1393,11 +1404,11 @@ ecc_histogram_masked(const In* __restrict__ image,
                      const Bounds<Cmp>* __restrict__ thresholds,
                      long long* __restrict__ hist, i64 nz, i64 ny, i64 nx, int zchunk,
                      int blocks_per_image, int T, int estimate, double t0, double inv_dt,
-                     int table_in_smem, int hist_in_smem, const unsigned char* __restrict__ own_z,
+                     int table_in_smem, int hist_copies, const unsigned char* __restrict__ own_z,
                      const unsigned char* __restrict__ own_y, const unsigned char* __restrict__ own_x) {
     histogram_tiles<In, Cmp, K, NDIM, TCONN, PY>(image, thresholds, hist, nz, ny, nx, zchunk,
                                                  blocks_per_image, T, estimate, t0, inv_dt,
-                                                 table_in_smem, hist_in_smem,
+                                                 table_in_smem, hist_copies,
                                                  MaskedPixels{own_z, own_y, own_x, ny, nx}, nullptr);
 }
 

@@ -9,7 +9,7 @@ import numpy as np
 from ._cuda import tables
 from ._cuda.compile import register_instances
 from ._cuda.launch import (PreparedLaunch, Signature, as_c_contiguous, device_attribute, device_zeros,
-                           launch, on_device_of, resident_blocks)
+                           launch, on_device_of, resident_blocks, static_shared_bytes)
 from ._cuda.repeated import RepeatedCalls
 from ._cuda.workspace import ZeroedWorkspaces
 
@@ -19,6 +19,7 @@ TILE_Y = 32                  # ecc::TY, and the packed sweep's tiles at packed::
 TILE_X = {"unsigned short": 64, "unsigned int": 32}  # packed::TXP for 16-bit keys, ecc::TX else
 TABLE_SMEM_MAX = 16 * 1024   # threshold table in shared memory up to this many bytes
 HIST_SMEM_MAX_BINS = 4096    # per-block shared histogram up to this many bins
+HIST_COPIES_MAX = 32         # its interleaved copies, at most (histogram_copies)
 # The packed sweep (15-bit keys, below packed::OUTSIDE = 0x7fff) adds into the shared
 # histogram only (ecc.cu's HistSink): it takes T <= HIST_SMEM_MAX_BINS, more bins the scalar one.
 PACKED_MAX_BINS = HIST_SMEM_MAX_BINS
@@ -129,13 +130,44 @@ def histogram_key_ctype(T: int, cmp_ctype: str | None = None, table_bytes: int =
     return "unsigned short"
 
 
-def histogram_shared_bytes(T: int, table_bytes: int, table_in_smem: bool) -> int:
+def histogram_shared_bytes(T: int, table_bytes: int, table_in_smem: bool, copies: int = 1) -> int:
     """The histogram kernels' dynamic shared memory: the threshold table where it is there
-    (16-byte aligned), then the per-block histogram (T <= HIST_SMEM_MAX_BINS) and two slots
-    more, where ecc.cu's HistSink adds the pixels past every threshold and those outside the
-    image."""
+    (16-byte aligned), then the per-block histogram (T <= HIST_SMEM_MAX_BINS) in ``copies``
+    interleaved copies, each with two slots more, where ecc.cu's HistSink adds the pixels past
+    every threshold and those outside the image."""
     return (((table_bytes + 15) // 16 * 16 if table_in_smem else 0)
-            + (4 * (T + 2) if T <= HIST_SMEM_MAX_BINS else 0))
+            + 4 * (T + 2) * copies)
+
+
+def histogram_copies(sig: Signature, T: int, table_bytes: int, table_in_smem: bool) -> int:
+    """The copies of the shared histogram that the packed sweep's ecc_histogram ``sig`` adds
+    into (its ``hist_copies``): the most, a power of two up to HIST_COPIES_MAX, that leave as
+    many blocks resident as one copy. A warp's lanes then add to different copies (lane l to
+    copy l % R), so that they never meet at one address and at most 32 / R of them share a
+    bank, and zero contributions are added like the others, without a select (ecc.cu's
+    HistSink)."""
+    room = device_attribute("MaxSharedMemoryPerBlockOptin") - static_shared_bytes(sig, PROFILE_OPTIONS)
+    one = resident_blocks(sig, THREADS, histogram_shared_bytes(T, table_bytes, table_in_smem), PROFILE_OPTIONS)
+    copies = HIST_COPIES_MAX
+    while copies > 1:
+        shared = histogram_shared_bytes(T, table_bytes, table_in_smem, copies)
+        if shared <= room and resident_blocks(sig, THREADS, shared, PROFILE_OPTIONS) >= one:
+            break
+        copies //= 2
+    return copies
+
+
+def histogram_cumulation(copies: int, dtype, T: int, block_pixels: float) -> int:
+    """ecc_histogram's ``cumulate`` (BLOCK_PREFIX_MIN_PIXELS): 2, every block adds its own
+    prefix sums, where its shared histogram holds its counts (``copies`` >= 1), more than
+    1 / BLOCK_PREFIX_MIN_PIXELS bins a pixel and the image is not bool; else 1, the last block
+    of each image cumulates its row. The scalar sweep (32-bit keys, no copies) adds straight
+    into the global rows: its blocks have no prefix sums of their own (taking 2 there left the
+    rows uncumulated, where 16-bit keys did not fit a block's shared memory, e.g. 4096 float32
+    bins in Turing's 64 KB)."""
+    if copies and np.dtype(dtype) != np.bool_ and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels:
+        return 2
+    return 1
 
 
 def threshold_table_in_shared(table_bytes: int, key_ctype: str, cmp_ctype: str) -> bool:
@@ -368,8 +400,11 @@ class HistogramPlan:
         self.table = tables.upload(table)  # any stream reads it
         table_bytes = self.table.nbytes
         table_in_smem = threshold_table_in_shared(table_bytes, key_ctype, cmp_ctype)
-        hist_in_smem = T <= HIST_SMEM_MAX_BINS
-        self.shared_mem = histogram_shared_bytes(T, table_bytes, table_in_smem)
+        # The packed sweep adds into a shared histogram (one copy until its kernel is chosen,
+        # then histogram_copies), the scalar one into the global histogram.
+        packed = key_ctype == "unsigned short"
+        copies = int(packed)
+        self.shared_mem = histogram_shared_bytes(T, table_bytes, table_in_smem, copies)
         # masked: the per-axis masks; else the per-image counters and the cumulate flag
         tail = ("ptr:uint8",) * 3 if masked else ("ptr:uint32", "int32")
         params = ((f"ptr:{view}", f"ptr:{self.table.dtype}", "ptr:int64", "int64", "int64", "int64",
@@ -386,17 +421,20 @@ class HistogramPlan:
                 tile_y = tall_y
                 self.sig = Signature(FAMILY, histogram_instance(in_ctype, cmp_ctype, key_ctype, ndim, tconn,
                                                                 rows), params)
+        if packed:
+            copies = histogram_copies(self.sig, T, table_bytes, table_in_smem)
+            self.shared_mem = histogram_shared_bytes(T, table_bytes, table_in_smem, copies)
+        self.copies = copies
         (nz, ny, nx), zchunk, per_image = _histogram_geometry(
             self.sig, nimg, spatial, ndim, self.shared_mem, TILE_X[key_ctype], tile_y,
             np.dtype(dtype).itemsize)
         block_pixels = nz * ny * nx / per_image
-        self.cumulate = 2 if (hist_in_smem and dtype != np.bool_
-                              and T * BLOCK_PREFIX_MIN_PIXELS <= block_pixels) else 1
+        self.cumulate = histogram_cumulation(copies, dtype, T, block_pixels)
         t0, inv_dt = estimate if estimate else (0.0, 0.0)
         self.histogram = PreparedLaunch(
             self.sig, nimg * per_image, THREADS,
             (None, self.table, None, nz, ny, nx, zchunk, per_image, T, int(estimate is not None), t0,
-             inv_dt, int(table_in_smem), int(hist_in_smem)) + (None,) * len(tail),
+             inv_dt, int(table_in_smem), copies) + (None,) * len(tail),
             shared_mem=self.shared_mem, options=PROFILE_OPTIONS)
         self._cumulate = np.int32(self.cumulate)
         # per image, the counter of its blocks done (cumulate 1), kept per thread and stream

@@ -28,6 +28,7 @@ import pytest
 from cutopo._cuda.source import source_dir
 
 CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+EMULATED_SMEM = 1 << 17  # bytes of a block's dynamic shared memory in the emulation
 
 # common.cuh's inline PTX, in its host form: the same values without the GPU's instructions.
 _PTX = {
@@ -102,7 +103,7 @@ struct Warp {
     unsigned char bank[32] = {};
 };
 Warp* warps;
-alignas(16) unsigned char dynamic_smem[1 << 17];
+alignas(16) unsigned char dynamic_smem[@SMEM@];  // EMULATED_SMEM
 
 // A block's threads as fibers of one host thread (run_block_fibers), the other way to run a
 // block: host threads wait for each other at every barrier through the kernel (futexes and the
@@ -399,7 +400,8 @@ def host_source(soft: bool = False) -> str:
     assert smem in ecc, "ecc.cu's dynamic shared memory changed: update tests/ecc_host_build.py"
     ecc = ecc.replace(smem, _DYNAMIC_SMEM[smem])
     headers = _TAIL if soft else _TAIL[2:]  # without soft: the soft ECC and ECT kernels left out
-    return _EMULATION + common + ecc + "".join(_header(src, name) for name in headers)
+    return (_EMULATION.replace("@SMEM@", str(EMULATED_SMEM)) + common + ecc
+            + "".join(_header(src, name) for name in headers))
 
 
 def build(tmp_path_factory, name: str, driver: str, *defines: str, soft: bool = False):

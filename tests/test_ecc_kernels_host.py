@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import cutopo
-from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, PACKED_MAX_BINS, THREADS, tall_rows,
-                              _key_value, histogram_bin_arguments, histogram_key_ctype,
-                              threshold_table_in_shared)
+from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, THREADS, tall_rows, _key_value,
+                              histogram_bin_arguments, histogram_cumulation, histogram_key_ctype,
+                              histogram_shared_bytes, threshold_table_in_shared)
 from cutopo._checks import check_thresholds
-from ecc_host_build import build
+from ecc_host_build import EMULATED_SMEM, build
 
 CASES = [
     # shape, dtype, ndim, tconn, thresholds (a count, "random" or "float64"), zchunk, blocks
@@ -317,18 +317,37 @@ def _pixels(image):
     return image.view(np.uint16) if image.dtype == np.float16 else image
 
 
-def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumulate, masks=None, rows=4):
+def _copies(instance, T, table_bytes, most=32):
+    """The shared histogram's copies (ecc_histogram's hist_copies): none for the scalar sweep
+    (32-bit keys), else the most up to ``most`` that the emulator's dynamic shared memory holds
+    (the host's histogram_copies asks the device's occupancy instead)."""
+    if instance[2] != "unsigned short":
+        return 0
+    in_smem = threshold_table_in_shared(table_bytes, instance[2], instance[1])
+    copies = most
+    while copies > 1 and histogram_shared_bytes(T, table_bytes, in_smem, copies) > EMULATED_SMEM:
+        copies //= 2
+    return copies
+
+
+def _kernel_rows(emulator, image, t, ndim, tconn, zchunk, blocks_per_image, cumulate, masks=None, rows=4,
+                 most_copies=32, key_ctype=None):
     """The (*batch, T) rows ecc_histogram (ecc_histogram_masked with ``masks``) leaves, with
-    the arguments _ecc_cupy.HistogramPlan gives it (the geometry chosen here)."""
+    the arguments _ecc_cupy.HistogramPlan gives it (the geometry chosen here; the shared
+    histogram in up to ``most_copies`` copies)."""
     dtype = image.dtype
     T = t.size
     _, table, estimate = histogram_bin_arguments(dtype, t)
     instance = _instance(dtype, t.dtype, T, ndim, tconn, rows)
+    if key_ctype is not None:  # the device's choice (histogram_key_ctype with its shared memory)
+        instance = instance[:2] + (key_ctype,) + instance[3:]
     assert instance in INSTANCES, f"{instance} is not compiled into the emulator"
     nimg, (nz, ny, nx) = _geometry(image, ndim)
+    copies = _copies(instance, T, table.nbytes, most_copies)
+    assert cumulate != 2 or copies, "every block's prefix sums need the shared histogram"
     head = [masks is not None, INSTANCES.index(instance), nimg, nz, ny, nx, zchunk, blocks_per_image, T,
             estimate is not None, threshold_table_in_shared(table.nbytes, instance[2], instance[1]),
-            T <= PACKED_MAX_BINS, cumulate]
+            copies, cumulate]
     out = _run(emulator, head, estimate if estimate is not None else (0.0, 0.0), table, _pixels(image),
                *(masks or ()))
     return np.frombuffer(out, np.int64).reshape(image.shape[:image.ndim - ndim] + (T,))
@@ -362,16 +381,18 @@ def _thresholds(rng, image, thresholds):
 
 
 # cumulate 0: rows added (cumulated here), 1: the last block cumulates, 2: every block adds
-# its own prefix (the host takes 2 only with the shared histogram, T <= 4096)
+# its own prefix (the host takes 2 only with the shared histogram, T <= 4096); the shared
+# histogram in up to 1, 2, ... 32 copies, in turn.
 RUNS = [(case, cumulate, tall_rows(case[1]) if tall else 4)
         for cases, tall in ((CASES, False), (TALL_CASES, True)) for case in cases
         for cumulate in (0, 1, 2) if not (cumulate == 2 and case[4] == 5000)]
+RUNS = [run + (2 ** (i % 6),) for i, run in enumerate(RUNS)]
 
 
-@pytest.mark.parametrize("case, cumulate, rows", RUNS,
-                         ids=[f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d-cumulate{m}-rows{r}"
-                              for c, m, r in RUNS])
-def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rows, rng):
+@pytest.mark.parametrize("case, cumulate, rows, most_copies", RUNS,
+                         ids=[f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d-cumulate{m}-rows{r}-copies{k}"
+                              for c, m, r, k in RUNS])
+def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rows, most_copies, rng):
     """ecc_histogram's curve equals cutopo.ecc's on the NumPy path."""
     shape, dtype, ndim, tconn, thresholds, zchunk, bpi = case
     dtype = np.dtype(dtype)
@@ -379,8 +400,29 @@ def test_emulated_histogram_kernel_equals_numpy(emulator, case, cumulate, rows, 
     t = _thresholds(rng, image, thresholds)
     want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
     tc, _ = check_thresholds(t, image)  # as cutopo.ecc compares them
-    got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, bpi, cumulate, rows=rows)
+    got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, bpi, cumulate, rows=rows,
+                       most_copies=most_copies)
     np.testing.assert_array_equal(got if cumulate else np.cumsum(got, axis=-1), want)
+
+
+def test_emulated_scalar_sweep_within_shared_bins_cumulates(emulator, rng):
+    """Where a block's shared memory is too small for the packed sweep (4096 float32 bins in
+    Turing's 64 KB), 32-bit keys take the scalar sweep, which adds into the global rows: the
+    host then has its last block cumulate them (cumulate 2, every block's own prefix sums of a
+    shared histogram it never filled, left them uncumulated)."""
+    image = rng.random((50, 70)).astype(np.float32)
+    t = cutopo.linear_thresholds(image, 4096)
+    _, table, _ = histogram_bin_arguments(image.dtype, t)
+    key = histogram_key_ctype(t.size, "float", table.nbytes, smem_optin=64 * 1024)
+    assert key == "unsigned int"
+    instance = _instance(image.dtype, t.dtype, t.size, 2, False)[:2] + (key,) + (2, False, 4)
+    copies = _copies(instance, t.size, table.nbytes)
+    big_block = 1 << 27  # pixels enough for every block's prefix sums, had it a shared histogram
+    assert histogram_cumulation(1, image.dtype, t.size, big_block) == 2
+    cumulate = histogram_cumulation(copies, image.dtype, t.size, big_block)
+    assert (copies, cumulate) == (0, 1)
+    got = _kernel_rows(emulator, image, t, 2, False, 1, 3, cumulate, key_ctype=key)
+    np.testing.assert_array_equal(got, cutopo.ecc(image, t))
 
 
 @pytest.mark.parametrize("case", CASES[::2], ids=lambda c: f"{c[1]}-{'x'.join(map(str, c[0]))}-{c[2]}d")

@@ -599,6 +599,13 @@ class KeptLaunches:
         prepared.call_prechecked(*map(args.__getitem__, slots[0]))
 
 
+def static_shared_bytes(sig: Signature, options: tuple[str, ...] = ()) -> int:
+    """The kernel's static shared memory (its ``__shared__`` arrays) on the current device."""
+    import cupy
+
+    return int(_kernel(cupy.cuda.Device().id, sig, tuple(options)).shared_size_bytes)
+
+
 def resident_blocks(sig: Signature, block: int, shared_mem: int = 0,
                     options: tuple[str, ...] = ()) -> int:
     """How many blocks of this kernel the whole device runs at once (memoized per device)."""
