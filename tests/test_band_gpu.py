@@ -372,11 +372,13 @@ def test_soft_ecc_device_thresholds_refuse_graph_capture(rng):
     """Inside a stream capture the kernel does not run, so its check cannot be read: a clear
     error, not a hang; host thresholds are captured (no check to read)."""
     cp = _cp()
-    img = cp.asarray(_image(rng, (19, 23), np.float32, levels=9))
     t = np.linspace(0, 1, 9).astype(np.float32)
-    t_dev = cp.asarray(t)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
+        # made on the stream that reads them: a non-blocking stream does not wait for the
+        # default stream's copies (t_dev made there was read before it arrived, "not sorted")
+        img = cp.asarray(_image(rng, (19, 23), np.float32, levels=9))
+        t_dev = cp.asarray(t)
         cutopo.soft_ecc(img, t_dev, 5.0)  # warm: plans, tables, and a free block of the pool
         cutopo.soft_ecc(img, t, 5.0)      # (CuPy's pool keeps free blocks per stream)
         stream.synchronize()
@@ -1065,11 +1067,11 @@ def test_soft_ect_device_arguments_refuse_graph_capture(rng):
     """Inside a stream capture the argument check does not run, so its flags (a PinnedStatus)
     cannot be read: a clear error, not a hang; the calls after it check their own arguments."""
     cp = _cp()
-    mask = cp.asarray(_mask(rng, (1, 24, 20)))
-    dirs = cp.asarray(rng.standard_normal((6, 2)).astype(np.float32))
-    t = cp.asarray(np.linspace(-1.5, 1.5, 16).astype(np.float32))
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
+    with stream:  # the arguments made on the stream that reads them (see above)
+        mask = cp.asarray(_mask(rng, (1, 24, 20)))
+        dirs = cp.asarray(rng.standard_normal((6, 2)).astype(np.float32))
+        t = cp.asarray(np.linspace(-1.5, 1.5, 16).astype(np.float32))
         expected = cutopo.soft_ect(mask, dirs, t, 8.0)  # warm: the plan, a free block of the pool
         stream.synchronize()
         begin_capture(stream)
