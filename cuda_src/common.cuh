@@ -126,8 +126,8 @@ typedef unsigned smem_addr;
 __device__ __forceinline__ smem_addr shared_address(const void* p) {
     return (smem_addr)__cvta_generic_to_shared(p);
 }
-// atomicAdd(shared int at a, v) as a reduction (no result) at a caller's 32-bit address: one
-// unconditional instruction where a caller picks the address with a select.
+// atomicAdd(shared int at a, v) as a reduction (no result) at a 32-bit shared address that the
+// caller computed (ecc.cu's HistSink: its lane's copy of the histogram plus the bin's offset).
 __device__ __forceinline__ void shared_add(smem_addr a, int v) {
     asm volatile("red.shared.add.s32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
 }
