@@ -100,31 +100,40 @@ __device__ __forceinline__ bool gt<float>(float a, float b) {
     asm("{.reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));
     return r != 0u;
 }
-// k + (v > hi) - (v <= lo), the comparisons as le and gt make them; for floats as two
-// predicated adds (the compiler's own form of it took a select and a move more).
+// a b + c clamped to [0, 1], NaN to 0, in one instruction (FFMA.SAT: the compiler's own form of
+// __saturatef(__fmaf_rn(a, b, c)) took a separate FADD.SAT).
+__device__ __forceinline__ float fma_saturate(float a, float b, float c) {
+    float r;
+    asm("fma.rn.ftz.sat.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
+// k + (v > hi), the comparison as gt makes it; for floats a predicated add (the compiler's own
+// form of it took a select more).
 template <typename T>
-__device__ __forceinline__ int step_bin(int k, T v, T lo, T hi) {
-    return k + (v > hi) - (v <= lo);
+__device__ __forceinline__ int step_up(int k, T v, T hi) {
+    return k + (v > hi);
 }
 template <>
-__device__ __forceinline__ int step_bin<float>(int k, float v, float lo, float hi) {
-    asm("{.reg .pred p, q; setp.gt.f32 p, %1, %3; setp.le.f32 q, %1, %2;"
-        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "f"(v), "f"(lo), "f"(hi));
+__device__ __forceinline__ int step_up<float>(int k, float v, float hi) {
+    asm("{.reg .pred p; setp.gt.f32 p, %1, %2; @p add.s32 %0, %0, 1;}" : "+r"(k) : "f"(v), "f"(hi));
     return k;
 }
 template <>
-__device__ __forceinline__ int step_bin<double>(int k, double v, double lo, double hi) {
-    asm("{.reg .pred p, q; setp.gt.f64 p, %1, %3; setp.le.f64 q, %1, %2;"
-        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "d"(v), "d"(lo), "d"(hi));
+__device__ __forceinline__ int step_up<double>(int k, double v, double hi) {
+    asm("{.reg .pred p; setp.gt.f64 p, %1, %2; @p add.s32 %0, %0, 1;}" : "+r"(k) : "d"(v), "d"(hi));
     return k;
 }
-
-// A 32-bit address in the shared window, and a load of two words there: for loads whose address
+// A 32-bit address in the shared window, and a load of a word there: for loads whose address
 // the caller computes (ecc.cu's ThresholdBins), where the compiler's own arithmetic for a
 // biased index added the bias once a load. Host forms in tests/ecc_host_build.py.
 typedef unsigned smem_addr;
 __device__ __forceinline__ smem_addr shared_address(const void* p) {
     return (smem_addr)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ unsigned load_shared_u32(smem_addr a) {
+    unsigned r;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));
+    return r;
 }
 // atomicAdd(shared int at a, v) as a reduction (no result) at a 32-bit shared address that the
 // caller computed (ecc.cu's HistSink: its lane's copy of the histogram plus the bin's offset).
@@ -136,9 +145,6 @@ __device__ __forceinline__ unsigned opaque_sub(unsigned a, unsigned b) {
     unsigned r;
     asm("sub.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
-}
-__device__ __forceinline__ void load_shared_u32x2(smem_addr a, unsigned& lo, unsigned& hi) {
-    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(a));
 }
 
 // 2 acc + (the carry out of a + b), unsigned 32-bit: an add that keeps only its carry, then an

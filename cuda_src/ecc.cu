@@ -225,12 +225,14 @@ __device__ __forceinline__ i64 wrap_index(i64 g, i64 n) { return g == -1 ? n - 1
 // count every pixel; a block of a larger volume (an out-of-core slab, a Dask chunk) is swept
 // with its one-pixel halo, whose pixels are read as neighbours but counted by another block.
 struct AllPixels {
+    static constexpr bool SPARE_REGISTERS = true;  // ThresholdBins' hold_round
     __device__ __forceinline__ bool operator()(i64, i64, i64) const { return true; }
 };
 // Pixel (z, y, x) counts when its byte is non-zero in each of three per-axis masks (lengths nz,
 // ny, nx; in 2D z is 0 and the z mask has one byte). Coordinates past ny or nx (the tile
 // overhang) never count, so the masks need no padding.
 struct MaskedPixels {
+    static constexpr bool SPARE_REGISTERS = false;
     const unsigned char* z;
     const unsigned char* y;
     const unsigned char* x;
@@ -983,32 +985,39 @@ struct ThresholdBins {
     const Bounds<Cmp>* bounds;  // T + 1 entries, shared or global memory
     Cmp first, last;            // t_0, t_{T-1}
     int T, estimate;
-    double t0, inv_dt;          // the estimate (k - 1 < (v - t0) inv_dt <= k) in double
-    float offset, inv_dt_f;     // and in float: 0.5 - t0 inv_dt, inv_dt
+    double t0, inv_dt;          // the estimate x = (v - t0) inv_dt of v's bin, in double
+    // and in float, as the fraction of the way down from bin T: u = (T - x) / T = v scale +
+    // offset, scale = -inv_dt / T, offset = 1 + t0 inv_dt / T (the host takes the estimate only
+    // where the scale is a normal float: -ftz=true flushes a denormal one to zero)
+    float scale, offset;
+    float round_T;              // ROUND + T
     static constexpr float ROUND = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
     static constexpr int ROUND_BITS = 0x4B400000;  // its bits, whose low 16 are zero
     static constexpr double ROUND_D = 6755399441055744.0;  // 1.5 * 2^52, for float64
-    double offset_d;            // 0.5 - t0 inv_dt in float64
-    // With SHARED_TABLE and the estimate, row k's shared address is table_from_bits + 8
-    // (ROUND_BITS + k): the 4-byte estimate's y indexes the table by its bits (the 32-bit
-    // address arithmetic wraps). The compiler's own address of bounds[bits - ROUND_BITS] added
-    // the bias to each key (a VIADD in the sm_90 SASS), and so did ptxas to an address
-    // computed here, as long as the bias was a constant: it depends on estimate for that.
+    double offset_d;            // -t0 inv_dt in float64
+    // With SHARED_TABLE and the estimate, t_k (the upper bound of row k) lies at the shared
+    // address table_from_bits + 8 (ROUND_BITS + k): the 4-byte estimate's y indexes the table
+    // by its bits (the 32-bit address arithmetic wraps). The compiler's own address of
+    // bounds[bits - ROUND_BITS] added the bias to each key (a VIADD in the sm_90 SASS), and so
+    // did ptxas to an address computed here, as long as the bias was a constant: it depends on
+    // estimate for that.
     smem_addr table_from_bits;
 
     __device__ __forceinline__ ThresholdBins(const Bounds<Cmp>* b, int T_, int estimate_, double t0_,
-                                             double inv_dt_)
+                                             double inv_dt_, bool hold_round = true)
         : bounds(b), first(b[0].hi), last(b[T_ - 1].hi), T(T_), estimate(estimate_), t0(t0_),
-          inv_dt(inv_dt_), offset((float)(0.5 - t0_ * inv_dt_)), inv_dt_f((float)inv_dt_),
-          offset_d(0.5 - t0_ * inv_dt_),
-          table_from_bits(SHARED_TABLE ? shared_address(b) - (estimate_ ? (smem_addr)ROUND_BITS : 0u)
-                                                                 * (smem_addr)sizeof(Bounds<Cmp>)
+          inv_dt(inv_dt_), scale((float)(-inv_dt_ / T_)), offset((float)(1.0 + t0_ * inv_dt_ / T_)),
+          round_T(ROUND + (float)T_), offset_d(-t0_ * inv_dt_),
+          table_from_bits(SHARED_TABLE ? shared_address(&b->hi) - (estimate_ ? (smem_addr)ROUND_BITS : 0u)
+                                                                      * (smem_addr)sizeof(Bounds<Cmp>)
                                        : 0u) {
-        // 1/dt held in a general register: a key's FFMA takes one operand from a uniform
-        // register (the offset) and the other from a general one, into which the compiler
-        // otherwise moved 1/dt before every key (an IMAD.U32 a key in the sm_90 SASS).
-        // inv_dt_f + 0 x threadIdx.x is inv_dt_f exactly, but no longer uniform to ptxas.
-        inv_dt_f = __fmaf_rn(0.0f, (float)threadIdx.x, inv_dt_f);
+        // The scale and (hold_round) ROUND + T held in general registers: a key's FFMAs take
+        // one operand from a uniform register (the offset, -T) and the other from a general
+        // one, into which the compiler otherwise moved it before every key (an IMAD.U32 a key
+        // in the sm_90 SASS). x + 0 x threadIdx.x is x exactly, but no longer uniform to ptxas.
+        // (The masked 3D histograms, short of registers, spilled more with ROUND + T held.)
+        scale = __fmaf_rn(0.0f, (float)threadIdx.x, scale);
+        if (hold_round) round_T = __fmaf_rn(0.0f, (float)threadIdx.x, round_T);
     }
 
     // LOW16: only the result's low 16 bits need be the bin (16-bit keys).
@@ -1017,35 +1026,36 @@ struct ThresholdBins {
         int k;
         if constexpr (sizeof(Cmp) == 4) {  // float32, or int32 (16-bit integer images)
             if (estimate) {
-                // round((v - t0) / dt + 1/2), i.e. about ceil, clamped to [0, T] in float (NaN
-                // to T: fminf returns the other operand), then one step to the bin the entry's
-                // bounds name: no early outs, no order keys, no loop (the comparisons are
-                // exact, le/gt). The guess is never more than one bin off: the host takes the
-                // estimate only where every t_k lies within dt/4 of t_0 + k dt, so a v of bin
-                // k (t_{k-1} < v <= t_k) has (v - t0) / dt + 1/2 in (k - 3/4, k + 3/4], and
-                // where (|t_0| + |t_{T-1}|) / dt + T <= 2^21, so the float errors stay below
-                // 1/4 bin and the rounding lands in [k - 1, k + 1]; values beyond either end
-                // land at or beside their bin, 0 or T, or are clamped to it
-                // (_ecc_cupy._uniform_estimate; a 16-bit integer v is in bin k of the integer
-                // table exactly when t_{k-1} < v <= t_k). In the sm_90 SASS a float32 value
-                // took 26 instructions with order keys and early outs, 15 with a loop each way
-                // and a generic load, 10 now (with the table's shared load at an address
-                // biased once, 1/dt in a register, and the key's low bits taken from y's); a
-                // 16-bit integer's took a float64 conversion, comparisons and rounding (three
-                // conversions on the slow pipe) (benchmarks/RESULTS.md, thirtieth, fifty-fifth
-                // and fifty-sixth sessions).
-                float y = __fadd_rn(__fmaf_rn(estimate_arg(v), inv_dt_f, offset), ROUND);
-                y = fmaxf(fminf(y, ROUND + (float)T), ROUND);
+                // The guess round(x), x = (v - t0) / dt, clamped to [0, T] in float (NaN to
+                // T), is v's bin k or k - 1, so one comparison with t_guess makes it exact: no
+                // early outs, no order keys, no loop. The host takes the estimate only where
+                // every t_k lies within dt/4 of t_0 + k dt, so a v of bin k (t_{k-1} < v <=
+                // t_k) has x in (k - 5/4, k + 1/4], and where (|t_0| + |t_{T-1}|) / dt + T <=
+                // 2^21, so the float errors stay below 1/4 bin (in x: 2^-24 of
+                // (|t_0| + |v|) / dt + 2T, from the rounding of the scale, the offset and the
+                // first FFMA) and the guess lands in (k - 3/2, k + 1/2); values beyond either
+                // end land at or beside their bin, 0 or T, or are clamped to it, and row T's
+                // upper bound (NaN, or INT32_MAX) no value exceeds (_ecc_cupy._uniform_estimate
+                // and _threshold_table; a 16-bit integer v is in bin k of the integer table
+                // exactly when t_{k-1} < v <= t_k). The clamp is the saturation of the first
+                // FFMA, which takes NaN to 0, i.e. to bin T; the second FFMA scales it and
+                // rounds. In the sm_90 SASS a float32 value took 26 instructions with order
+                // keys and early outs, 15 with a loop each way and a generic load, 10 with
+                // the guess rounded to the nearest bin (two comparisons) and clamped by fminf
+                // and fmaxf, 7 now (with the table's shared load at an address biased once and
+                // the key's low bits taken from y's); a 16-bit integer's took a float64
+                // conversion, comparisons and rounding (three conversions on the slow pipe)
+                // (benchmarks/RESULTS.md, thirtieth, fifty-fifth, fifty-sixth and sixtieth
+                // sessions).
+                const float y = __fmaf_rn(fma_saturate(estimate_arg(v), scale, offset), -(float)T, round_T);
                 const int bits = __float_as_int(y);  // ROUND_BITS + the guess
-                Bounds<Cmp> b;
+                Cmp hi;
                 if constexpr (SHARED_TABLE) {
-                    unsigned lo, hi;
-                    load_shared_u32x2(table_from_bits + (smem_addr)bits * sizeof(Bounds<Cmp>), lo, hi);
-                    b = {from_bits<Cmp>(lo), from_bits<Cmp>(hi)};
+                    hi = from_bits<Cmp>(load_shared_u32(table_from_bits + (smem_addr)bits * sizeof(Bounds<Cmp>)));
                 } else {
-                    b = bounds[bits - ROUND_BITS];
+                    hi = bounds[bits - ROUND_BITS].hi;
                 }
-                k = step_bin(bits, v, b.lo, b.hi);
+                k = step_up(bits, v, hi);
                 return LOW16 ? k : k - ROUND_BITS;
             }
         } else if constexpr (IS_DOUBLE<Cmp>) {
@@ -1053,13 +1063,11 @@ struct ThresholdBins {
                 // The same in float64 (float64 images, or float64 thresholds), where the host
                 // asks (|t_0| + |t_{T-1}|) / dt + T <= 2^50 for errors below 1/4 bin; y's low
                 // word is the guess (ROUND_D's is zero), clamped to [0, T] by two comparisons
-                // (NaN to T; fmin and fmax took ~7 instructions each). The table's rows 0 and
-                // T hold NaN outside t_0 and t_{T-1}, as float32's: no early outs.
+                // (NaN to T; fmin and fmax took ~7 instructions each).
                 const double y = __dadd_rn(__fma_rn(v, inv_dt, offset_d), ROUND_D);
                 k = y >= ROUND_D ? __double2loint(y) : 0;
                 k = y <= ROUND_D + (double)T ? k : T;
-                const Bounds<Cmp> b = bounds[k];
-                return step_bin(k, v, b.lo, b.hi);
+                return step_up(k, v, bounds[k].hi);
             }
         }
         if (!le(v, last)) return T;
@@ -1141,12 +1149,19 @@ struct BinKey : Reads16<In_> {
     // to slots T + 1 and T, past the histogram, without clamping their keys.
     static constexpr bool RUNTIME_OUTSIDE = true;
     __device__ __forceinline__ unsigned outside() const { return (unsigned)bins.T + 1u; }
-    // The VEC keys of a 16-byte read, two per word.
+    // The VEC keys of a 16-byte read, two per word (16-bit keys): each bin's low half by a byte
+    // permute, which ignores the high ones (the compiler masked a key before it shifted and
+    // merged it: an instruction a key more in the sm_90 SASS).
+    __device__ __forceinline__ unsigned low16_key(In v) const {
+        if constexpr (sizeof(In) == 1) return byte_bins[(unsigned char)v];
+        else return (unsigned)bins.template operator()<true>(convert<Cmp>(v));
+    }
     __device__ __forceinline__ void pack(uint4 raw, unsigned (&packed)[VEC / 2]) const {
+        static_assert(sizeof(K) == 2, "two keys a word");
 #pragma unroll
         for (int k = 0; k < VEC / 2; ++k)
-            packed[k] = (unsigned)of_value(this->value_in(raw, 2 * k)) |
-                        ((unsigned)of_value(this->value_in(raw, 2 * k + 1)) << 16);
+            packed[k] = __byte_perm(low16_key(this->value_in(raw, 2 * k)),
+                                    low16_key(this->value_in(raw, 2 * k + 1)), 0x5410);
     }
 };
 
@@ -1297,7 +1312,7 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
     }
     __shared__ K byte_bins[sizeof(In) == 1 ? 256 : 1];
     __syncthreads();  // the table must be complete
-    const ThresholdBins<Cmp, TABLE_IN_SMEM> bins(tab, T, estimate, t0, inv_dt);
+    const ThresholdBins<Cmp, TABLE_IN_SMEM> bins(tab, T, estimate, t0, inv_dt, Region::SPARE_REGISTERS);
     if constexpr (sizeof(In) == 1) {
         for (int i = threadIdx.x; i < 256; i += THREADS) byte_bins[i] = (K)bins(convert<Cmp>((In)i));
         __syncthreads();

@@ -75,7 +75,7 @@ def _compare_type(dtype: np.dtype) -> tuple[str, np.dtype]:
 def _threshold_table(t: np.ndarray, cmp_dtype: np.dtype) -> np.ndarray:
     """(T + 1, 2) bounds of the bins in the comparison type (ecc.cu's Bounds): row k is
     (t_{k-1}, t_k); rows 0 and T are (NaN, t_0) and (t_{T-1}, NaN) in float types (no value
-    is <= NaN or > NaN: the estimate's one step stays at 0 and T), (t_0, t_0) and
+    is > NaN: the estimate's step up from a guess of T stays there), (t_0, t_0) and
     (t_{T-1}, t_{T-1}) in integer ones."""
     keys = t.astype(cmp_dtype)
     if cmp_dtype.kind == "f":
@@ -366,14 +366,17 @@ def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
     Guesses in float32 (``float_guess``; by default for float16 and float32 thresholds, which
     compare in float32) also need (|t_0| + |t_{T-1}|) / dt + T <= 2^21, those in float64
     <= 2^50: the guess's rounding errors (about 2^-24, 2^-53 times those magnitudes each)
-    then stay below 1/4 bin, and the guess within one bin of the answer, which ecc.cu's
+    then stay below 1/4 bin, and the guess within one bin below the answer, which ecc.cu's
     ThresholdBins takes in one step, without a loop, for float32 and float64 comparisons:
-    these conditions are what makes its bins exact."""
+    these conditions are what makes its bins exact. Float32 guesses also need dt >= 2^-100,
+    so that a denormal value, which -ftz=true flushes to zero in the guess's arithmetic, moves
+    it by far less than a bin, and their scale 1 / (T dt) a normal float32 (-ftz=true would
+    flush it too: every guess 0); float64 guesses 1/dt a normal float64."""
     T = t.size
     if T < 3:
         return None
     tt = t.astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         dt = (tt[-1] - tt[0]) / (T - 1)
         if not (dt > 0 and math.isfinite(dt)):  # a span beyond float64: no estimate
             return None
@@ -382,7 +385,14 @@ def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
         in_float32 = (t.dtype.kind == "f" and t.dtype.itemsize <= 4) if float_guess is None else float_guess
         if (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** (21 if in_float32 else 50):
             return None
-    return float(tt[0]), float(1.0 / dt)
+        inv_dt = 1.0 / float(dt)  # inf past the float64 range (a denormal dt)
+        if not (math.isfinite(inv_dt) and inv_dt >= np.finfo(np.float64).tiny):
+            return None
+        if in_float32:
+            scale = np.float32(inv_dt / T)
+            if not (dt >= 2.0 ** -100 and np.isfinite(scale) and scale >= np.finfo(np.float32).tiny):
+                return None
+    return float(tt[0]), inv_dt
 
 
 class HistogramPlan:

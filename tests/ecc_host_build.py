@@ -38,16 +38,16 @@ _PTX = {
         "r = a <= b;",
     'asm("{.reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p;}" : "=r"(r) : "f"(a), "f"(b));':
         "r = a > b;",
-    'asm("{.reg .pred p, q; setp.gt.f32 p, %1, %3; setp.le.f32 q, %1, %2;"\n'
-    '        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "f"(v), "f"(lo), "f"(hi));':
-        "k += (v > hi) - (v <= lo);",
-    'asm("{.reg .pred p, q; setp.gt.f64 p, %1, %3; setp.le.f64 q, %1, %2;"\n'
-    '        " @p add.s32 %0, %0, 1; @q sub.s32 %0, %0, 1;}" : "+r"(k) : "d"(v), "d"(lo), "d"(hi));':
-        "k += (v > hi) - (v <= lo);",
+    'asm("{.reg .pred p; setp.gt.f32 p, %1, %2; @p add.s32 %0, %0, 1;}" : "+r"(k) : "f"(v), "f"(hi));':
+        "k += v > hi;",
+    'asm("{.reg .pred p; setp.gt.f64 p, %1, %2; @p add.s32 %0, %0, 1;}" : "+r"(k) : "d"(v), "d"(hi));':
+        "k += v > hi;",
+    # FFMA.SAT: NaN to 0 (PTX's saturation), else clamped to [0, 1]
+    'asm("fma.rn.ftz.sat.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));':
+        "r = std::fma(a, b, c); r = r > 0.0f ? (r < 1.0f ? r : 1.0f) : 0.0f;",
     'typedef unsigned smem_addr;': "typedef unsigned long long smem_addr;",
     'return (smem_addr)__cvta_generic_to_shared(p);': "return (smem_addr)p;",
-    'asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(a));':
-        "std::memcpy(&lo, (const void*)a, 4); std::memcpy(&hi, (const void*)(a + 4), 4);",
+    'asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a));': "std::memcpy(&r, (const void*)a, 4);",
     'asm("sub.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));': "r = a - b;",
     'asm volatile("red.shared.add.s32 [%0], %1;" :: "r"(a), "r"(v) : "memory");':
         "atomicAdd((int*)a, v);",

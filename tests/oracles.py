@@ -197,3 +197,29 @@ def periodic_contributions_oracle(image, connectivity=1):
         owner = min(pixels, key=key) if tconn else max(pixels, key=key)
         c[owner] += (-1) ** dim
     return c
+
+
+def extreme_even_thresholds():
+    """Evenly spaced thresholds at the ends of their dtype's range, (name, thresholds): where a
+    guess of the bin in float arithmetic breaks (an infinite or denormal 1/dt or 1/(T dt), or
+    denormal values, which -ftz=true flushes to zero, a bin or more from the thresholds).
+    Curves against them must still be exact: binned by search, not by a guess."""
+    f32 = np.finfo(np.float32)
+    return [
+        ("float32 spaced by denormals", (7 * np.arange(9) * float(f32.smallest_subnormal)).astype(np.float32)),
+        ("float32 around zero, spaced by 1.5 FLT_MIN", np.linspace(-6, 6, 9).astype(np.float32) * f32.tiny * np.float32(1.5)),
+        ("float32 over its whole range", np.linspace(-3e38, 3e38, 7).astype(np.float32)),
+        ("float64 spaced by denormals", 3 * np.arange(9) * np.finfo(np.float64).smallest_subnormal),
+    ]
+
+
+def values_near(rng, t, shape):
+    """Values of t's dtype on every threshold, one step either side, between, denormal, +-0,
+    +-inf and NaN."""
+    dtype = t.dtype
+    tiny = np.finfo(dtype).smallest_subnormal
+    pool = np.concatenate([t, np.nextafter(t, dtype.type(-np.inf)), np.nextafter(t, dtype.type(np.inf)),
+                           np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, tiny, -tiny, 5 * tiny], dtype),
+                           (float(t[0]) + rng.uniform(0, 1, t.size) * (float(t[-1]) - float(t[0]))).astype(dtype),
+                           (rng.uniform(-1, 1, t.size) * np.finfo(np.float32).tiny).astype(dtype)])
+    return rng.choice(pool, size=shape).astype(dtype)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import cutopo
+from oracles import extreme_even_thresholds, values_near
 
 pytestmark = pytest.mark.gpu
 
@@ -152,10 +153,11 @@ def test_16bit_integer_images_bin_on_integer_bounds(rng, dtype, ndim):
 
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_float32_bin_estimate_at_bin_edges(rng, ndim):
-    """float32 images against float32 thresholds take the estimated bin (round((v - t0) / dt +
-    1/2) in float, one table read, corrected by comparisons): pixels on every threshold, one
-    ulp either side, between, outside the range, +-inf, NaN and -0.0, for evenly spaced
-    thresholds and ones jittered by up to a quarter bin (the estimate is then off by one)."""
+    """float32 images against float32 thresholds take the estimated bin (round((v - t0) / dt)
+    in float, clamped by a saturation, one table read and one comparison): pixels on every
+    threshold, one ulp either side, between, outside the range, +-inf, NaN and -0.0, for
+    evenly spaced thresholds and ones jittered by up to a quarter bin (the guess is then a bin
+    below the answer about as often as not)."""
     from cutopo._ecc_cupy import _uniform_estimate
 
     shape = (3, 70, 90) if ndim == 2 else (40, 30, 70)
@@ -192,6 +194,17 @@ def test_denormals_compare_exactly(rng):
             assert_same_ecc(img, t, connectivity=connectivity)
     c = cutopo.euler_contributions(_cp().asarray(img))
     np.testing.assert_array_equal(c.get(), cutopo.euler_contributions(img))
+
+
+@pytest.mark.parametrize("name, t", extreme_even_thresholds(), ids=lambda c: c if isinstance(c, str) else "")
+def test_extreme_even_thresholds(rng, name, t):
+    """Evenly spaced thresholds whose bin guess float arithmetic under -ftz=true cannot make
+    (1/dt or 1/(T dt) infinite or denormal, denormal values a bin or more from the thresholds)
+    give NumPy's curves: the host bins them by search (each case took wrong bins before)."""
+    for shape in ((70, 196), (9, 40, 70)):
+        img = values_near(rng, t, shape)
+        for connectivity in (1, len(shape)):
+            assert_same_ecc(img, t, connectivity=connectivity)
 
 
 def test_int_count_uses_same_thresholds(rng):

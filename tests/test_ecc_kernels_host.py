@@ -24,6 +24,7 @@ from cutopo._ecc_cupy import (_INPUT_CTYPE, _VALUE_KEY, THREADS, tall_rows, _key
                               histogram_shared_bytes, threshold_table_in_shared)
 from cutopo._checks import check_thresholds
 from ecc_host_build import EMULATED_SMEM, build
+from oracles import extreme_even_thresholds, values_near
 
 CASES = [
     # shape, dtype, ndim, tconn, thresholds (a count, "random" or "float64"), zchunk, blocks
@@ -523,6 +524,19 @@ def test_emulated_bins_at_jittered_thresholds(emulator, variant_emulator, case, 
     for emu in (emulator, variant_emulator):
         got = _kernel_rows(emu, image, tc, ndim, False, zchunk, 2, 1)
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name, t", extreme_even_thresholds(), ids=lambda c: c if isinstance(c, str) else "")
+def test_emulated_bins_at_extreme_even_thresholds(emulator, name, t, rng):
+    """Evenly spaced thresholds whose bin guess float arithmetic cannot make (1/dt beyond
+    float32 or float64) are binned by search: the curve equals cutopo.ecc's (2885a61's
+    kernels, which took the guess, got both cases wrong; the denormal flush of -ftz=true,
+    which the host does not emulate, is test_ecc_gpu's)."""
+    image = values_near(rng, t, (70, 196))
+    tc, _ = check_thresholds(t, image)
+    assert histogram_bin_arguments(image.dtype, tc)[2] is None, name
+    got = _kernel_rows(emulator, image, tc, 2, False, 1, 3, 1)
+    np.testing.assert_array_equal(got, cutopo.ecc(image, t))
 
 
 @pytest.mark.parametrize("dtype", RANGE_DTYPES)

@@ -435,6 +435,13 @@ def test_uniform_estimate(ecc_cupy, rng):
     assert ue(np.array([0.0, 0.1, 10.0])) is None     # far from even
     # a span beyond float64 (the kernel's guess would then start every search at bin 1)
     assert ue(np.array([-1e308, 0.0, 1e308])) is None
+    # 1/dt or 1/(T dt) beyond float32 or float64 (infinite, or denormal: -ftz=true flushes
+    # it), or float32 spacings under 2^-100 (denormal values, flushed, would move the guess)
+    for t in (np.array([0, 1e-44, 2e-44, 3e-44], np.float32), np.array([-3e38, 0, 3e38], np.float32),
+              np.array([0, 5e-324, 1e-323]), np.linspace(0, 2.0 ** -90, 2 ** 11 + 1).astype(np.float32)):
+        assert ue(t) is None, t
+    assert ue(np.linspace(0, 2.0 ** -90, 2 ** 11 + 1)) is not None  # the float64 guess takes it
+    assert ue(np.linspace(0, 2.0 ** -90, 2 ** 9 + 1).astype(np.float32)) is not None  # dt = 2^-99
     t0 = rng.normal()
     dt = rng.uniform(0.01, 5)
     t = t0 + dt * np.arange(50)

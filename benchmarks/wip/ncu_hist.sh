@@ -4,7 +4,7 @@
 # per case (white noise, 256 thresholds, as count_instructions.py). Per case NAME:
 # NAME_sass.csv (per SASS address: executions, thread instructions, stall samples) and
 # NAME_cuda_sass.csv (under the self-contained source's lines) and NAME.log, in hist_ncu.tgz.
-#   OUT=... bash benchmarks/wip/ncu_hist.sh
+#   OUT=... bash benchmarks/wip/ncu_hist.sh ["SHAPE DTYPE NAME" ...]   (default: the three below)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -20,7 +20,8 @@ cutopo.ecc(img, t); cp.cuda.Device().synchronize()
 print("voxels", img.size)
 PY
 files=()
-for case in "256x256x256 float32 h3f" "256x256x256 uint8 h3u" "4096x4096 float32 h2f"; do
+[ "$#" -gt 0 ] || set -- "256x256x256 float32 h3f" "256x256x256 uint8 h3u" "4096x4096 float32 h2f"
+for case in "$@"; do
   set -- $case
   timeout 120 ncu --clock-control none -k regex:ecc_histogram -c 1 \
       --section InstructionStats --section SourceCounters --section WarpStateStats --section Occupancy \
