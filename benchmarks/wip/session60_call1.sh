@@ -11,8 +11,8 @@ ab_cases bins $V -- "2d 8192^2 float32" "3d 512^3 float32" "2d 8192^2 uint16" "2
 ecc_gpu_tests; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -10
 (cd ab/oldfull && timeout 60 python3 -m pytest -q -p no:cacheprovider ../../tests/test_ecc_gpu.py -k extreme \
     > "$OUT/extreme_old.log" 2>&1); tail -n 7 "$OUT/extreme_old.log"; stamp extreme_old
-ab_cases bins2 $V -- "2d 8192^2 float16" "3d 512^3 float64" "2d 64x1024^2 float32"
 timeout 140 python3 benchmarks/bench_ecc.py --no-cpu > "$OUT/bench_ecc.log" 2>&1; stamp ecc
 grep -E "^\| (2d|3d)|copy|MET|MISSED|NOT MEASURED" "$OUT"/bench_ecc.log | cut -c1-220
-bash benchmarks/wip/ncu_hist.sh "8192x8192 float32 h2f" "512x512x512 float32 h3f"; stamp ncu
+bash benchmarks/wip/ncu_hist.sh "8192x8192 float32 h2f"; stamp ncu
+ab_cases bins2 $V -- "2d 8192^2 float16" "3d 512^3 float64" "2d 64x1024^2 float32"
 ab_cases bins_smooth $V --smooth -- "2d 8192^2 float32" "3d 512^3 float32"
