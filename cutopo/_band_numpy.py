@@ -57,7 +57,7 @@ def bands(row, c, f, t, w) -> Bands:
     T = t.size
     f64 = f.astype(np.float64)
     t64 = t.astype(np.float64)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):  # an edge past +-max is +-inf: outward still
         lo_edge = _outward(f64 - w, -np.inf)
         hi_edge = _outward(f64 + w, np.inf)
     lo = threshold_bins(t64, lo_edge, side="right")  # t_k <= lo_edge  =>  u <= -B

@@ -119,6 +119,26 @@ def test_equals_dense_per_cell_relaxation(rng, ndim, conn, scale, batched):
             assert np.all(err <= bound), (name, ties, float(err.max()))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_extreme_values_warn_nothing_and_equal_dense(rng, dtype):
+    """Pixels and thresholds at +-the dtype's largest value (band edges past it are +-inf):
+    no floating-point warning, the forward equals the dense relaxation and the pullback is
+    finite."""
+    import warnings
+
+    big = np.finfo(dtype).max
+    image = rng.choice(np.array([-big, big, 0.0, 1.0, -1.0], dtype), size=(2, 9, 11))
+    for t in (np.array([-big, 0.0, big], dtype), np.linspace(-1, 1, 5).astype(dtype)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got, pull = cutopo.vjp(soft_ecc, image, t, 0.5, ndim=2)
+            grads = pull(np.ones_like(got))
+        with np.errstate(over="ignore"):  # the oracle's t - f past +-max: +-inf, sigmoid 1 or 0
+            want = dense_soft(image, t, 0.5, 2, 1)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert all(g is None or np.all(np.isfinite(g)) for g in grads)
+
+
 @pytest.mark.parametrize("ndim,conn", CASES)
 @pytest.mark.parametrize("band", [1.5, 4.0])
 def test_documented_error_bound_with_a_narrow_band(rng, monkeypatch, ndim, conn, band):
