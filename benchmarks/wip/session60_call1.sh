@@ -3,7 +3,11 @@
 # / dt) clamped by FFMA.SAT, one table word, one comparison): the A/B against 2885a61's kernels
 # (ab/old), the ECC family's GPU tests, the new extreme-thresholds test on 2885a61's whole
 # package (ab/oldfull: it should fail there), issue 2's table (bench_ecc.py --no-cpu), Nsight
-# Compute's counts of the 2D and 3D float32 histograms.
+# Compute's counts of the 2D float32 histogram. Not run in the sixtieth session (no device
+# machine lent). Before the call, here:
+#   rm -rf ab && mkdir -p ab/old ab/oldfull && git archive 2885a61 cuda_src | tar -x -C ab/old \
+#     && git archive 2885a61 cutopo cuda_src | tar -x -C ab/oldfull
+# then run it with carry [".whl", "ab"] (about 400 s of wall time; the tail is optional).
 source benchmarks/wip/device_setup.sh
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee "$OUT/env.txt"
 V="--against ab/old --rounds 3"
