@@ -152,6 +152,9 @@ def main(argv=None):
     p.add_argument("--mid", action="store_true", help="2D sizes around the tall tiles' threshold")
     p.add_argument("--smooth", action="store_true", help="smooth images instead of white noise")
     p.add_argument("--only", help="run the cases whose name contains this")
+    p.add_argument("--bins", type=int, default=T,
+                   help="thresholds, evenly spaced over 0..1 (floats) or the integer dtype's span "
+                        "(uint8: 256 makes every byte its own bin, any other count does not)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args(argv)
@@ -194,7 +197,7 @@ def main(argv=None):
             image = (image.astype(cp.uint16) << 8) | make_image(cp, shape, "uint8", seed + 1)
         image = image > 127 if dtype == "bool" else image.astype(dtype)
         top = {"uint8": 255, "uint16": 65535, "int16": 255, "int32": 255}.get(dtype, 1)
-        t = np.linspace(0, top, T)
+        t = np.linspace(0, top, args.bins)
         t, _ = check_thresholds(t.astype(np.float32) if dtype in ("float32", "float16") else t,
                                 np.empty(0, dtype=image.dtype))  # as cutopo.ecc compares
         flat = _ecc_cupy._image_view(image).reshape((-1,) + image.shape[-ndim:])

@@ -1128,7 +1128,9 @@ struct Reads16 {
 };
 
 // Key of a pixel for the histogram: its threshold bin. One-byte inputs look it up in a
-// 256-entry table built once per block.
+// 256-entry table built once per block, unless every byte is its own bin (bytes_are_bins:
+// thresholds 0, 1, ..., 255 and maybe more, as `ecc(image, 256)` takes for an 8-bit image
+// that spans 0..255), when the keys are the bytes.
 template <typename In_, typename Cmp, typename K>
 struct BinKey : Reads16<In_> {
     typedef In_ In;
@@ -1136,10 +1138,11 @@ struct BinKey : Reads16<In_> {
     using Reads16<In>::image;
     static constexpr bool GROUP_READS = true;  // packed::sweep's 2D plane reads
     ThresholdBins<Cmp, TABLE_ALWAYS_IN_SMEM<Cmp, K>> bins;
-    const K* byte_bins;  // one-byte inputs only
+    const K* byte_bins;   // one-byte inputs only
+    bool bytes_are_bins;  // one-byte inputs only: byte_bins[v] == v for every v
     __device__ __forceinline__ K of_value(In v) const {
         if constexpr (sizeof(In) == 1) {
-            return byte_bins[(unsigned char)v];
+            return bytes_are_bins ? (K)(unsigned char)v : byte_bins[(unsigned char)v];
         } else {
             return (K)bins.template operator()<sizeof(K) == 2>(convert<Cmp>(v));
         }
@@ -1158,6 +1161,14 @@ struct BinKey : Reads16<In_> {
     }
     __device__ __forceinline__ void pack(uint4 raw, unsigned (&packed)[VEC / 2]) const {
         static_assert(sizeof(K) == 2, "two keys a word");
+        if constexpr (sizeof(In) == 1) {
+            if (bytes_are_bins) {  // two bytes to a word by one permute: 0.5 instructions a key, not 3.5
+                const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int k = 0; k < VEC / 2; ++k) packed[k] = __byte_perm(w[k / 2], 0u, k % 2 ? 0x4342 : 0x4140);
+                return;
+            }
+        }
 #pragma unroll
         for (int k = 0; k < VEC / 2; ++k)
             packed[k] = __byte_perm(low16_key(this->value_in(raw, 2 * k)),
@@ -1311,16 +1322,28 @@ histogram_tiles(const In* __restrict__ image, const Bounds<Cmp>* __restrict__ th
         for (int i = threadIdx.x; i < T * hist_copies; i += THREADS) hist_s[i] = 0;
     }
     __shared__ K byte_bins[sizeof(In) == 1 ? 256 : 1];
+    __shared__ int byte_not_bin;  // one-byte inputs: some byte's bin is not the byte
+    if (sizeof(In) == 1 && threadIdx.x == 0) byte_not_bin = 0;
     __syncthreads();  // the table must be complete
     const ThresholdBins<Cmp, TABLE_IN_SMEM> bins(tab, T, estimate, t0, inv_dt, Region::SPARE_REGISTERS);
+    // (The masked 3D histograms, short of registers, spilled twice as much with the bytes' own
+    // path: they keep the table.)
+    bool bytes_are_bins = false;
     if constexpr (sizeof(In) == 1) {
-        for (int i = threadIdx.x; i < 256; i += THREADS) byte_bins[i] = (K)bins(convert<Cmp>((In)i));
+        static_assert(THREADS % 32 == 0 && 256 % THREADS == 0, "whole warps build the table");
+        for (int i = threadIdx.x; i < 256; i += THREADS) {
+            const K k = (K)bins(convert<Cmp>((In)i));
+            byte_bins[i] = k;
+            // one shared atomic a warp at most: one a thread would queue up to 256 on one word
+            if (__any_sync(0xffffffffu, k != (K)i) && threadIdx.x % 32 == 0) atomicOr(&byte_not_bin, 1);
+        }
         __syncthreads();
+        bytes_are_bins = Region::SPARE_REGISTERS && byte_not_bin == 0;
     }
 
     const i64 img = blockIdx.x / blocks_per_image;
     const int chunk = blockIdx.x % blocks_per_image;
-    BinKey<In, Cmp, K> key_of{{image}, bins, byte_bins};
+    BinKey<In, Cmp, K> key_of{{image}, bins, byte_bins, bytes_are_bins};
     // 16-bit keys: T <= HIST_SMEM_MAX_BINS, so hist_copies >= 1 (_ecc_cupy.HistogramPlan)
     HistSink<sizeof(K) == 2> sink{hist + img * T, T,
                                   shared_address(hist_s + (threadIdx.x & 31 & (hist_copies - 1))),

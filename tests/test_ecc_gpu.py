@@ -209,6 +209,21 @@ def test_extreme_even_thresholds(rng, name, t):
             assert_same_ecc(img, t, connectivity=connectivity)
 
 
+@pytest.mark.parametrize("shape", [(300, 512), (3, 70, 144), (40, 64, 96), (19, 35, 66)])
+def test_uint8_bytes_as_their_own_bins(rng, shape):
+    """Full-range uint8 images with 256 thresholds (0..255: every byte its own bin, which the
+    kernels take as the keys), 300 (the same bins), and 0..255 with one threshold moved below
+    its byte (the table again): NumPy's curves, both connectivities."""
+    img = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    img.flat[:2] = [0, 255]
+    moved = np.arange(256.0)
+    moved[100] = 99.5
+    ndim = 3 if len(shape) == 3 and shape[0] > 3 else 2
+    for t in (256, np.arange(300.0), moved):
+        for connectivity in (1, ndim):
+            assert_same_ecc(img, t, ndim=ndim, connectivity=connectivity)
+
+
 def test_int_count_uses_same_thresholds(rng):
     cp = _cp()
     img = random_image(rng, (50, 60), "float32", nan_fraction=0.1)

@@ -526,6 +526,31 @@ def test_emulated_bins_at_jittered_thresholds(emulator, variant_emulator, case, 
         np.testing.assert_array_equal(got, want)
 
 
+# uint8 images whose every byte is its own bin (thresholds 0, 1, ..., 255, as ecc(image, 256)
+# takes for an image spanning 0..255): the kernels take the bytes as keys. Instances of CASES and
+# TALL_CASES (compiled into the emulator): shape, ndim, tconn, rows.
+BYTE_CASES = [((66, 144), 2, True, 4), ((2, _two_tiles("uint8") + 72, 144), 2, True, tall_rows("uint8")),
+              ((7, 67, 160), 3, False, 4), ((19, 35, 66), 3, True, 4)]
+
+
+@pytest.mark.parametrize("case", BYTE_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-{c[1]}d-{'T' if c[2] else 'V'}")
+def test_emulated_bytes_as_their_own_bins(emulator, case, rng):
+    """Full-range uint8 images against thresholds 0..255 (the bytes are the bins: the kernel
+    packs the bytes themselves), 0..299 (the same bins, more thresholds), and 0..255 with one
+    threshold moved below its byte (the table again): every curve equals cutopo.ecc's."""
+    shape, ndim, tconn, rows = case
+    image = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    image.flat[rng.integers(0, image.size, 4)] = [0, 255, 1, 254]
+    moved = np.arange(256.0)
+    moved[100] = 99.5
+    for t in (np.arange(256.0), np.arange(300.0), moved):
+        want = cutopo.ecc(image, t, ndim=ndim, connectivity=ndim if tconn else 1)
+        tc, _ = check_thresholds(t, image)
+        zchunk = 3 if ndim == 3 else 1
+        got = _kernel_rows(emulator, image, tc, ndim, tconn, zchunk, 3, 1, rows=rows)
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("name, t", extreme_even_thresholds(), ids=lambda c: c if isinstance(c, str) else "")
 def test_emulated_bins_at_extreme_even_thresholds(emulator, name, t, rng):
     """Evenly spaced thresholds whose bin guess float arithmetic cannot make (1/dt beyond
