@@ -225,7 +225,7 @@ __device__ __forceinline__ i64 wrap_index(i64 g, i64 n) { return g == -1 ? n - 1
 // count every pixel; a block of a larger volume (an out-of-core slab, a Dask chunk) is swept
 // with its one-pixel halo, whose pixels are read as neighbours but counted by another block.
 struct AllPixels {
-    static constexpr bool SPARE_REGISTERS = true;  // ThresholdBins' hold_round
+    static constexpr bool SPARE_REGISTERS = true;  // for ThresholdBins' hold_round, BinKey's bytes_are_bins
     __device__ __forceinline__ bool operator()(i64, i64, i64) const { return true; }
 };
 // Pixel (z, y, x) counts when its byte is non-zero in each of three per-axis masks (lengths nz,
