@@ -376,7 +376,7 @@ def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
     if T < 3:
         return None
     tt = t.astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         dt = (tt[-1] - tt[0]) / (T - 1)
         if not (dt > 0 and math.isfinite(dt)):  # a span beyond float64: no estimate
             return None
@@ -385,7 +385,7 @@ def _uniform_estimate(t: np.ndarray, float_guess: bool | None = None):
         in_float32 = (t.dtype.kind == "f" and t.dtype.itemsize <= 4) if float_guess is None else float_guess
         if (abs(tt[0]) + abs(tt[-1])) / dt + T > 2.0 ** (21 if in_float32 else 50):
             return None
-        inv_dt = 1.0 / float(dt)  # inf past the float64 range (a denormal dt)
+        inv_dt = 1.0 / float(dt)  # a Python float: inf past the float64 range (a denormal dt)
         if not (math.isfinite(inv_dt) and inv_dt >= np.finfo(np.float64).tiny):
             return None
         if in_float32:
